@@ -1,0 +1,98 @@
+"""Uniform access to training batches: ``(X, y)`` tuples or dict-like batches.
+
+laplace-torch accepts loaders yielding ``(X, y)`` or a mapping holding the input
+(the whole mapping is passed to the model) and the target under ``dict_key_y``.
+curvlinops wants ``(X, y)`` pairs; :class:`XYBatches` adapts one to the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, MutableMapping
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Subset
+
+__all__ = [
+    "XYBatches",
+    "batch_size",
+    "check_finite",
+    "dataset_size",
+    "split_batch",
+    "subsample_loader",
+]
+
+
+def split_batch(data: Any, dict_key_y: str = "labels") -> tuple[Any, torch.Tensor]:
+    """``(X, y)`` of one batch; a mapping stays whole as ``X``."""
+    if isinstance(data, MutableMapping):
+        return data, data[dict_key_y]
+    try:
+        X, y = data
+    except (TypeError, ValueError):
+        raise ValueError(
+            "Each batch must be an (X, y) pair or a mapping with the target under "
+            f"dict_key_y='{dict_key_y}'."
+        ) from None
+    return X, y
+
+
+def batch_size(X: Any, dict_key_x: str = "input_ids") -> int:
+    """Number of data points in an input batch."""
+    if isinstance(X, MutableMapping):
+        return int(X[dict_key_x].shape[0])
+    return int(X.shape[0])
+
+
+def check_finite(what: str, tensor: Any, batch_index: int) -> None:
+    """Raise ``ValueError`` if a floating tensor holds NaN or inf."""
+    if isinstance(tensor, MutableMapping):
+        for key, value in tensor.items():
+            check_finite(f"{what}['{key}']", value, batch_index)
+        return
+    if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+        if not torch.isfinite(tensor).all():
+            raise ValueError(f"{what} of batch {batch_index} contains NaN or inf.")
+
+
+class XYBatches:
+    """Re-iterable view of a loader as ``(X, y)`` pairs, for curvlinops."""
+
+    def __init__(self, loader: Iterable, dict_key_y: str = "labels"):
+        self.loader = loader
+        self.dict_key_y = dict_key_y
+
+    def __iter__(self) -> Iterator[tuple[Any, torch.Tensor]]:
+        for data in self.loader:
+            yield split_batch(data, self.dict_key_y)
+
+
+def dataset_size(loader: Iterable, dict_key_x: str = "input_ids", dict_key_y: str = "labels") -> int:
+    """``len(loader.dataset)`` when there is one, else a count over the batches."""
+    dataset = getattr(loader, "dataset", None)
+    if dataset is not None:
+        try:
+            return len(dataset)
+        except TypeError:
+            pass
+    return sum(batch_size(split_batch(d, dict_key_y)[0], dict_key_x) for d in loader)
+
+
+def subsample_loader(loader: DataLoader, size: int, generator: torch.Generator) -> DataLoader:
+    """A loader over ``size`` points drawn without replacement from ``loader.dataset``.
+
+    Keeps the batch size and collate function; the draw is fixed by ``generator``.
+    """
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None:
+        raise ValueError("subsample_size needs a DataLoader with a `dataset`.")
+    n = len(dataset)
+    if not 1 <= size <= n:
+        raise ValueError(f"subsample_size={size} must lie in [1, {n}] (the data set size).")
+    index = torch.randperm(n, generator=generator)[:size].sort().values.tolist()
+    return DataLoader(
+        Subset(dataset, index),
+        batch_size=loader.batch_size or 1,
+        shuffle=False,
+        collate_fn=loader.collate_fn,
+    )

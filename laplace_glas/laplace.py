@@ -1,0 +1,896 @@
+"""ActiveSubspaceLaplace: the GLAS posterior behind laplace-torch's interface.
+
+The class is thin: the eigen-solve lives in :mod:`laplace_glas.subspace`, the closed
+forms in :mod:`laplace_glas.posterior` and the forward-mode predictive in
+:mod:`laplace_glas.predictive`. What is here is the laplace-torch contract: the
+``Laplace(model, likelihood, 'all', 'glas')`` registration, ``fit``, the evidence,
+prior tuning, sampling, predictives and (de)serialisation.
+
+Conventions (laplace-torch's): ``H`` is the *summed*, unit-noise curvature; the
+observation noise and the temperature enter through ``_H_factor`` when ``H`` is read.
+Here ``H = (U, h)`` with ``U`` the ``(D, k)`` eigenvectors and ``h = N * eig(G_1)``,
+``G_1`` the unit-noise GGN of the mean loss. With loss scaling ``s`` (``'mean'``:
+``s = 1``; ``'sum'``: ``s = N``) the posterior sees the curvature
+
+.. math::
+
+    a_j = \\frac{s}{N \\sigma^2 T} h_j = \\frac{s \\lambda_j}{T}, \\qquad
+    \\lambda_j = \\frac{h_j}{N \\sigma^2},
+
+so ``loss_scaling='mean'`` is exactly laplace-torch at ``temperature = N`` and
+``loss_scaling='sum'`` is the standard Bayesian posterior.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
+import torch
+import torchmetrics
+from laplace.baselaplace import ParametricLaplace
+from laplace.curvature import AsdlGGN, BackPackGGN, CurvlinopsGGN
+from laplace.utils.enums import LinkApprox, PredType, PriorStructure, TuningMethod
+from torch import nn
+from torch.nn.utils import parameters_to_vector
+from torch.utils.data import DataLoader, RandomSampler
+from tqdm.auto import tqdm
+
+from laplace_glas.batches import (
+    XYBatches,
+    batch_size,
+    check_finite,
+    split_batch,
+    subsample_loader,
+)
+from laplace_glas.posterior import (
+    SubspaceOperator,
+    log_det_ratio,
+    optimal_prior_precision,
+    posterior_variances,
+    sample_subspace,
+)
+from laplace_glas.predictive import (
+    batched_outputs,
+    jacobian_gram,
+    jvp_directions,
+    parameter_names,
+)
+from laplace_glas.subspace import (
+    Eigenpairs,
+    NumericalRankWarning,
+    compute_eigenpairs,
+    mean_ggn_operator,
+)
+
+__all__ = ["ActiveSubspaceLaplace", "NotFittedError"]
+
+_LOSS_SCALINGS = ("mean", "sum")
+_COMPLEMENTS = ("zero", "prior")
+_GGN_BACKENDS = (CurvlinopsGGN, BackPackGGN, AsdlGGN)
+
+
+class NotFittedError(ValueError, AttributeError):
+    """A method that needs the posterior was called before ``fit``."""
+
+
+class ActiveSubspaceLaplace(ParametricLaplace):
+    """Generalized Laplace Active Subspace (GLAS) posterior over all weights.
+
+    The posterior lives in the span of the top-k eigenvectors ``U`` of the GGN ``G``
+    of the network's mean loss:
+
+    .. math::
+
+        \\theta = \\theta^* + U z, \\qquad
+        z \\sim \\mathcal{N}(0, \\mathrm{diag}(v)), \\qquad
+        v_j = \\frac{1}{s \\lambda_j / T + \\tau},
+
+    with loss scaling ``s`` (1 for the mean loss, N for the summed loss), temperature
+    ``T`` and scalar prior precision ``tau``. ``G`` is never formed: its eigenpairs
+    come from Lanczos (``scipy.sparse.linalg.eigsh``) on curvlinops'
+    ``GGNLinearOperator``.
+
+    Parameters
+    ----------
+    model, likelihood, sigma_noise, prior_precision, prior_mean, temperature,
+    enable_backprop, dict_key_x, dict_key_y :
+        As in laplace-torch's ``ParametricLaplace``. The closed forms need a scalar
+        ``prior_precision``; ``likelihood`` is ``'regression'`` (Gaussian, MSE) or
+        ``'classification'`` (softmax cross-entropy).
+    backend, backend_kwargs, asdl_fisher_kwargs :
+        Accepted for drop-in compatibility. The curvature is always the exact GGN,
+        computed matrix-free by curvlinops; a GGN backend is therefore accepted and
+        ignored, any other (EF, Hessian, Fisher-MC) is rejected.
+    n_components : int, default=20
+        ``k``, the number of leading GGN eigenpairs (``1 <= k < D``).
+    loss_scaling : {'mean', 'sum'}, default='mean'
+        Generalized (``s = 1``, the GLAS default) or standard Bayesian (``s = N``)
+        scaling of the loss.
+    complement : {'zero', 'prior'}, default='zero'
+        Variance outside ``span(U)``: none (GLAS), or the prior's ``1/tau`` (the
+        posterior of laplace-torch's ``LowRankLaplace``).
+    tol : float, default=0.0
+        Lanczos relative tolerance (``0``: machine precision of the model's dtype).
+    maxiter : int, optional
+        Lanczos restarts allowed (ARPACK's default ``10 * D``).
+    ncv : int, optional
+        Lanczos basis size (ARPACK's default ``min(D, max(2k + 1, 20))``).
+    seed : int, default=0
+        Seed of the generator used when ``generator`` is None.
+    generator : torch.Generator, optional
+        CPU generator for the Lanczos start vector and the data subsample.
+    subsample_size : int, optional
+        Compute the eigenpairs on this many training points drawn without
+        replacement (the loss at the MAP still uses all data).
+    rank_threshold : float, optional
+        Eigenvalues below ``rank_threshold * lambda_1`` are treated as zero (default
+        ``100 * eps`` of the model's dtype); a warning names how many.
+    jvp_chunk_size : int, optional
+        Number of Jacobian-vector products vectorised at once in the 'glm'
+        predictive (default: all ``k``).
+    sample_chunk_size : int, default=32
+        Number of weight samples pushed through the network at once ('nn').
+    progress_bar : bool, default=False
+        Show ``tqdm`` progress bars during ``fit``.
+    """
+
+    _key = ("all", "glas")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # laplace-torch's factory maps `_key` over *all* subclasses. A subclass that
+        # inherits ours would compete for ('all', 'glas'); give it a private key.
+        super().__init_subclass__(**kwargs)
+        if "_key" not in cls.__dict__:
+            cls._key = (f"{cls.__module__}.{cls.__qualname__}", "unregistered")
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: str,
+        sigma_noise: float | torch.Tensor = 1.0,
+        prior_precision: float | torch.Tensor = 1.0,
+        prior_mean: float | torch.Tensor = 0.0,
+        temperature: float = 1.0,
+        enable_backprop: bool = False,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        backend: type | None = None,
+        backend_kwargs: dict[str, Any] | None = None,
+        asdl_fisher_kwargs: dict[str, Any] | None = None,
+        *,
+        n_components: int = 20,
+        loss_scaling: str = "mean",
+        complement: str = "zero",
+        tol: float = 0.0,
+        maxiter: int | None = None,
+        ncv: int | None = None,
+        seed: int = 0,
+        generator: torch.Generator | None = None,
+        subsample_size: int | None = None,
+        rank_threshold: float | None = None,
+        jvp_chunk_size: int | None = None,
+        sample_chunk_size: int = 32,
+        progress_bar: bool = False,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+        n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        if n_params == 0:
+            raise ValueError(
+                "The model has no parameters that require grad: there is nothing to "
+                "put a posterior on."
+            )
+        if likelihood not in ("regression", "classification"):
+            raise ValueError(
+                f"GLAS supports likelihood 'regression' or 'classification', got "
+                f"{likelihood!r}."
+            )
+        if loss_scaling not in _LOSS_SCALINGS:
+            raise ValueError(
+                f"loss_scaling must be 'mean' (generalized, s = 1) or 'sum' "
+                f"(standard, s = N), got {loss_scaling!r}."
+            )
+        if complement not in _COMPLEMENTS:
+            raise ValueError(f"complement must be 'zero' or 'prior', got {complement!r}.")
+        self._validate_n_components(n_components, n_params)
+        if backend is not None and not issubclass(backend, _GGN_BACKENDS):
+            raise ValueError(
+                f"GLAS always uses the exact GGN (matrix-free, via curvlinops); the "
+                f"curvature backend {backend.__name__} would ask for another matrix."
+            )
+        if generator is not None and generator.device.type != "cpu":
+            raise ValueError("The Lanczos/subsample generator must be a CPU torch.Generator.")
+        if subsample_size is not None and (
+            not isinstance(subsample_size, int) or subsample_size < 1
+        ):
+            raise ValueError(f"subsample_size must be a positive int, got {subsample_size!r}.")
+        if sample_chunk_size < 1:
+            raise ValueError("sample_chunk_size must be >= 1.")
+
+        super().__init__(
+            model,
+            likelihood,
+            sigma_noise=sigma_noise,
+            prior_precision=prior_precision,
+            prior_mean=prior_mean,
+            temperature=temperature,
+            enable_backprop=enable_backprop,
+            dict_key_x=dict_key_x,
+            dict_key_y=dict_key_y,
+            backend=None,
+            backend_kwargs=backend_kwargs,
+            asdl_fisher_kwargs=asdl_fisher_kwargs,
+        )
+        self.loss_scaling = loss_scaling
+        self.complement = complement
+        self._n_components = int(n_components)
+        self.tol = tol
+        self.maxiter = maxiter
+        self.ncv = ncv
+        self.seed = seed
+        self.generator = generator
+        self.subsample_size = subsample_size
+        self.rank_threshold = rank_threshold
+        self.jvp_chunk_size = jvp_chunk_size
+        self.sample_chunk_size = sample_chunk_size
+        self.progress_bar = progress_bar
+        self._eigenpairs: Eigenpairs | None = None
+        self._param_names = parameter_names(model, self.params)
+        self._param_shapes = [p.shape for p in self.params]
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _validate_n_components(k: Any, n_params: int) -> None:
+        if not isinstance(k, int) or isinstance(k, bool):
+            raise TypeError(f"n_components must be an int, got {type(k).__name__}.")
+        if k < 1:
+            raise ValueError(f"n_components must be >= 1, got {k}.")
+        if k >= n_params:
+            raise ValueError(
+                f"n_components={k} must be smaller than the number of parameters "
+                f"D={n_params}: Lanczos (scipy eigsh) finds at most D - 1 eigenpairs. "
+                f"For a model this small, laplace-torch's FullLaplace "
+                f"(hessian_structure='full') is exact and cheap."
+            )
+
+    def _init_H(self) -> None:
+        self.H: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _check_H_init(self) -> None:
+        if getattr(self, "H", None) is None:
+            raise NotFittedError(
+                "This ActiveSubspaceLaplace is not fitted yet: call fit(train_loader) "
+                "(or load_state_dict) first."
+            )
+
+    def _loss_function(self, reduction: str) -> nn.Module:
+        if self.likelihood == "regression":
+            return nn.MSELoss(reduction=reduction)
+        return nn.CrossEntropyLoss(reduction=reduction)
+
+    def _to_device(self, X: Any) -> Any:
+        return X.to(self._device) if isinstance(X, torch.Tensor) else X
+
+    def _check_inputs(self, X: Any) -> None:
+        inputs = X[self.dict_key_x] if isinstance(X, MutableMapping) else X
+        if isinstance(inputs, torch.Tensor):
+            if inputs.shape[0] == 0:
+                raise ValueError("The input batch is empty.")
+            if inputs.is_floating_point() and not torch.isfinite(inputs).all():
+                raise ValueError("The input contains NaN or inf.")
+
+    # ------------------------------------------------------------------ state
+    @property
+    def n_components(self) -> int:
+        """``k``: the number of eigenpairs the posterior uses.
+
+        Setting a smaller value after ``fit`` truncates to the leading eigenpairs
+        without recomputing anything; a larger one than was computed needs a refit.
+        """
+        return self._n_components
+
+    @n_components.setter
+    def n_components(self, k: int) -> None:
+        self._validate_n_components(k, self.n_params)
+        if self._eigenpairs is not None and k > self._eigenpairs.k:
+            raise ValueError(
+                f"Only {self._eigenpairs.k} eigenpairs were computed; n_components={k} "
+                "needs a refit with a larger n_components."
+            )
+        self._n_components = int(k)
+
+    @property
+    def scaling_factor(self) -> float:
+        """``s``: 1 for ``loss_scaling='mean'``, N for ``'sum'``."""
+        self._check_H_init()
+        return 1.0 if self.loss_scaling == "mean" else float(self.n_data)
+
+    @property
+    def _H_factor(self) -> torch.Tensor:
+        """``s / (N sigma^2 T)``: turns the summed unit-noise ``H`` into ``s * G / T``."""
+        factor = super()._H_factor
+        if self.loss_scaling == "mean":
+            factor = factor / self.n_data
+        return factor
+
+    @property
+    def lanczos_info(self) -> Eigenpairs:
+        """The eigen-solve record: products used, residuals, wall time (all ``k``
+        computed pairs, not only the active ones)."""
+        self._check_H_init()
+        return self._eigenpairs
+
+    @property
+    def eigenvectors(self) -> torch.Tensor:
+        """``U``: ``(D, k)`` orthonormal leading eigenvectors of the mean-loss GGN."""
+        self._check_H_init()
+        return self.H[0][:, : self._n_components]
+
+    @property
+    def eigenvalues(self) -> torch.Tensor:
+        """``lambda``: ``(k,)`` leading eigenvalues (descending) of the mean-loss GGN
+        ``G = (1/N) sum_n J_n^T Lambda_n J_n`` (``Lambda = 1/sigma^2`` for regression)."""
+        self._check_H_init()
+        h = self.H[1][: self._n_components]
+        return h / (self.n_data * self.sigma_noise.square())
+
+    @property
+    def subspace_curvature(self) -> torch.Tensor:
+        """``a_j = s * lambda_j / T``: the posterior's curvature along ``u_j``."""
+        self._check_H_init()
+        return self._H_factor * self.H[1][: self._n_components]
+
+    @property
+    def _tau(self) -> torch.Tensor:
+        prior_precision = self.prior_precision
+        if prior_precision.numel() != 1:
+            raise ValueError(
+                "GLAS's closed forms need a scalar (isotropic) prior precision; got one "
+                f"of shape {tuple(prior_precision.shape)}."
+            )
+        return prior_precision.reshape(())
+
+    @property
+    def posterior_variances(self) -> torch.Tensor:
+        """``v_j = 1 / (s lambda_j / T + tau)``: ``(k,)`` variances of ``z``."""
+        return posterior_variances(self.subspace_curvature, self._tau)
+
+    @property
+    def _complement_variance(self) -> torch.Tensor:
+        if self.complement == "prior":
+            return 1.0 / self._tau
+        return torch.zeros((), device=self._device, dtype=self._dtype)
+
+    # ------------------------------------------------------------------ fit
+    def fit(
+        self,
+        train_loader: DataLoader,
+        override: bool = True,
+        progress_bar: bool | None = None,
+    ) -> None:
+        """Compute the top-k eigenpairs of the mean-loss GGN and the loss at the MAP.
+
+        Parameters
+        ----------
+        train_loader : DataLoader or iterable of batches
+            ``(X, y)`` batches, or mappings with the target under ``dict_key_y``.
+            The model's current weights are the MAP ``theta*``.
+        override : bool, default=True
+            Must be True: an eigen-decomposition cannot be updated additively.
+        progress_bar : bool, optional
+            Overrides the constructor's ``progress_bar``.
+        """
+        if not override:
+            raise ValueError(
+                "GLAS cannot update a fit (override=False): eigenpairs are not "
+                "additive across data sets."
+            )
+        show = self.progress_bar if progress_bar is None else progress_bar
+        if (
+            isinstance(train_loader, DataLoader)
+            and train_loader.drop_last
+            and isinstance(train_loader.sampler, RandomSampler)
+        ):
+            raise ValueError(
+                "A shuffled DataLoader with drop_last=True changes the data between "
+                "GGN products; use drop_last=False."
+            )
+        self.H = None
+        self._eigenpairs = None
+        self.model.eval()
+        self.mean = parameters_to_vector(self.params).detach()
+
+        loss, n_data, out_shape = self._loss_at_map(train_loader, show)
+        self.loss = loss
+        self.n_data = n_data
+        self.n_outputs = out_shape[-1]
+        setattr(self.model, "output_size", self.n_outputs)
+
+        generator = self.generator
+        if generator is None:
+            generator = torch.Generator().manual_seed(self.seed)
+        eigen_loader, eigen_n = train_loader, n_data
+        if self.subsample_size is not None:
+            eigen_loader = subsample_loader(train_loader, self.subsample_size, generator)
+            eigen_n = self.subsample_size
+
+        batch_size_fn = None
+        first_X = split_batch(next(iter(train_loader)), self.dict_key_y)[0]
+        if isinstance(first_X, MutableMapping):
+            key_x = self.dict_key_x
+
+            def batch_size_fn(X: MutableMapping) -> int:
+                return batch_size(X, key_x)
+
+        operator = mean_ggn_operator(
+            self.model,
+            self._loss_function("mean"),
+            self.params,
+            XYBatches(eigen_loader, self.dict_key_y),
+            num_data=eigen_n,
+            batch_size_fn=batch_size_fn,
+        )
+        # MSELoss(reduction='mean') also averages over the C outputs and drops the
+        # factor 1/2: its GGN is 2/(N C) sum J^T J. Rescale to the unit-noise
+        # Gaussian GGN (1/N) sum J^T J.
+        scale = out_shape.numel() / 2.0 if self.likelihood == "regression" else 1.0
+        eig = compute_eigenpairs(
+            operator,
+            self._n_components,
+            scale=scale,
+            dtype=self._dtype,
+            device=self._device,
+            tol=self.tol,
+            maxiter=self.maxiter,
+            ncv=self.ncv,
+            generator=generator,
+            rank_threshold=self.rank_threshold,
+            n_data=eigen_n,
+            progress_bar=show,
+        )
+        n_below = int(eig.below_threshold.sum())
+        if n_below:
+            warnings.warn(
+                f"{n_below} of the {eig.k} eigenvalues lie below "
+                f"{eig.rank_threshold:.1e} x lambda_1, beyond what the "
+                f"{str(self._dtype).replace('torch.', '')} GGN products resolve: they "
+                "are treated as zero curvature (prior variance along those directions). "
+                "Use fewer components, or float64 for the spectrum's tail.",
+                NumericalRankWarning,
+                stacklevel=2,
+            )
+        self._eigenpairs = eig
+        self._n_components = eig.k
+        self.H = (eig.vectors, n_data * eig.values)
+
+    @torch.no_grad()
+    def _loss_at_map(
+        self, loader: Any, show: bool
+    ) -> tuple[torch.Tensor, int, torch.Size]:
+        """One pass: validate the data and sum laplace-torch's loss at the MAP.
+
+        Returns laplace-torch's ``loss`` (``0.5 * SSE`` for regression, summed
+        cross-entropy for classification), the number of data points and the
+        per-point output shape.
+        """
+        lossfunc = self._loss_function("sum")
+        factor = 0.5 if self.likelihood == "regression" else 1.0
+        total = torch.zeros((), device=self._device, dtype=self._dtype)
+        n_data, out_shape = 0, None
+        for i, data in enumerate(tqdm(loader, desc="[GLAS] loss at MAP", disable=not show)):
+            X, y = split_batch(data, self.dict_key_y)
+            X, y = self._to_device(X), y.to(self._device)
+            check_finite("The training inputs", X, i)
+            check_finite("The training targets", y, i)
+            out = self.model(X)
+            check_finite("The model output", out, i)
+            if self.likelihood == "regression":
+                if y.shape != out.shape:
+                    raise ValueError(
+                        f"Regression targets of shape {tuple(y.shape)} do not match the "
+                        f"model output of shape {tuple(out.shape)} (batch {i})."
+                    )
+            else:
+                if out.ndim != 2:
+                    raise ValueError(
+                        "Classification needs model outputs of shape (batch, classes); "
+                        f"got {tuple(out.shape)}."
+                    )
+                if y.shape != out.shape[:1] or y.is_floating_point():
+                    raise ValueError(
+                        "Classification targets must be integer class labels of shape "
+                        f"(batch,); got {tuple(y.shape)} of dtype {y.dtype} (batch {i})."
+                    )
+                if y.numel() and (y.min() < 0 or y.max() >= out.shape[1]):
+                    raise ValueError(
+                        f"Class labels must lie in [0, {out.shape[1] - 1}] (batch {i})."
+                    )
+            total += factor * lossfunc(out, y).to(self._dtype)
+            n_data += batch_size(X, self.dict_key_x)
+            out_shape = out.shape[1:]
+        if n_data == 0:
+            raise ValueError("The training loader is empty: there is no data to fit.")
+        return total, n_data, out_shape
+
+    # ------------------------------------------------------------------ posterior
+    @property
+    def posterior_precision(self) -> SubspaceOperator:
+        """``P = U diag(a + tau) U^T + c (I - U U^T)`` as a matrix-free operator.
+
+        ``c = tau`` for ``complement='prior'``; ``c = inf`` for the restricted GLAS
+        posterior (``to_dense()`` then refuses). Call ``.to_dense()`` for the D x D
+        matrix.
+        """
+        tau = self._tau
+        complement = tau if self.complement == "prior" else math.inf
+        return SubspaceOperator(self.eigenvectors, self.subspace_curvature + tau, complement)
+
+    @property
+    def posterior_covariance(self) -> SubspaceOperator:
+        """``Sigma = U diag(v) U^T + c (I - U U^T)``, ``c = 0`` or ``1/tau``; matrix-free."""
+        return SubspaceOperator(
+            self.eigenvectors, self.posterior_variances, self._complement_variance
+        )
+
+    @property
+    def log_det_posterior_precision(self) -> torch.Tensor:
+        """``sum_j log(a_j + tau) + (D - k) log tau``.
+
+        The complement enters as the prior's precision for both complements: it is
+        the log-determinant that makes ``log_det_ratio`` the subspace Occam term
+        ``sum_j log(1 + a_j / tau)``.
+        """
+        tau = self._tau
+        k = self._n_components
+        return torch.log(self.subspace_curvature + tau).sum() + (self.n_params - k) * tau.log()
+
+    @property
+    def log_det_prior_precision(self) -> torch.Tensor:
+        """``D log tau``."""
+        return self.n_params * self._tau.log()
+
+    @property
+    def log_det_ratio(self) -> torch.Tensor:
+        """``log det P - log det P_0 = sum_j log(1 + s lambda_j / (T tau))``."""
+        return log_det_ratio(self.subspace_curvature, self._tau)
+
+    def square_norm(self, value: torch.Tensor) -> torch.Tensor:
+        """``(theta - theta*)^T P (theta - theta*)``.
+
+        For ``complement='zero'`` only the component in ``span(U)`` counts (the
+        posterior is a density on the affine subspace ``theta* + span(U)``).
+        """
+        delta = value - self.mean
+        z = delta @ self.eigenvectors
+        inside = (z.square() * (self.subspace_curvature + self._tau)).sum(-1)
+        if self.complement == "zero":
+            return inside
+        outside = delta.square().sum(-1) - z.square().sum(-1)
+        return inside + self._tau * outside
+
+    def log_prob(self, value: torch.Tensor, normalized: bool = True) -> torch.Tensor:
+        """Log density of ``value`` ``(D,)`` or ``(n, D)`` under the posterior.
+
+        For ``complement='prior'`` this is the Gaussian density in R^D. For
+        ``complement='zero'`` it is the ``k``-dimensional Gaussian density of the
+        projection onto the subspace (the posterior has no density in R^D).
+        """
+        square_norm = self.square_norm(value)
+        if not normalized:
+            return -square_norm / 2
+        if self.complement == "prior":
+            dim, log_det = self.n_params, self.log_det_posterior_precision
+        else:
+            dim = self._n_components
+            log_det = torch.log(self.subspace_curvature + self._tau).sum()
+        return -dim / 2 * math.log(2 * math.pi) + log_det / 2 - square_norm / 2
+
+    def sample(
+        self, n_samples: int = 100, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """Draw ``(n_samples, D)`` weight vectors ``theta* + U z (+ complement)``."""
+        self._check_H_init()
+        self._check_generator(generator)
+        draws = sample_subspace(
+            self.eigenvectors,
+            self.posterior_variances,
+            n_samples,
+            self._complement_variance,
+            generator,
+        )
+        return self.mean.reshape(1, -1) + draws
+
+    def _check_generator(self, generator: torch.Generator | None) -> None:
+        if generator is not None and (
+            not isinstance(generator, torch.Generator)
+            or generator.device.type != self._device.type
+        ):
+            raise ValueError("Invalid random generator (check type and device).")
+
+    # ------------------------------------------------------------------ evidence
+    def optimize_prior_precision(
+        self,
+        pred_type: PredType | str = PredType.GLM,
+        method: TuningMethod | str = TuningMethod.MARGLIK,
+        n_steps: int = 100,
+        lr: float = 1e-1,
+        init_prior_prec: float | torch.Tensor = 1.0,
+        prior_structure: PriorStructure | str = PriorStructure.SCALAR,
+        val_loader: DataLoader | None = None,
+        loss: torchmetrics.Metric | Callable[[torch.Tensor], torch.Tensor | float] | None = None,
+        log_prior_prec_min: float = -4,
+        log_prior_prec_max: float = 4,
+        grid_size: int = 100,
+        link_approx: LinkApprox | str = LinkApprox.PROBIT,
+        n_samples: int = 100,
+        verbose: bool = False,
+        progress_bar: bool = False,
+        log_prior_prec_base: float = 10.0,
+    ) -> None:
+        """Tune the (scalar) prior precision.
+
+        ``method='marglik'`` solves the 1-D stationarity condition of the evidence
+        in closed form (``tau m = sum_j a_j / (a_j + tau)``, see
+        :func:`laplace_glas.posterior.optimal_prior_precision`): ``n_steps``, ``lr``
+        and ``init_prior_prec`` of laplace-torch's gradient ascent are not needed
+        and are ignored. ``method='gridsearch'`` is laplace-torch's validation-loss
+        grid search. Only ``prior_structure='scalar'`` is supported.
+        """
+        self._check_H_init()
+        if prior_structure != PriorStructure.SCALAR or (
+            isinstance(init_prior_prec, torch.Tensor) and init_prior_prec.numel() != 1
+        ):
+            raise ValueError(
+                "GLAS supports a scalar prior precision only (prior_structure='scalar')."
+            )
+        if method == TuningMethod.MARGLIK:
+            if val_loader is not None:
+                warnings.warn("`val_loader` is ignored when method='marglik'.", stacklevel=2)
+            delta = self.mean - self.prior_mean
+            with torch.no_grad():
+                tau = optimal_prior_precision(
+                    self.subspace_curvature.detach(), float(delta.detach().square().sum())
+                )
+            self.prior_precision = tau
+            if verbose:
+                print(f"Optimized prior precision is {self.prior_precision}.")
+            return
+        super().optimize_prior_precision(
+            pred_type,
+            method,
+            n_steps,
+            lr,
+            init_prior_prec,
+            prior_structure,
+            val_loader,
+            loss,
+            log_prior_prec_min,
+            log_prior_prec_max,
+            grid_size,
+            link_approx,
+            n_samples,
+            verbose,
+            progress_bar,
+            log_prior_prec_base,
+        )
+
+    # ------------------------------------------------------------------ predictive
+    def __call__(
+        self,
+        x: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
+        pred_type: PredType | str = PredType.GLM,
+        joint: bool = False,
+        link_approx: LinkApprox | str = LinkApprox.PROBIT,
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+        fitting: bool = False,
+        **model_kwargs: dict[str, Any],
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Posterior predictive at ``x``; same arguments and return shapes as
+        laplace-torch's ``ParametricLaplace.__call__``.
+
+        'glm': ``f(x; theta*)`` and ``(J U) diag(v) (J U)^T`` from ``k`` forward-mode
+        JVPs (no Jacobian is formed unless ``complement='prior'``, whose prior term
+        needs ``J J^T``). 'nn': weight samples pushed through the network with
+        ``functional_call`` under ``vmap``. ``generator`` controls every sampling
+        path (laplace-torch ignores it for 'nn' and 'mc').
+        """
+        self._check_H_init()
+        if pred_type not in [p.value for p in PredType] or pred_type == PredType.GP:
+            raise ValueError("Only glm and nn supported as prediction types.")
+        if link_approx not in [la.value for la in LinkApprox]:
+            raise ValueError(f"Unsupported link approximation {link_approx}.")
+        if pred_type == PredType.NN and link_approx != LinkApprox.MC:
+            raise ValueError("Only mc link approximation is supported for nn prediction type.")
+        self._check_generator(generator)
+        self._check_inputs(x)
+        x = self._to_device(x)
+
+        if pred_type == PredType.NN:
+            if joint:
+                raise ValueError("joint=True is only available for pred_type='glm'.")
+            if self.likelihood == "regression":
+                fs = self._nn_functional_samples(x, n_samples, generator, **model_kwargs)
+                return fs.mean(dim=0), fs.var(dim=0)
+            probs = self._nn_predictive_samples(x, n_samples, generator, **model_kwargs)
+            return probs.mean(dim=0)
+
+        if self.likelihood == "classification" and link_approx == LinkApprox.MC:
+            f_mu, f_var = self._glm_predictive_distribution(x)
+            return self._glm_predictive_samples(
+                f_mu, f_var, n_samples, diagonal_output, generator
+            ).mean(dim=0)
+        return self._glm_forward_call(
+            x, self.likelihood, joint, link_approx, n_samples, diagonal_output
+        )
+
+    def _glm_predictive_distribution(
+        self,
+        X: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
+        joint: bool = False,
+        diagonal_output: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean ``f(x; theta*)`` and covariance ``J Sigma J^T`` of the linearised model."""
+        self._check_H_init()
+        X = self._to_device(X)
+        U = self.eigenvectors
+        v = self.posterior_variances
+        theta = self.mean if self.enable_backprop else self.mean.detach()
+        with torch.set_grad_enabled(self.enable_backprop):
+            f_mu, JU = jvp_directions(
+                self.model,
+                self._param_names,
+                self._param_shapes,
+                theta,
+                X,
+                U,
+                chunk_size=self.jvp_chunk_size,
+            )
+            if f_mu.ndim != 2:
+                raise ValueError(
+                    "The 'glm' predictive needs model outputs of shape (batch, outputs); "
+                    f"got {tuple(f_mu.shape)}."
+                )
+            weights = v
+            if self.complement == "prior":
+                weights = v - 1.0 / self._tau
+            if joint:
+                JU_flat = JU.reshape(-1, JU.shape[-1])
+                f_var = (JU_flat * weights) @ JU_flat.T
+                if self.complement == "prior":
+                    gram = jacobian_gram(
+                        self.model, self._param_names, self._param_shapes, theta, X, joint=True
+                    )
+                    f_var = f_var + gram / self._tau
+                f_mu = f_mu.flatten()
+            else:
+                f_var = torch.einsum("nck,k,nlk->ncl", JU, weights, JU)
+                if self.complement == "prior":
+                    gram = jacobian_gram(self.model, self._param_names, self._param_shapes, theta, X)
+                    f_var = f_var + gram / self._tau
+                if diagonal_output:
+                    f_var = torch.diagonal(f_var, dim1=-2, dim2=-1)
+        if not self.enable_backprop:
+            return f_mu.detach(), f_var.detach()
+        return f_mu, f_var
+
+    def functional_variance(self, Js: torch.Tensor) -> torch.Tensor:
+        """``J Sigma J^T`` per input: ``(batch, C, C)`` from Jacobians ``(batch, C, D)``."""
+        self._check_jacobians(Js)
+        JU = Js @ self.eigenvectors
+        if self.complement == "zero":
+            return torch.einsum("nck,k,nlk->ncl", JU, self.posterior_variances, JU)
+        tau = self._tau
+        weights = self.posterior_variances - 1.0 / tau
+        prior = torch.einsum("ncp,nkp->nck", Js, Js) / tau
+        return prior + torch.einsum("nck,k,nlk->ncl", JU, weights, JU)
+
+    def functional_covariance(self, Js: torch.Tensor) -> torch.Tensor:
+        """Joint ``J Sigma J^T``: ``(batch*C, batch*C)`` from Jacobians ``(batch, C, D)``."""
+        self._check_jacobians(Js)
+        n_batch, n_outs, n_params = Js.shape
+        Js = Js.reshape(n_batch * n_outs, n_params)
+        JU = Js @ self.eigenvectors
+        if self.complement == "zero":
+            return (JU * self.posterior_variances) @ JU.T
+        tau = self._tau
+        weights = self.posterior_variances - 1.0 / tau
+        return Js @ Js.T / tau + (JU * weights) @ JU.T
+
+    def _nn_functional_samples(
+        self,
+        X: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+        **model_kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """``(n_samples, batch, C)`` network outputs at posterior weight samples."""
+        self._check_H_init()
+        if n_samples < 1:
+            raise ValueError(f"n_samples must be >= 1, got {n_samples}.")
+        X = self._to_device(X)
+        outputs = []
+        with torch.set_grad_enabled(self.enable_backprop):
+            for start in range(0, n_samples, self.sample_chunk_size):
+                n_chunk = min(self.sample_chunk_size, n_samples - start)
+                thetas = self.sample(n_chunk, generator)
+                outputs.append(
+                    batched_outputs(
+                        self.model,
+                        self._param_names,
+                        self._param_shapes,
+                        thetas,
+                        X,
+                        chunk_size=None,
+                        model_kwargs=model_kwargs,
+                    )
+                )
+        fs = torch.cat(outputs)
+        return fs if self.enable_backprop else fs.detach()
+
+    def _nn_predictive_samples(
+        self,
+        X: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+        **model_kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        fs = self._nn_functional_samples(X, n_samples, generator, **model_kwargs)
+        if self.likelihood == "classification":
+            fs = torch.softmax(fs, dim=-1)
+        return fs
+
+    def _nn_predictive_classification(
+        self,
+        X: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
+        n_samples: int = 100,
+        **model_kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        return self._nn_predictive_samples(X, n_samples, None, **model_kwargs).mean(dim=0)
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict[str, Any]:
+        """laplace-torch's state plus the eigen-solve record and the GLAS settings.
+
+        Holds tensors and Python scalars only: ``torch.load(..., weights_only=True)``
+        reads it back.
+        """
+        self._check_H_init()
+        state = super().state_dict()
+        state["likelihood"] = str(getattr(self.likelihood, "value", self.likelihood))
+        state["H"] = tuple(self.H)
+        state["loss_scaling"] = self.loss_scaling
+        state["complement"] = self.complement
+        state["n_components"] = self._n_components
+        state["eigenpairs"] = self._eigenpairs.to_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a fitted posterior saved by :meth:`state_dict` (no refit)."""
+        for key in ("eigenpairs", "loss_scaling", "complement", "n_components"):
+            if key not in state_dict:
+                raise ValueError(f"Not a GLAS state dict: the key {key!r} is missing.")
+        if self.loss_scaling != state_dict["loss_scaling"]:
+            warnings.warn(
+                f"loss_scaling {self.loss_scaling!r} is replaced by the saved "
+                f"{state_dict['loss_scaling']!r}.",
+                stacklevel=2,
+            )
+        if self.complement != state_dict["complement"]:
+            warnings.warn(
+                f"complement {self.complement!r} is replaced by the saved "
+                f"{state_dict['complement']!r}.",
+                stacklevel=2,
+            )
+        super().load_state_dict(state_dict)
+        U, h = state_dict["H"]
+        self.H = (U.to(self._device, self._dtype), h.to(self._device, self._dtype))
+        self.mean = self.mean.to(self._device, self._dtype)
+        self.loss_scaling = state_dict["loss_scaling"]
+        self.complement = state_dict["complement"]
+        self._eigenpairs = Eigenpairs.from_dict(state_dict["eigenpairs"]).to(self._device)
+        self._n_components = int(state_dict["n_components"])

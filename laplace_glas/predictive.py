@@ -1,0 +1,172 @@
+"""Network outputs and their derivatives along weight-space directions.
+
+* :func:`jvp_directions` computes ``f(x; theta)`` and ``J(x) V`` for a ``(D, k)``
+  matrix ``V`` by ``k`` forward-mode Jacobian-vector products under ``vmap``: the
+  ``C x D`` Jacobian is never formed.
+* :func:`batched_outputs` evaluates ``f(x; theta_s)`` for a batch of weight vectors
+  with ``torch.func.functional_call`` under ``vmap`` (a loop over
+  ``functional_call`` where a module has no batching rule); the module's own
+  parameters are never overwritten.
+* :func:`jacobian_gram` computes ``J(x) J(x)^T`` per input, for the prior's share of
+  the predictive variance when the complement of the subspace keeps the prior.
+
+Weight vectors are flat, in the order of ``names`` (that of ``model.parameters()``
+restricted to the parameters under inference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev, jvp, vmap
+
+__all__ = [
+    "batched_outputs",
+    "jacobian_gram",
+    "jvp_directions",
+    "parameter_names",
+    "unflatten",
+]
+
+
+def parameter_names(model: nn.Module, params: Sequence[torch.Tensor]) -> list[str]:
+    """Names of ``params`` in ``model.named_parameters()``, in the given order."""
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    try:
+        return [by_id[id(p)] for p in params]
+    except KeyError:
+        raise ValueError("Every parameter under inference must belong to the model.") from None
+
+
+def unflatten(
+    vector: torch.Tensor, names: Sequence[str], shapes: Sequence[torch.Size]
+) -> dict[str, torch.Tensor]:
+    """Split a flat ``(..., D)`` tensor into a ``{name: (..., *shape)}`` dict."""
+    out, offset = {}, 0
+    lead = vector.shape[:-1]
+    for name, shape in zip(names, shapes):
+        n = shape.numel()
+        out[name] = vector[..., offset : offset + n].reshape(*lead, *shape)
+        offset += n
+    if offset != vector.shape[-1]:
+        raise ValueError(f"Vector of length {vector.shape[-1]} does not match D = {offset}.")
+    return out
+
+
+def _call(model: nn.Module, params: Mapping[str, torch.Tensor], x: Any, kwargs: dict) -> torch.Tensor:
+    return functional_call(model, dict(params), (x,), kwargs or None)
+
+
+def jvp_directions(
+    model: nn.Module,
+    names: Sequence[str],
+    shapes: Sequence[torch.Size],
+    theta: torch.Tensor,
+    x: Any,
+    directions: torch.Tensor,
+    chunk_size: int | None = None,
+    model_kwargs: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``f(x; theta)`` and ``J(x) V`` by forward-mode AD.
+
+    Parameters
+    ----------
+    model : nn.Module
+    names, shapes : sequences
+        Names and shapes of the parameters that ``theta`` holds.
+    theta : torch.Tensor
+        ``(D,)`` point of linearisation.
+    x : torch.Tensor or mapping
+        Model input.
+    directions : torch.Tensor
+        ``(D, k)`` directions ``V``.
+    chunk_size : int, optional
+        Number of JVPs vectorised at once (``vmap`` chunking, bounds memory).
+
+    Returns
+    -------
+    f : torch.Tensor
+        ``(batch, *out)`` outputs at ``theta``.
+    JV : torch.Tensor
+        ``(batch, *out, k)``: ``J(x) V``.
+    """
+    kwargs = model_kwargs or {}
+    primals = unflatten(theta, names, shapes)
+    tangents = unflatten(directions.T, names, shapes)  # {name: (k, *shape)}
+
+    def f(params: dict[str, torch.Tensor]) -> torch.Tensor:
+        return _call(model, params, x, kwargs)
+
+    def push(tangent: dict[str, torch.Tensor]) -> torch.Tensor:
+        return jvp(f, (primals,), (tangent,))[1]
+
+    out = f(primals)
+    JV = vmap(push, chunk_size=chunk_size)(tangents)  # (k, batch, *out)
+    return out, JV.movedim(0, -1)
+
+
+def batched_outputs(
+    model: nn.Module,
+    names: Sequence[str],
+    shapes: Sequence[torch.Size],
+    thetas: torch.Tensor,
+    x: Any,
+    chunk_size: int | None = None,
+    model_kwargs: dict | None = None,
+) -> torch.Tensor:
+    """``f(x; theta_s)`` for every row of ``thetas`` ``(S, D)``; returns ``(S, batch, *out)``.
+
+    Vectorised with ``vmap`` over the samples; modules without a batching rule fall
+    back to a loop of ``functional_call`` (still without touching the module's own
+    weights).
+    """
+    kwargs = model_kwargs or {}
+
+    def f(theta: torch.Tensor) -> torch.Tensor:
+        return _call(model, unflatten(theta, names, shapes), x, kwargs)
+
+    try:
+        return vmap(f, chunk_size=chunk_size, randomness="same")(thetas)
+    except (RuntimeError, NotImplementedError):
+        return torch.stack([f(theta) for theta in thetas])
+
+
+def jacobian_gram(
+    model: nn.Module,
+    names: Sequence[str],
+    shapes: Sequence[torch.Size],
+    theta: torch.Tensor,
+    x: torch.Tensor,
+    joint: bool = False,
+    chunk_size: int = 32,
+    model_kwargs: dict | None = None,
+) -> torch.Tensor:
+    """``J J^T`` at ``theta``: ``(batch, C, C)``, or ``(batch*C, batch*C)`` if ``joint``.
+
+    Forms the Jacobian of at most ``chunk_size`` inputs at a time (``joint`` needs
+    all of them), so memory stays ``O(chunk_size * C * D)``.
+    """
+    kwargs = model_kwargs or {}
+    primals = unflatten(theta, names, shapes)
+
+    def jac(x_chunk: torch.Tensor) -> torch.Tensor:
+        def f(params):
+            return _call(model, params, x_chunk, kwargs)
+
+        J = jacrev(f)(primals)  # {name: (b, C, *shape)}
+        b = x_chunk.shape[0]
+        flat = [J[n].reshape(b, -1, s.numel()) for n, s in zip(names, shapes)]
+        return torch.cat(flat, dim=-1)  # (b, C, D)
+
+    if joint:
+        J = jac(x)
+        J = J.reshape(-1, J.shape[-1])
+        return J @ J.T
+    grams = []
+    for start in range(0, x.shape[0], chunk_size):
+        J = jac(x[start : start + chunk_size])
+        grams.append(J @ J.transpose(1, 2))
+    return torch.cat(grams)

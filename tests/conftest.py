@@ -1,0 +1,65 @@
+"""Shared fixtures: small tanh MLPs trained on synthetic data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import laplace_glas  # noqa: F401  (registers 'glas')
+
+
+def mlp(widths: list[int], dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        layers.append(nn.Linear(a, b))
+        if i < len(widths) - 2:
+            layers.append(nn.Tanh())
+    return nn.Sequential(*layers).to(dtype)
+
+
+def train(model: nn.Module, X: torch.Tensor, y: torch.Tensor, steps: int = 300, lr: float = 1e-2,
+          classification: bool = False) -> nn.Module:
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    lossf = nn.CrossEntropyLoss() if classification else nn.MSELoss()
+    for _ in range(steps):
+        opt.zero_grad()
+        lossf(model(X), y).backward()
+        opt.step()
+    model.eval()
+    return model
+
+
+def regression_data(n: int, dtype=torch.float32, seed: int = 0, noise: float = 0.1, d_in: int = 1,
+                    d_out: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    X = (torch.rand(n, d_in, generator=g) * 4 - 2).to(dtype)
+    base = torch.sin(3 * X.sum(1, keepdim=True))
+    y = torch.cat([base * (j + 1) for j in range(d_out)], dim=1)
+    y = y + noise * torch.randn(n, d_out, generator=g).to(dtype)
+    return X, y.to(dtype)
+
+
+def loader(X, y, batch_size=32, shuffle=False):
+    return DataLoader(TensorDataset(X, y), batch_size=batch_size, shuffle=shuffle)
+
+
+@pytest.fixture(scope="session")
+def toy_regression():
+    """A 1-50-50-1 tanh MLP (D = 2701) trained on 100 noisy sine points."""
+    X, y = regression_data(100)
+    model = train(mlp([1, 50, 50, 1]), X, y, steps=300)
+    return model, X, y
+
+
+@pytest.fixture(scope="session")
+def toy_classification():
+    """A 2-16-3 tanh MLP on three Gaussian blobs."""
+    g = torch.Generator().manual_seed(1)
+    centers = torch.tensor([[0.0, 2.0], [-2.0, -1.0], [2.0, -1.0]])
+    y = torch.arange(3).repeat_interleave(40)
+    X = centers[y] + 0.8 * torch.randn(120, 2, generator=g)
+    model = train(mlp([2, 16, 3]), X, y, steps=300, classification=True)
+    return model, X, y
