@@ -10,6 +10,21 @@ Importing the package registers ``hessian_structure='glas'`` with laplace-torch'
     la.fit(train_loader)
 """
 
+from laplace_glas.activity import (
+    activity_scores,
+    cumulative_activity,
+    per_parameter,
+    weights_for_share,
+)
+from laplace_glas.calibration import (
+    CoverageNotReachedWarning,
+    CoverageRow,
+    DimensionSelection,
+    coverage,
+    interval_width,
+    select_dimension,
+)
+from laplace_glas.diagnostics import ReplicaCheck, ResidualReport, replica_check, residual_report
 from laplace_glas.laplace import ActiveSubspaceLaplace, NotFittedError
 from laplace_glas.posterior import SubspaceOperator, optimal_prior_precision
 from laplace_glas.subspace import (
@@ -24,12 +39,26 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ActiveSubspaceLaplace",
+    "CoverageNotReachedWarning",
+    "CoverageRow",
+    "DimensionSelection",
     "Eigenpairs",
     "LanczosConvergenceWarning",
     "NotFittedError",
     "NumericalRankWarning",
+    "ReplicaCheck",
+    "ResidualReport",
     "SubspaceOperator",
+    "activity_scores",
     "compute_eigenpairs",
+    "coverage",
+    "cumulative_activity",
+    "interval_width",
     "mean_ggn_operator",
     "optimal_prior_precision",
+    "per_parameter",
+    "replica_check",
+    "residual_report",
+    "select_dimension",
+    "weights_for_share",
 ]

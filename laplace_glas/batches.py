@@ -67,7 +67,9 @@ class XYBatches:
             yield split_batch(data, self.dict_key_y)
 
 
-def dataset_size(loader: Iterable, dict_key_x: str = "input_ids", dict_key_y: str = "labels") -> int:
+def dataset_size(
+    loader: Iterable, dict_key_x: str = "input_ids", dict_key_y: str = "labels"
+) -> int:
     """``len(loader.dataset)`` when there is one, else a count over the batches."""
     dataset = getattr(loader, "dataset", None)
     if dataset is not None:

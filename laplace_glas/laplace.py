@@ -45,6 +45,7 @@ from laplace_glas.batches import (
     split_batch,
     subsample_loader,
 )
+from laplace_glas.calibration import DimensionSelection, select_dimension
 from laplace_glas.posterior import (
     SubspaceOperator,
     log_det_ratio,
@@ -135,6 +136,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         Number of weight samples pushed through the network at once ('nn').
     progress_bar : bool, default=False
         Show ``tqdm`` progress bars during ``fit``.
+
     """
 
     _key = ("all", "glas")
@@ -185,8 +187,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             )
         if likelihood not in ("regression", "classification"):
             raise ValueError(
-                f"GLAS supports likelihood 'regression' or 'classification', got "
-                f"{likelihood!r}."
+                f"GLAS supports likelihood 'regression' or 'classification', got {likelihood!r}."
             )
         if loss_scaling not in _LOSS_SCALINGS:
             raise ValueError(
@@ -319,7 +320,8 @@ class ActiveSubspaceLaplace(ParametricLaplace):
     @property
     def lanczos_info(self) -> Eigenpairs:
         """The eigen-solve record: products used, residuals, wall time (all ``k``
-        computed pairs, not only the active ones)."""
+        computed pairs, not only the active ones).
+        """
         self._check_H_init()
         return self._eigenpairs
 
@@ -332,7 +334,8 @@ class ActiveSubspaceLaplace(ParametricLaplace):
     @property
     def eigenvalues(self) -> torch.Tensor:
         """``lambda``: ``(k,)`` leading eigenvalues (descending) of the mean-loss GGN
-        ``G = (1/N) sum_n J_n^T Lambda_n J_n`` (``Lambda = 1/sigma^2`` for regression)."""
+        ``G = (1/N) sum_n J_n^T Lambda_n J_n`` (``Lambda = 1/sigma^2`` for regression).
+        """
         self._check_H_init()
         h = self.H[1][: self._n_components]
         return h / (self.n_data * self.sigma_noise.square())
@@ -382,6 +385,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             Must be True: an eigen-decomposition cannot be updated additively.
         progress_bar : bool, optional
             Overrides the constructor's ``progress_bar``.
+
         """
         if not override:
             raise ValueError(
@@ -407,49 +411,18 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         self.loss = loss
         self.n_data = n_data
         self.n_outputs = out_shape[-1]
-        setattr(self.model, "output_size", self.n_outputs)
+        self.model.output_size = self.n_outputs
 
         generator = self.generator
         if generator is None:
             generator = torch.Generator().manual_seed(self.seed)
-        eigen_loader, eigen_n = train_loader, n_data
-        if self.subsample_size is not None:
-            eigen_loader = subsample_loader(train_loader, self.subsample_size, generator)
-            eigen_n = self.subsample_size
-
-        batch_size_fn = None
-        first_X = split_batch(next(iter(train_loader)), self.dict_key_y)[0]
-        if isinstance(first_X, MutableMapping):
-            key_x = self.dict_key_x
-
-            def batch_size_fn(X: MutableMapping) -> int:
-                return batch_size(X, key_x)
-
-        operator = mean_ggn_operator(
-            self.model,
-            self._loss_function("mean"),
-            self.params,
-            XYBatches(eigen_loader, self.dict_key_y),
-            num_data=eigen_n,
-            batch_size_fn=batch_size_fn,
-        )
-        # MSELoss(reduction='mean') also averages over the C outputs and drops the
-        # factor 1/2: its GGN is 2/(N C) sum J^T J. Rescale to the unit-noise
-        # Gaussian GGN (1/N) sum J^T J.
-        scale = out_shape.numel() / 2.0 if self.likelihood == "regression" else 1.0
-        eig = compute_eigenpairs(
-            operator,
-            self._n_components,
-            scale=scale,
-            dtype=self._dtype,
-            device=self._device,
-            tol=self.tol,
-            maxiter=self.maxiter,
-            ncv=self.ncv,
+        eig = self.compute_eigenpairs(
+            train_loader,
             generator=generator,
-            rank_threshold=self.rank_threshold,
-            n_data=eigen_n,
+            subsample_size=self.subsample_size,
             progress_bar=show,
+            _out_shape=out_shape,
+            _n_data=n_data,
         )
         n_below = int(eig.below_threshold.sum())
         if n_below:
@@ -467,9 +440,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         self.H = (eig.vectors, n_data * eig.values)
 
     @torch.no_grad()
-    def _loss_at_map(
-        self, loader: Any, show: bool
-    ) -> tuple[torch.Tensor, int, torch.Size]:
+    def _loss_at_map(self, loader: Any, show: bool) -> tuple[torch.Tensor, int, torch.Size]:
         """One pass: validate the data and sum laplace-torch's loss at the MAP.
 
         Returns laplace-torch's ``loss`` (``0.5 * SSE`` for regression, summed
@@ -514,6 +485,79 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         if n_data == 0:
             raise ValueError("The training loader is empty: there is no data to fit.")
         return total, n_data, out_shape
+
+    def compute_eigenpairs(
+        self,
+        train_loader: DataLoader,
+        n_components: int | None = None,
+        generator: torch.Generator | None = None,
+        subsample_size: int | None = None,
+        progress_bar: bool = False,
+        tol: float | None = None,
+        maxiter: int | None = None,
+        ncv: int | None = None,
+        _out_shape: torch.Size | None = None,
+        _n_data: int | None = None,
+    ) -> Eigenpairs:
+        """Top eigenpairs of the unit-noise mean-loss GGN at the model's weights.
+
+        The solve ``fit`` uses, exposed so that it can be repeated with other random
+        starts or data subsamples (see :func:`laplace_glas.diagnostics.replica_check`)
+        without touching this object's posterior. Lanczos settings default to the
+        constructor's.
+
+        Returns
+        -------
+        Eigenpairs
+            Eigenvalues of ``G_1 = (1/N) sum_n J_n^T Lambda_n J_n`` with unit noise
+            (divide by ``sigma^2`` for the regression GGN).
+
+        """
+        k = self._n_components if n_components is None else n_components
+        self._validate_n_components(k, self.n_params)
+        if generator is None:
+            generator = torch.Generator().manual_seed(self.seed)
+        if _out_shape is None or _n_data is None:
+            _, _n_data, _out_shape = self._loss_at_map(train_loader, False)
+        eigen_loader, eigen_n = train_loader, _n_data
+        if subsample_size is not None:
+            eigen_loader = subsample_loader(train_loader, subsample_size, generator)
+            eigen_n = subsample_size
+
+        batch_size_fn = None
+        first_X = split_batch(next(iter(train_loader)), self.dict_key_y)[0]
+        if isinstance(first_X, MutableMapping):
+            key_x = self.dict_key_x
+
+            def batch_size_fn(X: MutableMapping) -> int:
+                return batch_size(X, key_x)
+
+        operator = mean_ggn_operator(
+            self.model,
+            self._loss_function("mean"),
+            self.params,
+            XYBatches(eigen_loader, self.dict_key_y),
+            num_data=eigen_n,
+            batch_size_fn=batch_size_fn,
+        )
+        # MSELoss(reduction='mean') also averages over the C outputs and drops the
+        # factor 1/2: its GGN is 2/(N C) sum J^T J. Rescale to the unit-noise
+        # Gaussian GGN (1/N) sum J^T J.
+        scale = _out_shape.numel() / 2.0 if self.likelihood == "regression" else 1.0
+        return compute_eigenpairs(
+            operator,
+            k,
+            scale=scale,
+            dtype=self._dtype,
+            device=self._device,
+            tol=self.tol if tol is None else tol,
+            maxiter=self.maxiter if maxiter is None else maxiter,
+            ncv=self.ncv if ncv is None else ncv,
+            generator=generator,
+            rank_threshold=self.rank_threshold,
+            n_data=eigen_n,
+            progress_bar=progress_bar,
+        )
 
     # ------------------------------------------------------------------ posterior
     @property
@@ -605,8 +649,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
 
     def _check_generator(self, generator: torch.Generator | None) -> None:
         if generator is not None and (
-            not isinstance(generator, torch.Generator)
-            or generator.device.type != self._device.type
+            not isinstance(generator, torch.Generator) or generator.device.type != self._device.type
         ):
             raise ValueError("Invalid random generator (check type and device).")
 
@@ -770,7 +813,9 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             else:
                 f_var = torch.einsum("nck,k,nlk->ncl", JU, weights, JU)
                 if self.complement == "prior":
-                    gram = jacobian_gram(self.model, self._param_names, self._param_shapes, theta, X)
+                    gram = jacobian_gram(
+                        self.model, self._param_names, self._param_shapes, theta, X
+                    )
                     f_var = f_var + gram / self._tau
                 if diagonal_output:
                     f_var = torch.diagonal(f_var, dim1=-2, dim2=-1)
@@ -851,6 +896,42 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         **model_kwargs: dict[str, Any],
     ) -> torch.Tensor:
         return self._nn_predictive_samples(X, n_samples, None, **model_kwargs).mean(dim=0)
+
+    # ------------------------------------------------------------------ calibration
+    def calibrate(
+        self,
+        calib_loader: DataLoader,
+        coverage: float = 0.9,
+        ks: list[int] | None = None,
+        prior_precisions: list[float] | None = None,
+        pred_type: str = "nn",
+        n_samples: int = 200,
+        generator: torch.Generator | None = None,
+        include_noise: bool = False,
+        empirical_bayes: bool = True,
+    ) -> DimensionSelection:
+        """Select ``k`` and the prior precision by coverage on held-out data and apply them.
+
+        See :func:`laplace_glas.calibration.select_dimension` for the arguments. The
+        eigenpairs computed by ``fit`` are truncated, not recomputed. When the nominal
+        coverage is not reached, the best candidate is applied and a
+        ``CoverageNotReachedWarning`` is raised.
+        """
+        selection = select_dimension(
+            self,
+            calib_loader,
+            coverage=coverage,
+            ks=ks,
+            prior_precisions=prior_precisions,
+            pred_type=pred_type,
+            n_samples=n_samples,
+            generator=generator,
+            include_noise=include_noise,
+            empirical_bayes=empirical_bayes,
+        )
+        self.n_components = selection.k
+        self.prior_precision = selection.prior_precision
+        return selection
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:

@@ -68,6 +68,7 @@ def optimal_prior_precision(curvature: torch.Tensor | np.ndarray, square_norm: f
     ValueError
         If ``m <= 0`` (the optimum is ``tau -> inf``) or every ``a_j`` is zero
         (the optimum is ``tau -> 0``).
+
     """
     a = np.asarray(
         curvature.detach().cpu().double() if isinstance(curvature, torch.Tensor) else curvature,
@@ -140,6 +141,7 @@ class SubspaceOperator:
         ``(k,)`` the eigenvalues ``d`` of ``A`` on ``span(U)``.
     complement : float or torch.Tensor
         The eigenvalue ``c`` on the orthogonal complement (may be ``inf``).
+
     """
 
     def __init__(
@@ -151,15 +153,18 @@ class SubspaceOperator:
 
     @property
     def shape(self) -> tuple[int, int]:
+        """``(D, D)``."""
         D = self.vectors.shape[0]
         return (D, D)
 
     @property
     def dtype(self) -> torch.dtype:
+        """Dtype of the factors."""
         return self.vectors.dtype
 
     @property
     def device(self) -> torch.device:
+        """Device of the factors."""
         return self.vectors.device
 
     def _check_finite(self) -> None:

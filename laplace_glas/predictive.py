@@ -56,7 +56,9 @@ def unflatten(
     return out
 
 
-def _call(model: nn.Module, params: Mapping[str, torch.Tensor], x: Any, kwargs: dict) -> torch.Tensor:
+def _call(
+    model: nn.Module, params: Mapping[str, torch.Tensor], x: Any, kwargs: dict
+) -> torch.Tensor:
     return functional_call(model, dict(params), (x,), kwargs or None)
 
 
@@ -75,6 +77,7 @@ def jvp_directions(
     Parameters
     ----------
     model : nn.Module
+        The network; its own parameters are not modified.
     names, shapes : sequences
         Names and shapes of the parameters that ``theta`` holds.
     theta : torch.Tensor
@@ -85,6 +88,8 @@ def jvp_directions(
         ``(D, k)`` directions ``V``.
     chunk_size : int, optional
         Number of JVPs vectorised at once (``vmap`` chunking, bounds memory).
+    model_kwargs : dict, optional
+        Extra keyword arguments of the model's forward.
 
     Returns
     -------
@@ -92,6 +97,7 @@ def jvp_directions(
         ``(batch, *out)`` outputs at ``theta``.
     JV : torch.Tensor
         ``(batch, *out, k)``: ``J(x) V``.
+
     """
     kwargs = model_kwargs or {}
     primals = unflatten(theta, names, shapes)

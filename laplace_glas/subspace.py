@@ -80,6 +80,7 @@ class Eigenpairs:
         Relative threshold used for ``below_threshold``.
     solver : str
         Name of the solver (``'lanczos'``).
+
     """
 
     values: torch.Tensor
@@ -126,7 +127,8 @@ class Eigenpairs:
 
     def to_dict(self) -> dict:
         """Plain-dict form (tensors and Python scalars only; safe for
-        ``torch.load(weights_only=True)``)."""
+        ``torch.load(weights_only=True)``).
+        """
         return {
             "values": self.values,
             "vectors": self.vectors,
@@ -150,7 +152,8 @@ class Eigenpairs:
 
 class _CountingOperator(LinearOperator):
     """``scale * A`` for a SciPy operator ``A``, counting products and rejecting
-    non-finite results."""
+    non-finite results.
+    """
 
     def __init__(
         self,
@@ -194,7 +197,7 @@ def mean_ggn_operator(
     batch_size_fn: Callable | None = None,
     progress_bar: bool = False,
 ) -> GGNLinearOperator:
-    """curvlinops' GGN operator of the mean loss, without its determinism probe.
+    """Curvlinops' GGN operator of the mean loss, without its determinism probe.
 
     ``check_deterministic`` is switched off: it costs two gradient passes and two
     products and rejects shuffled loaders; the model must be in eval mode instead.
@@ -270,6 +273,7 @@ def compute_eigenpairs(
         If a product is not finite.
     RuntimeError
         If not a single eigenpair converged.
+
     """
     D = operator.shape[0]
     if not isinstance(k, (int, np.integer)) or isinstance(k, bool):

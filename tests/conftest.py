@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -13,15 +15,21 @@ import laplace_glas  # noqa: F401  (registers 'glas')
 def mlp(widths: list[int], dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(widths)):
         layers.append(nn.Linear(a, b))
         if i < len(widths) - 2:
             layers.append(nn.Tanh())
     return nn.Sequential(*layers).to(dtype)
 
 
-def train(model: nn.Module, X: torch.Tensor, y: torch.Tensor, steps: int = 300, lr: float = 1e-2,
-          classification: bool = False) -> nn.Module:
+def train(
+    model: nn.Module,
+    X: torch.Tensor,
+    y: torch.Tensor,
+    steps: int = 300,
+    lr: float = 1e-2,
+    classification: bool = False,
+) -> nn.Module:
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     lossf = nn.CrossEntropyLoss() if classification else nn.MSELoss()
     for _ in range(steps):
@@ -32,8 +40,9 @@ def train(model: nn.Module, X: torch.Tensor, y: torch.Tensor, steps: int = 300, 
     return model
 
 
-def regression_data(n: int, dtype=torch.float32, seed: int = 0, noise: float = 0.1, d_in: int = 1,
-                    d_out: int = 1):
+def regression_data(
+    n: int, dtype=torch.float32, seed: int = 0, noise: float = 0.1, d_in: int = 1, d_out: int = 1
+):
     g = torch.Generator().manual_seed(seed)
     X = (torch.rand(n, d_in, generator=g) * 4 - 2).to(dtype)
     base = torch.sin(3 * X.sum(1, keepdim=True))

@@ -61,16 +61,31 @@ def fitted_pair(setup, likelihood, loss_scaling, complement, k=K, exact_H=True):
     dl = loader(X, y, batch_size=2)
     n = X.shape[0]
     sigma = SIGMA if likelihood == "regression" else 1.0
-    glas = Laplace(model, likelihood, subset_of_weights="all", hessian_structure="glas",
-                   sigma_noise=sigma, prior_precision=TAU, n_components=k,
-                   loss_scaling=loss_scaling, complement=complement)
+    glas = Laplace(
+        model,
+        likelihood,
+        subset_of_weights="all",
+        hessian_structure="glas",
+        sigma_noise=sigma,
+        prior_precision=TAU,
+        n_components=k,
+        loss_scaling=loss_scaling,
+        complement=complement,
+    )
     import warnings
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the null-space eigenvalues are flagged
         glas.fit(dl)
-    full = Laplace(model, likelihood, subset_of_weights="all", hessian_structure="full",
-                   sigma_noise=sigma, prior_precision=TAU,
-                   temperature=float(n) if loss_scaling == "mean" else 1.0)
+    full = Laplace(
+        model,
+        likelihood,
+        subset_of_weights="all",
+        hessian_structure="full",
+        sigma_noise=sigma,
+        prior_precision=TAU,
+        temperature=float(n) if loss_scaling == "mean" else 1.0,
+    )
     full.fit(dl)
     if exact_H:
         full.H = exact_summed_ggn(model, X, likelihood)
@@ -89,41 +104,55 @@ def test_subspace_variances_equal_projected_full_covariance(request, likelihood,
     glas, full, _ = fitted_pair(setup_for(request, likelihood), likelihood, loss_scaling, "zero")
     U = glas.eigenvectors
     projected = U.T @ full.posterior_covariance @ U
-    torch.testing.assert_close(projected, torch.diag(glas.posterior_variances), rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(
+        projected, torch.diag(glas.posterior_variances), rtol=1e-7, atol=1e-9
+    )
 
 
 @pytest.mark.parametrize("likelihood, loss_scaling", CASES)
 @pytest.mark.parametrize("complement", ["zero", "prior"])
 def test_evidence_terms_equal_full_laplace(request, likelihood, loss_scaling, complement):
-    glas, full, _ = fitted_pair(setup_for(request, likelihood), likelihood, loss_scaling, complement)
+    glas, full, _ = fitted_pair(
+        setup_for(request, likelihood), likelihood, loss_scaling, complement
+    )
     torch.testing.assert_close(glas.log_det_ratio, full.log_det_ratio, rtol=1e-8, atol=1e-8)
     torch.testing.assert_close(glas.scatter, full.scatter, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(glas.log_likelihood, full.log_likelihood, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(glas.log_marginal_likelihood(), full.log_marginal_likelihood(),
-                               rtol=1e-8, atol=1e-8)
+    torch.testing.assert_close(
+        glas.log_marginal_likelihood(), full.log_marginal_likelihood(), rtol=1e-8, atol=1e-8
+    )
     # and at another prior precision (and noise, for regression)
     tau = torch.tensor(3.0, dtype=torch.float64)
     sig = torch.tensor(0.5, dtype=torch.float64) if likelihood == "regression" else None
-    torch.testing.assert_close(glas.log_marginal_likelihood(tau, sig),
-                               full.log_marginal_likelihood(tau, sig), rtol=1e-8, atol=1e-8)
+    torch.testing.assert_close(
+        glas.log_marginal_likelihood(tau, sig),
+        full.log_marginal_likelihood(tau, sig),
+        rtol=1e-8,
+        atol=1e-8,
+    )
 
 
 @pytest.mark.parametrize("likelihood, loss_scaling", CASES)
-def test_prior_complement_covariance_and_glm_predictive_equal_full(request, likelihood, loss_scaling):
+def test_prior_complement_covariance_and_glm_predictive_equal_full(
+    request, likelihood, loss_scaling
+):
     glas, full, X = fitted_pair(setup_for(request, likelihood), likelihood, loss_scaling, "prior")
-    torch.testing.assert_close(glas.posterior_covariance.to_dense(), full.posterior_covariance,
-                               rtol=1e-7, atol=1e-10)
-    torch.testing.assert_close(glas.posterior_precision.to_dense(), full.posterior_precision,
-                               rtol=1e-7, atol=1e-7)
-    torch.testing.assert_close(glas.log_det_posterior_precision, full.log_det_posterior_precision,
-                               rtol=1e-8, atol=1e-8)
+    torch.testing.assert_close(
+        glas.posterior_covariance.to_dense(), full.posterior_covariance, rtol=1e-7, atol=1e-10
+    )
+    torch.testing.assert_close(
+        glas.posterior_precision.to_dense(), full.posterior_precision, rtol=1e-7, atol=1e-7
+    )
+    torch.testing.assert_close(
+        glas.log_det_posterior_precision, full.log_det_posterior_precision, rtol=1e-8, atol=1e-8
+    )
     Xtest = torch.linspace(-3, 3, 7, dtype=torch.float64).reshape(-1, 1).repeat(1, X.shape[1])
     f_g, v_g = glas._glm_predictive_distribution(Xtest)
     f_f, v_f = full._glm_predictive_distribution(Xtest)
     torch.testing.assert_close(f_g, f_f)
     torch.testing.assert_close(v_g, v_f, rtol=1e-7, atol=1e-10)
-    fj_g, vj_g = glas._glm_predictive_distribution(Xtest, joint=True)
-    fj_f, vj_f = full._glm_predictive_distribution(Xtest, joint=True)
+    _, vj_g = glas._glm_predictive_distribution(Xtest, joint=True)
+    _, vj_f = full._glm_predictive_distribution(Xtest, joint=True)
     torch.testing.assert_close(vj_g, vj_f, rtol=1e-7, atol=1e-10)
     values = full.sample(3, generator=torch.Generator().manual_seed(0))
     ref = torch.stack([full.log_prob(v) for v in values])
@@ -142,7 +171,9 @@ def test_prior_complement_sample_covariance_matches_full(regression_setup, loss_
     # statistical tolerance: sd of a sample covariance entry is sqrt((S_ii S_jj + S_ij^2)/n)
     sd = ((ref.diagonal()[:, None] * ref.diagonal()[None, :] + ref**2) / n).sqrt()
     assert ((emp - ref).abs() / sd).max() < 6.0
-    torch.testing.assert_close(samples.mean(0), glas.mean, atol=float(5 * (ref.diagonal().max() / n) ** 0.5), rtol=0)
+    torch.testing.assert_close(
+        samples.mean(0), glas.mean, atol=float(5 * (ref.diagonal().max() / n) ** 0.5), rtol=0
+    )
 
 
 def test_zero_complement_samples_stay_in_subspace(regression_setup):
@@ -170,9 +201,12 @@ def test_zero_complement_glm_variance_is_projected_full(regression_setup):
 
 @pytest.mark.parametrize("likelihood, loss_scaling", CASES)
 def test_agrees_with_untouched_full_laplace_at_float32_level(request, likelihood, loss_scaling):
-    glas, full, _ = fitted_pair(setup_for(request, likelihood), likelihood, loss_scaling, "prior",
-                                exact_H=False)
-    torch.testing.assert_close(glas.log_marginal_likelihood(), full.log_marginal_likelihood(),
-                               rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(glas.posterior_covariance.to_dense(), full.posterior_covariance,
-                               rtol=1e-5, atol=1e-5)
+    glas, full, _ = fitted_pair(
+        setup_for(request, likelihood), likelihood, loss_scaling, "prior", exact_H=False
+    )
+    torch.testing.assert_close(
+        glas.log_marginal_likelihood(), full.log_marginal_likelihood(), rtol=1e-6, atol=1e-6
+    )
+    torch.testing.assert_close(
+        glas.posterior_covariance.to_dense(), full.posterior_covariance, rtol=1e-5, atol=1e-5
+    )

@@ -53,7 +53,9 @@ def test_matrix_free_product_matches_explicit_ggn_figure1(toy_regression, dtype,
     assert G.shape == (2701, 2701)
     V = torch.randn(2701, 5, generator=torch.Generator().manual_seed(0), dtype=dtype)
     GV = operator_matmat(model, X, y, V)
-    err = (GV.double() - G.double() @ V.double()).abs().max() / (G.double() @ V.double()).abs().max()
+    err = (GV.double() - G.double() @ V.double()).abs().max() / (
+        G.double() @ V.double()
+    ).abs().max()
     assert err < tol, f"relative error {err:.2e}"
 
 
@@ -67,7 +69,9 @@ def test_multi_output_rescaling_matches_gaussian_ggn():
     torch.testing.assert_close(GV, G @ V, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("dtype, val_tol, vec_tol", [(torch.float32, 1e-4, 1e-3), (torch.float64, 1e-9, 1e-8)])
+@pytest.mark.parametrize(
+    "dtype, val_tol, vec_tol", [(torch.float32, 1e-4, 1e-3), (torch.float64, 1e-9, 1e-8)]
+)
 def test_eigenpairs_match_eigh_of_explicit_ggn(toy_regression, dtype, val_tol, vec_tol):
     model32, X, y = toy_regression
     model = mlp([1, 50, 50, 1], dtype=dtype)
@@ -78,7 +82,9 @@ def test_eigenpairs_match_eigh_of_explicit_ggn(toy_regression, dtype, val_tol, v
     ref_vals, ref_vecs = torch.linalg.eigh(G)
     ref_vals, ref_vecs = ref_vals.flip(0)[:6], ref_vecs.flip(1)[:, :6]
     op = mean_ggn_operator(model, nn.MSELoss(), list(model.parameters()), loader(X, y), 100)
-    eig = compute_eigenpairs(op, 6, scale=0.5, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    eig = compute_eigenpairs(
+        op, 6, scale=0.5, dtype=dtype, generator=torch.Generator().manual_seed(0)
+    )
     assert eig.values.dtype == dtype and eig.vectors.shape == (2701, 6)
     assert torch.all(eig.values[:-1] >= eig.values[1:]), "eigenvalues must be descending"
     torch.testing.assert_close(eig.values.double(), ref_vals, rtol=val_tol, atol=0)
@@ -101,7 +107,11 @@ def test_unconverged_lanczos_warns_with_count_and_keeps_converged_pairs():
     values = np.concatenate([[10.0, 9.0, 8.0], np.linspace(1.0, 1.001, 397)])
     with pytest.warns(LanczosConvergenceWarning, match="did not converge for 3 of the 6"):
         eig = compute_eigenpairs(
-            _diag_operator(values), 6, dtype=torch.float64, maxiter=2, ncv=8,
+            _diag_operator(values),
+            6,
+            dtype=torch.float64,
+            maxiter=2,
+            ncv=8,
             generator=torch.Generator().manual_seed(0),
         )
     assert eig.n_converged == 3 and eig.k == 3 and eig.n_requested == 6
@@ -111,8 +121,14 @@ def test_unconverged_lanczos_warns_with_count_and_keeps_converged_pairs():
 def test_no_converged_pair_is_a_clear_error():
     values = np.linspace(1.0, 1.001, 400)
     with pytest.raises(RuntimeError, match="did not converge for any"):
-        compute_eigenpairs(_diag_operator(values), 6, dtype=torch.float64, maxiter=1, ncv=8,
-                           generator=torch.Generator().manual_seed(0))
+        compute_eigenpairs(
+            _diag_operator(values),
+            6,
+            dtype=torch.float64,
+            maxiter=1,
+            ncv=8,
+            generator=torch.Generator().manual_seed(0),
+        )
 
 
 def test_non_finite_product_raises():
@@ -129,8 +145,9 @@ def test_k_outside_eigsh_limit_raises(k):
 
 def test_below_threshold_eigenvalues_are_flagged_and_zeroed():
     values = np.array([1.0, 0.5, 1e-18, 1e-19, 0, 0, 0, 0, 0, 0])
-    eig = compute_eigenpairs(_diag_operator(values), 4, dtype=torch.float64,
-                             generator=torch.Generator().manual_seed(0))
+    eig = compute_eigenpairs(
+        _diag_operator(values), 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+    )
     assert eig.below_threshold.tolist() == [False, False, True, True]
     assert eig.values[2:].abs().max() == 0
 

@@ -1,0 +1,484 @@
+"""Choosing the subspace dimension k and the prior precision by empirical coverage.
+
+For every candidate ``(k, tau)`` the predictive distribution of a fitted GLAS posterior
+truncated to its leading ``k`` eigenpairs is evaluated on held-out calibration data:
+
+* regression: central ``1 - alpha`` intervals of ``f(x)`` (of ``y = f(x) + noise``
+  with ``include_noise=True``); coverage is the fraction of targets inside;
+* classification: the smallest set of classes whose predictive mass reaches
+  ``1 - alpha``; coverage is the fraction of points whose label is in their set.
+
+The selection is the smallest ``k`` whose coverage reaches the nominal level, the
+prior precision chosen jointly among the candidates (the empirical-Bayes optimum at
+that ``k``, the posterior's current value and an optional grid), ties broken by the
+narrowest interval (smallest set). The sweep is vectorised over ``k``: the linearised
+predictive computes ``J U`` once for all ``k`` and accumulates the variance along the
+eigen-directions; the sampling predictive draws one set of ``z`` and truncates it.
+
+Why observation noise is left out by default (the paper's convention): under
+mean-loss scaling each retained direction ``u_j`` with ``lambda_j >> tau`` adds about
+``(J u_j)^2 / lambda_j`` of variance at a training input, whose average is
+``sigma^2`` whatever N is, so a few directions cover the data; with summed-loss
+scaling each adds ``sigma^2 / N``. With the noise added (the usual predictive of y),
+coverage is often reached at k = 1 under either scaling and says little about the
+weight posterior.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from laplace_glas.batches import split_batch
+from laplace_glas.posterior import optimal_prior_precision
+from laplace_glas.predictive import batched_outputs, jacobian_gram, jvp_directions
+
+__all__ = [
+    "CoverageNotReachedWarning",
+    "CoverageRow",
+    "DimensionSelection",
+    "coverage",
+    "coverage_table",
+    "interval_width",
+    "select_dimension",
+]
+
+
+class CoverageNotReachedWarning(UserWarning):
+    """No candidate (k, prior precision) reached the nominal coverage."""
+
+
+@dataclass(frozen=True)
+class CoverageRow:
+    """Calibration metrics of one candidate ``(k, prior_precision)``.
+
+    ``mean_width`` is the mean interval width (regression) or mean credible-set
+    size (classification); ``nll`` the mean negative log predictive density of the
+    targets (regression: Gaussian with the predictive variance of f plus
+    ``sigma^2``; classification: ``-log p(y)``).
+    """
+
+    k: int
+    prior_precision: float
+    coverage: float
+    mean_width: float
+    nll: float
+    empirical_bayes: bool = False
+
+
+@dataclass
+class DimensionSelection:
+    """Outcome of :func:`select_dimension`.
+
+    Attributes
+    ----------
+    k : int
+        Selected number of eigen-directions.
+    prior_precision : float
+        Selected prior precision.
+    reached : bool
+        Whether the selection reaches the nominal coverage. If False, ``k`` and
+        ``prior_precision`` are those of the best coverage achieved.
+    coverage : float
+        Calibration coverage of the selection.
+    level : float
+        Nominal coverage ``1 - alpha``.
+    rows : list of CoverageRow
+        The whole table over the candidates.
+
+    """
+
+    k: int
+    prior_precision: float
+    reached: bool
+    coverage: float
+    level: float
+    rows: list[CoverageRow] = field(default_factory=list)
+    loss_scaling: str = "mean"
+    pred_type: str = "nn"
+    include_noise: bool = False
+    likelihood: str = "regression"
+
+    def best_per_k(self) -> list[CoverageRow]:
+        """For each k, the row the selection rule prefers (coverage curve vs k)."""
+        out = []
+        for k in sorted({r.k for r in self.rows}):
+            out.append(_preferred([r for r in self.rows if r.k == k], self.level))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, JSON-serialisable form."""
+        data = asdict(self)
+        data["rows"] = [asdict(r) for r in self.rows]
+        return data
+
+    def __str__(self) -> str:
+        unit = "set size" if self.likelihood == "classification" else "width"
+        status = "reached" if self.reached else "NOT reached"
+        lines = [
+            f"GLAS dimension selection ({self.loss_scaling} scaling, pred_type="
+            f"'{self.pred_type}', noise {'added' if self.include_noise else 'not added'}): "
+            f"nominal {self.level:.0%} {status}; k = {self.k}, prior precision = "
+            f"{self.prior_precision:.4g}, coverage = {self.coverage:.3f}",
+            f"{'k':>4} {'prior prec':>11} {'coverage':>9} {unit:>9} {'NLL':>9}",
+        ]
+        for r in self.rows:
+            mark = " <" if (r.k, r.prior_precision) == (self.k, self.prior_precision) else ""
+            eb = " (EB)" if r.empirical_bayes else ""
+            lines.append(
+                f"{r.k:>4} {r.prior_precision:>11.4g} {r.coverage:>9.3f} "
+                f"{r.mean_width:>9.4g} {r.nll:>9.4g}{eb}{mark}"
+            )
+        return "\n".join(lines)
+
+
+def _preferred(rows: Sequence[CoverageRow], level: float) -> CoverageRow:
+    reaching = [r for r in rows if r.coverage >= level]
+    if reaching:
+        return min(reaching, key=lambda r: (r.mean_width, r.k))
+    return max(rows, key=lambda r: (r.coverage, -r.k, -r.mean_width))
+
+
+def _gather(la: Any, loader: Iterable) -> tuple[torch.Tensor, torch.Tensor]:
+    Xs, ys = [], []
+    for data in loader:
+        X, y = split_batch(data, la.dict_key_y)
+        if not isinstance(X, torch.Tensor):
+            raise TypeError("Calibration supports tensor inputs (X, y) only.")
+        Xs.append(X)
+        ys.append(y)
+    if not Xs:
+        raise ValueError("The calibration loader is empty.")
+    X = torch.cat(Xs).to(la._device)
+    y = torch.cat(ys).to(la._device)
+    if X.is_floating_point() and not torch.isfinite(X).all():
+        raise ValueError("The calibration inputs contain NaN or inf.")
+    if y.is_floating_point() and not torch.isfinite(y).all():
+        raise ValueError("The calibration targets contain NaN or inf.")
+    return X, y
+
+
+def _candidates(
+    la: Any, ks: Sequence[int], prior_precisions: Iterable[float] | None, empirical_bayes: bool
+) -> list[tuple[int, float, bool]]:
+    curvature = la.subspace_curvature.detach()
+    square_norm = float((la.mean - la.prior_mean).detach().square().sum())
+    grid = [float(la._tau)] if prior_precisions is None else [float(t) for t in prior_precisions]
+    if any(not (t > 0 and math.isfinite(t)) for t in grid):
+        raise ValueError("Prior precisions must be positive and finite.")
+    pairs = []
+    for k in ks:
+        taus = {t: False for t in grid}
+        if empirical_bayes:
+            try:
+                taus[optimal_prior_precision(curvature[:k], square_norm)] = True
+            except ValueError:
+                pass
+        pairs.extend((k, t, eb) for t, eb in taus.items())
+    return pairs
+
+
+def _validate_ks(la: Any, ks: Sequence[int] | None) -> list[int]:
+    la._check_H_init()
+    available = la.lanczos_info.k
+    ks = list(range(1, la.n_components + 1)) if ks is None else sorted({int(k) for k in ks})
+    if not ks or ks[0] < 1 or ks[-1] > available:
+        raise ValueError(
+            f"ks must lie in [1, {available}] (the eigenpairs computed by fit); got {ks}. "
+            "Refit with a larger n_components to sweep further."
+        )
+    return ks
+
+
+def _standard_normal(shape, la: Any, generator: torch.Generator | None) -> torch.Tensor:
+    device = generator.device if generator is not None else la._device
+    return torch.randn(*shape, generator=generator, device=device, dtype=la._dtype).to(la._device)
+
+
+def coverage_table(
+    la: Any,
+    X: torch.Tensor,
+    y: torch.Tensor,
+    pairs: Sequence[tuple[int, float, bool]],
+    level: float = 0.9,
+    pred_type: str = "nn",
+    n_samples: int = 200,
+    generator: torch.Generator | None = None,
+    include_noise: bool = False,
+) -> list[CoverageRow]:
+    """Coverage, mean width and NLL for each ``(k, tau, is_empirical_bayes)``.
+
+    Uses the eigenpairs already in ``la`` (truncation only, no recomputation) and one
+    draw of standard normals shared by all candidates.
+    """
+    if not 0 < level < 1:
+        raise ValueError(f"The coverage level must lie in (0, 1), got {level}.")
+    if pred_type not in ("nn", "glm"):
+        raise ValueError(f"pred_type must be 'nn' or 'glm', got {pred_type!r}.")
+    if n_samples < 2:
+        raise ValueError("n_samples must be >= 2.")
+    k_max = max(k for k, _, _ in pairs)
+    U = la.H[0][:, :k_max]
+    a = (la._H_factor * la.H[1][:k_max]).detach()
+    sigma2 = float(la.sigma_noise.square()) if la.likelihood == "regression" else 0.0
+    prior_complement = la.complement == "prior"
+    names, shapes, theta = la._param_names, la._param_shapes, la.mean.detach()
+    rows = []
+    with torch.no_grad():
+        if la.likelihood == "regression" and pred_type == "glm":
+            f, JU = jvp_directions(la.model, names, shapes, theta, X, U, la.jvp_chunk_size)
+            if f.shape != y.shape:
+                raise ValueError(
+                    f"Calibration targets of shape {tuple(y.shape)} do not match the model "
+                    f"output of shape {tuple(f.shape)}."
+                )
+            gram_diag = None
+            if prior_complement:
+                gram_diag = jacobian_gram(la.model, names, shapes, theta, X).diagonal(
+                    dim1=-2, dim2=-1
+                )
+            JU2 = JU.square()
+            z_score = statistics.NormalDist().inv_cdf(0.5 + level / 2)
+            for tau in sorted({t for _, t, _ in pairs}):
+                weights = 1.0 / (a + tau)
+                if prior_complement:
+                    weights = weights - 1.0 / tau
+                cumulative = torch.cumsum(JU2 * weights, dim=-1)
+                for k, t, eb in pairs:
+                    if t != tau:
+                        continue
+                    var_f = cumulative[..., k - 1]
+                    if gram_diag is not None:
+                        var_f = var_f + gram_diag / tau
+                    var_f = var_f.clamp(min=0)
+                    var = var_f + sigma2 if include_noise else var_f
+                    half = z_score * var.sqrt()
+                    covered = ((y - f).abs() <= half).double().mean()
+                    nll = _gaussian_nll(y, f, var_f + sigma2)
+                    rows.append(
+                        CoverageRow(k, tau, float(covered), float(2 * half.mean()), nll, eb)
+                    )
+        else:
+            rows = _sampled_rows(
+                la, X, y, U, a, pairs, level, pred_type, n_samples, generator, include_noise
+            )
+    order = {(k, t): i for i, (k, t, _) in enumerate(pairs)}
+    return sorted(rows, key=lambda r: order[(r.k, r.prior_precision)])
+
+
+def _gaussian_nll(y: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> float:
+    var = var.clamp(min=torch.finfo(var.dtype).tiny)
+    nll = 0.5 * (torch.log(2 * math.pi * var) + (y - mean).square() / var)
+    return float(nll.mean())
+
+
+def _sampled_rows(
+    la: Any,
+    X: torch.Tensor,
+    y: torch.Tensor,
+    U: torch.Tensor,
+    a: torch.Tensor,
+    pairs: Sequence[tuple[int, float, bool]],
+    level: float,
+    pred_type: str,
+    n_samples: int,
+    generator: torch.Generator | None,
+    include_noise: bool,
+) -> list[CoverageRow]:
+    """Coverage from predictive samples that share one draw of ``z``."""
+    names, shapes, theta = la._param_names, la._param_shapes, la.mean.detach()
+    k_max = U.shape[1]
+    z = _standard_normal((n_samples, k_max), la, generator)
+    e = None
+    if la.complement == "prior":
+        e = _standard_normal((n_samples, theta.numel()), la, generator)
+    classification = la.likelihood == "classification"
+    f0, JU = (None, None)
+    if pred_type == "glm":
+        f0, JU = jvp_directions(la.model, names, shapes, theta, X, U, la.jvp_chunk_size)
+    noise = None
+    if include_noise and not classification:
+        noise = la.sigma_noise * _standard_normal((n_samples, *y.shape), la, generator)
+    sigma2 = float(la.sigma_noise.square()) if not classification else 0.0
+    alpha = 1.0 - level
+
+    rows = []
+    for k, tau, eb in pairs:
+        scale = (1.0 / (a[:k] + tau)).sqrt()
+        coeffs = z[:, :k] * scale  # (S, k)
+        complement = None
+        if e is not None:
+            Uk = U[:, :k]
+            complement = (e - (e @ Uk) @ Uk.T) / math.sqrt(tau)  # (S, D)
+        if pred_type == "glm":
+            fs = f0 + torch.einsum("...k,sk->s...", JU[..., :k], coeffs)
+            if complement is not None:
+                _, Je = jvp_directions(la.model, names, shapes, theta, X, complement.T)
+                fs = fs + Je.movedim(-1, 0)
+        else:
+            thetas = theta + coeffs @ U[:, :k].T
+            if complement is not None:
+                thetas = thetas + complement
+            fs = torch.cat(
+                [
+                    batched_outputs(
+                        la.model, names, shapes, thetas[i : i + la.sample_chunk_size], X
+                    )
+                    for i in range(0, n_samples, la.sample_chunk_size)
+                ]
+            )
+        if classification:
+            probs = torch.softmax(fs, dim=-1).mean(0)  # (n, C)
+            covered, size = _credible_sets(probs, y, level)
+            nll = float(-torch.log(probs.gather(1, y.reshape(-1, 1)).clamp(min=1e-12)).mean())
+            rows.append(CoverageRow(k, tau, covered, size, nll, eb))
+            continue
+        if fs.shape[1:] != y.shape:
+            raise ValueError(
+                f"Calibration targets of shape {tuple(y.shape)} do not match the model "
+                f"output of shape {tuple(fs.shape[1:])}."
+            )
+        draws = fs + noise if noise is not None else fs
+        lo = torch.quantile(draws, alpha / 2, dim=0)
+        hi = torch.quantile(draws, 1 - alpha / 2, dim=0)
+        covered = ((y >= lo) & (y <= hi)).double().mean()
+        nll = _gaussian_nll(y, fs.mean(0), fs.var(0) + sigma2)
+        rows.append(CoverageRow(k, tau, float(covered), float((hi - lo).mean()), nll, eb))
+    return rows
+
+
+def _credible_sets(probs: torch.Tensor, y: torch.Tensor, level: float) -> tuple[float, float]:
+    """Coverage and mean size of the smallest class sets with mass >= ``level``."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    in_set_sorted = mass_before < level  # include classes until the mass reaches level
+    in_set = torch.zeros_like(in_set_sorted).scatter(-1, order, in_set_sorted)
+    covered = in_set.gather(1, y.reshape(-1, 1)).double().mean()
+    return float(covered), float(in_set.sum(-1).double().mean())
+
+
+def select_dimension(
+    la: Any,
+    calib_loader: Iterable,
+    coverage: float = 0.9,
+    ks: Sequence[int] | None = None,
+    prior_precisions: Iterable[float] | None = None,
+    pred_type: str = "nn",
+    n_samples: int = 200,
+    generator: torch.Generator | None = None,
+    include_noise: bool = False,
+    empirical_bayes: bool = True,
+) -> DimensionSelection:
+    """Smallest ``k`` (and its prior precision) whose calibration coverage reaches ``coverage``.
+
+    Parameters
+    ----------
+    la : ActiveSubspaceLaplace
+        A fitted GLAS posterior; its eigenpairs are truncated, never recomputed.
+    calib_loader : iterable of (X, y)
+        Held-out calibration data (not used in training).
+    coverage : float, default=0.9
+        Nominal level ``1 - alpha``.
+    ks : sequence of int, optional
+        Candidate dimensions (default ``1..n_components``).
+    prior_precisions : iterable of float, optional
+        Grid of prior precisions (default: the posterior's current one). The
+        empirical-Bayes optimum at each ``k`` is added when ``empirical_bayes``.
+    pred_type : {'nn', 'glm'}, default='nn'
+        Sampling or linearised predictive.
+    n_samples : int, default=200
+        Samples for 'nn' (and for 'glm' in classification).
+    generator : torch.Generator, optional
+        Controls the samples.
+    include_noise : bool, default=False
+        Regression only: add the observation noise (intervals of y instead of f).
+    empirical_bayes : bool, default=True
+        Add each ``k``'s evidence-maximising prior precision to the candidates.
+
+    Returns
+    -------
+    DimensionSelection
+        ``reached=False`` (with a :class:`CoverageNotReachedWarning`) when no
+        candidate reaches the level; the best coverage achieved is then selected.
+
+    """
+    ks = _validate_ks(la, ks)
+    X, y = _gather(la, calib_loader)
+    pairs = _candidates(la, ks, prior_precisions, empirical_bayes)
+    rows = coverage_table(la, X, y, pairs, coverage, pred_type, n_samples, generator, include_noise)
+    reaching = [r for r in rows if r.coverage >= coverage]
+    if reaching:
+        k_min = min(r.k for r in reaching)
+        best = _preferred([r for r in reaching if r.k == k_min], coverage)
+    else:
+        best = _preferred(rows, coverage)
+        warnings.warn(
+            f"No k in [{ks[0]}, {ks[-1]}] reaches {coverage:.0%} calibration coverage "
+            f"({la.loss_scaling} scaling); best achieved {best.coverage:.3f} at k = {best.k}.",
+            CoverageNotReachedWarning,
+            stacklevel=2,
+        )
+    return DimensionSelection(
+        k=best.k,
+        prior_precision=best.prior_precision,
+        reached=bool(reaching),
+        coverage=best.coverage,
+        level=coverage,
+        rows=rows,
+        loss_scaling=la.loss_scaling,
+        pred_type=pred_type,
+        include_noise=include_noise,
+        likelihood=str(getattr(la.likelihood, "value", la.likelihood)),
+    )
+
+
+def _current_row(
+    la: Any,
+    loader: Iterable,
+    level: float,
+    pred_type: str,
+    n_samples: int,
+    generator: torch.Generator | None,
+    include_noise: bool,
+) -> CoverageRow:
+    la._check_H_init()
+    X, y = _gather(la, loader)
+    pairs = [(la.n_components, float(la._tau), False)]
+    return coverage_table(la, X, y, pairs, level, pred_type, n_samples, generator, include_noise)[0]
+
+
+def coverage(
+    la: Any,
+    loader: Iterable,
+    level: float = 0.9,
+    pred_type: str = "glm",
+    n_samples: int = 200,
+    generator: torch.Generator | None = None,
+    include_noise: bool = False,
+) -> float:
+    """Empirical coverage of the central ``level`` intervals (credible sets) on ``loader``
+    at the posterior's current ``n_components`` and prior precision.
+    """
+    return _current_row(la, loader, level, pred_type, n_samples, generator, include_noise).coverage
+
+
+def interval_width(
+    la: Any,
+    loader: Iterable,
+    level: float = 0.9,
+    pred_type: str = "glm",
+    n_samples: int = 200,
+    generator: torch.Generator | None = None,
+    include_noise: bool = False,
+) -> float:
+    """Mean width of the central ``level`` intervals (mean credible-set size for
+    classification) on ``loader``.
+    """
+    row = _current_row(la, loader, level, pred_type, n_samples, generator, include_noise)
+    return row.mean_width

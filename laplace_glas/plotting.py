@@ -1,0 +1,110 @@
+"""Figures (matplotlib is an optional extra, imported only when a plot is made).
+
+Each function returns the matplotlib ``Figure`` and, given ``path``, saves it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["plot_coverage_vs_k", "plot_cumulative_activity", "plot_predictive_band"]
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        if matplotlib.get_backend().lower() not in ("agg", "pdf", "svg", "ps", "cairo"):
+            matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("Plotting needs matplotlib: pip install 'laplace-glas[plot]'.") from err
+    return plt
+
+
+def _finish(fig: Any, path: str | Path | None) -> Any:
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def plot_cumulative_activity(
+    scores: torch.Tensor | Mapping[str, torch.Tensor], path: str | Path | None = None
+) -> Any:
+    """Cumulative activity share of the top-n weights, log-log axes.
+
+    ``scores`` is one ``(D,)`` tensor or a mapping ``label -> scores``.
+    """
+    from laplace_glas.activity import cumulative_activity
+
+    plt = _pyplot()
+    curves = scores if isinstance(scores, Mapping) else {"activity": scores}
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for label, s in curves.items():
+        n, share = cumulative_activity(s.detach().cpu())
+        ax.loglog(n.numpy(), share.numpy(), label=label)
+    ax.set_xlabel("number of weights (sorted by activity)")
+    ax.set_ylabel("cumulative share of activity")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    return _finish(fig, path)
+
+
+def plot_coverage_vs_k(selections: Any, path: str | Path | None = None) -> Any:
+    """Calibration coverage against k for one or several ``DimensionSelection``s.
+
+    ``selections`` is one selection or a mapping ``label -> selection`` (e.g. mean vs
+    summed loss scaling).
+    """
+    plt = _pyplot()
+    items = selections if isinstance(selections, Mapping) else {"GLAS": selections}
+    fig, ax = plt.subplots(figsize=(5, 4))
+    level = None
+    for label, selection in items.items():
+        rows = selection.best_per_k()
+        ax.plot([r.k for r in rows], [r.coverage for r in rows], marker="o", ms=3, label=label)
+        level = selection.level
+    if level is not None:
+        ax.axhline(level, color="k", ls="--", lw=1, label=f"nominal {level:.0%}")
+    ax.set_xlabel("k (subspace dimension)")
+    ax.set_ylabel("calibration coverage")
+    ax.set_ylim(0, 1.02)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    return _finish(fig, path)
+
+
+def plot_predictive_band(
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    lower: torch.Tensor,
+    upper: torch.Tensor,
+    x_train: torch.Tensor | None = None,
+    y_train: torch.Tensor | None = None,
+    label: str = "GLAS",
+    path: str | Path | None = None,
+) -> Any:
+    """Predictive mean and interval band of a 1-D regression, with the training data."""
+    plt = _pyplot()
+    x, mean, lower, upper = (t.detach().cpu().reshape(-1).numpy() for t in (x, mean, lower, upper))
+    order = x.argsort()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if x_train is not None and y_train is not None:
+        ax.scatter(
+            x_train.detach().cpu().reshape(-1).numpy(),
+            y_train.detach().cpu().reshape(-1).numpy(),
+            s=4,
+            c="0.5",
+            label="training data",
+        )
+    ax.plot(x[order], mean[order], c="C0", label=f"{label} mean")
+    ax.fill_between(x[order], lower[order], upper[order], color="C0", alpha=0.3, label="interval")
+    ax.set_xlabel("x")
+    ax.set_ylabel("f(x)")
+    ax.legend()
+    return _finish(fig, path)

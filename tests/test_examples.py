@@ -1,0 +1,50 @@
+"""End-to-end: the example scripts run in their --quick mode."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "known_noise_regression.py"
+
+
+def run_example(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(EXAMPLE), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_known_noise_regression_help():
+    result = run_example("--help", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "--quick" in result.stdout and "--n-train" in result.stdout
+
+
+def test_known_noise_regression_quick(tmp_path):
+    result = run_example("--quick", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    for section in (
+        "Lanczos",
+        "Posterior variances",
+        "90% interval of f on a grid",
+        "(a) Coverage of the 90% interval of f, WITHOUT observation noise",
+        "(b) Coverage of the 90% interval of y = f + noise, WITH sigma^2 added",
+        "smallest k whose calibration coverage",
+    ):
+        assert section in out, f"missing section {section!r} in:\n{out}"
+    # both coverage tables list every k of the quick run, for both scalings and predictives
+    header = "mean / glm |        mean / nn |        sum / glm |         sum / nn"
+    assert out.count(header) == 2
+    rows = [line for line in out.splitlines() if line.lstrip().startswith(("1 |", "2 |", "5 |"))]
+    assert len([r for r in rows if r.count("%") == 4]) == 6
+    # the paper's result in miniature: mean-loss scaling reaches 90% by k = 2 ('glm')
+    assert "mean / glm: k =  2" in out or "mean / glm: k =  1" in out
+    assert "sum / glm: none of k" in out
