@@ -6,13 +6,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "known_noise_regression.py"
 
 
-def run_example(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+CONCRETE = ROOT.parent / "shared" / "data" / "concrete" / "Concrete_Data.csv"
+
+
+def run_example(
+    *args: str, timeout: float = 300, script: Path = EXAMPLE
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(EXAMPLE), *args],
+        [sys.executable, str(script), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -48,3 +55,21 @@ def test_known_noise_regression_quick(tmp_path):
     # the paper's result in miniature: mean-loss scaling reaches 90% by k = 2 ('glm')
     assert "mean / glm: k =  2" in out or "mean / glm: k =  1" in out
     assert "sum / glm: none of k" in out
+
+
+@pytest.mark.skipif(not CONCRETE.exists(), reason=f"UCI Concrete data not found at {CONCRETE}")
+def test_concrete_quick(tmp_path):
+    result = run_example(
+        "--quick",
+        "--data",
+        str(CONCRETE),
+        "--out",
+        str(tmp_path),
+        script=ROOT / "examples" / "concrete.py",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert out.count("selection: k =") == 2 and "test coverage at the selection" in out
+    assert "top 0.1% of weights" in out and "95% of the activity is carried by" in out
+    for name in ("concrete_coverage_vs_k.png", "concrete_activity.png"):
+        assert (tmp_path / name).stat().st_size > 1000
