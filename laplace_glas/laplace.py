@@ -66,7 +66,7 @@ from laplace_glas.subspace import (
     mean_ggn_operator,
 )
 
-__all__ = ["ActiveSubspaceLaplace", "NotFittedError"]
+__all__ = ["ActiveSubspaceLaplace", "NotFittedError", "laplace_bridge"]
 
 _LOSS_SCALINGS = ("mean", "sum")
 _COMPLEMENTS = ("zero", "prior")
@@ -74,7 +74,36 @@ _GGN_BACKENDS = (CurvlinopsGGN, BackPackGGN, AsdlGGN)
 
 
 class NotFittedError(ValueError, AttributeError):
-    """A method that needs the posterior was called before ``fit``."""
+    """A method that needs the posterior was called before ``fit``.
+
+    Also an ``AttributeError``: ``hasattr(la, 'eigenvalues')`` is False before ``fit``.
+    """
+
+
+def laplace_bridge(
+    f_mu: torch.Tensor, f_var: torch.Tensor, normalize: bool = False
+) -> torch.Tensor:
+    """Laplace bridge from a Gaussian over logits to class probabilities.
+
+    laplace-torch's formula (Hobbhahn et al., 2022), with one change: the mean is
+    centred first (``f_mu - mean(f_mu)``, which leaves softmax unchanged). The bridge
+    conditions the Gaussian on ``sum(f) = 0`` and shifts the mean by
+    ``Sigma 1 * sum(mu) / (1^T Sigma 1)``; a GLAS posterior has almost no variance
+    along the softmax-invariant direction ``1``, so without centring that shift
+    divides by nearly zero and moves the mean arbitrarily far.
+    """
+    f_mu = f_mu - f_mu.mean(-1, keepdim=True)
+    total = f_var.sum(dim=(1, 2)).reshape(-1, 1, 1)
+    f_var = f_var - torch.einsum("bi,bj->bij", f_var.sum(-1), f_var.sum(-2)) / total
+    K = f_mu.size(-1)
+    f_var_diag = torch.diagonal(f_var, dim1=1, dim2=2)
+    if normalize:
+        mean_var = f_var_diag.mean(dim=1) / math.sqrt(K / 2)
+        f_mu = f_mu / mean_var.sqrt().unsqueeze(-1)
+        f_var_diag = f_var_diag / mean_var.unsqueeze(-1)
+    sum_exp = torch.exp(-f_mu).sum(dim=1).unsqueeze(-1)
+    alpha = (1 - 2 / K + f_mu.exp() / K**2 * sum_exp) / f_var_diag
+    return torch.nan_to_num(alpha / alpha.sum(dim=1).unsqueeze(-1), nan=1.0)
 
 
 class ActiveSubspaceLaplace(ParametricLaplace):
@@ -561,6 +590,22 @@ class ActiveSubspaceLaplace(ParametricLaplace):
 
     # ------------------------------------------------------------------ posterior
     @property
+    def scatter(self) -> torch.Tensor:
+        """``(theta* - mu_0)^T P_0 (theta* - mu_0)`` over the full space (laplace-torch's
+        convention).
+        """
+        self._check_H_init()
+        return super().scatter
+
+    @property
+    def log_likelihood(self) -> torch.Tensor:
+        """``-s * Lbar(theta*) / T`` plus the Gaussian normaliser for regression:
+        laplace-torch's log likelihood with the GLAS loss scaling.
+        """
+        self._check_H_init()
+        return super().log_likelihood
+
+    @property
     def posterior_precision(self) -> SubspaceOperator:
         """``P = U diag(a + tau) U^T + c (I - U U^T)`` as a matrix-free operator.
 
@@ -767,6 +812,12 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             return self._glm_predictive_samples(
                 f_mu, f_var, n_samples, diagonal_output, generator
             ).mean(dim=0)
+        if self.likelihood == "classification" and link_approx in (
+            LinkApprox.BRIDGE,
+            LinkApprox.BRIDGE_NORM,
+        ):
+            f_mu, f_var = self._glm_predictive_distribution(x)
+            return laplace_bridge(f_mu, f_var, normalize=link_approx == LinkApprox.BRIDGE_NORM)
         return self._glm_forward_call(
             x, self.likelihood, joint, link_approx, n_samples, diagonal_output
         )
@@ -779,6 +830,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean ``f(x; theta*)`` and covariance ``J Sigma J^T`` of the linearised model."""
         self._check_H_init()
+        self._check_inputs(X)
         X = self._to_device(X)
         U = self.eigenvectors
         v = self.posterior_variances
@@ -857,6 +909,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         self._check_H_init()
         if n_samples < 1:
             raise ValueError(f"n_samples must be >= 1, got {n_samples}.")
+        self._check_inputs(X)
         X = self._to_device(X)
         outputs = []
         with torch.set_grad_enabled(self.enable_backprop):

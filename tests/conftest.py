@@ -72,3 +72,8 @@ def toy_classification():
     X = centers[y] + 0.8 * torch.randn(120, 2, generator=g)
     model = train(mlp([2, 16, 3]), X, y, steps=300, classification=True)
     return model, X, y
+
+
+# One thread: on 2 cores, two BLAS threads per process fight with anything else running
+# (a second pytest, the example subprocesses) and products slow down 10-30x.
+torch.set_num_threads(1)

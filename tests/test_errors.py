@@ -1,0 +1,424 @@
+"""Every bad input raises the documented exception with a message that says what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import loader, mlp, regression_data
+from laplace import Laplace
+from laplace.curvature import CurvlinopsEF, CurvlinopsGGN, CurvlinopsHessian
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from laplace_glas import ActiveSubspaceLaplace, NotFittedError
+
+D_SMALL = 13  # mlp([1, 4, 1]): 4 + 4 + 4 + 1
+
+
+def small_model() -> nn.Module:
+    return mlp([1, 4, 1]).eval()
+
+
+def small_classifier() -> nn.Module:
+    return mlp([2, 4, 3]).eval()
+
+
+@pytest.fixture(scope="module")
+def reg_data():
+    return regression_data(20)
+
+
+@pytest.fixture(scope="module")
+def cls_data():
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(24, 2, generator=g)
+    y = torch.arange(3).repeat(8)
+    return X, y
+
+
+@pytest.fixture
+def fitted(reg_data):
+    """A freshly fitted GLAS (function scope: some tests change its state)."""
+    X, y = reg_data
+    la = ActiveSubspaceLaplace(small_model(), "regression", n_components=3)
+    la.fit(loader(X, y, batch_size=8))
+    return la
+
+
+def glas(model=None, likelihood="regression", **kwargs):
+    kwargs.setdefault("n_components", 2)
+    model = model if model is not None else small_model()
+    return ActiveSubspaceLaplace(model, likelihood, **kwargs)
+
+
+# ---------------------------------------------------------------- constructor arguments
+@pytest.mark.parametrize("k", [0, -3])
+def test_n_components_below_one(k):
+    with pytest.raises(ValueError, match=r"n_components must be >= 1"):
+        glas(n_components=k)
+
+
+@pytest.mark.parametrize("k", [D_SMALL, D_SMALL + 1, 10_000])
+def test_n_components_not_below_d_points_to_eigsh_and_full_laplace(k):
+    with pytest.raises(ValueError, match=r"eigsh") as info:
+        glas(n_components=k)
+    message = str(info.value)
+    assert f"D={D_SMALL}" in message
+    assert "FullLaplace" in message
+
+
+def test_largest_allowed_n_components_is_d_minus_one():
+    la = glas(n_components=D_SMALL - 1)
+    assert la.n_components == D_SMALL - 1
+
+
+@pytest.mark.parametrize("k", [2.0, "3", None, True, torch.tensor(2)])
+def test_n_components_must_be_an_int(k):
+    with pytest.raises(TypeError, match=r"n_components must be an int"):
+        glas(n_components=k)
+
+
+@pytest.mark.parametrize("scaling", ["avg", "MEAN", "", None])
+def test_unknown_loss_scaling(scaling):
+    with pytest.raises(ValueError, match=r"loss_scaling must be 'mean'.*or 'sum'"):
+        glas(loss_scaling=scaling)
+
+
+@pytest.mark.parametrize("complement", ["full", "Prior", None])
+def test_unknown_complement(complement):
+    with pytest.raises(ValueError, match=r"complement must be 'zero' or 'prior'"):
+        glas(complement=complement)
+
+
+def test_reward_modeling_likelihood_is_rejected():
+    with pytest.raises(ValueError, match=r"'regression' or 'classification'.*reward_modeling"):
+        glas(likelihood="reward_modeling")
+
+
+def test_reward_modeling_likelihood_is_rejected_through_the_factory():
+    with pytest.raises(ValueError, match=r"'regression' or 'classification'.*reward_modeling"):
+        Laplace(
+            small_model(),
+            "reward_modeling",
+            subset_of_weights="all",
+            hessian_structure="glas",
+            n_components=2,
+        )
+
+
+def test_model_without_parameters():
+    with pytest.raises(ValueError, match=r"no parameters that require grad"):
+        glas(nn.Sequential(nn.Tanh()), n_components=1)
+
+
+def test_model_with_frozen_parameters_only():
+    model = small_model()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"no parameters that require grad"):
+        glas(model, n_components=1)
+
+
+def test_frozen_parameters_do_not_count_towards_d():
+    model = small_model()
+    model[0].weight.requires_grad_(False)  # D = 13 - 4 = 9
+    glas(model, n_components=8)
+    with pytest.raises(ValueError, match=r"D=9"):
+        glas(model, n_components=9)
+
+
+def test_not_a_module():
+    with pytest.raises(TypeError, match=r"torch.nn.Module"):
+        glas(lambda x: x)
+
+
+@pytest.mark.parametrize("subset", ["last_layer", "subnetwork"])
+def test_factory_rejects_glas_on_a_weight_subset(subset):
+    with pytest.raises(ValueError, match=r"Unsupported Laplace combination|Subnetwork Laplace"):
+        Laplace(small_model(), "regression", subset_of_weights=subset, hessian_structure="glas")
+
+
+def test_factory_last_layer_message_names_the_combination():
+    with pytest.raises(ValueError, match=r"Unsupported Laplace combination: .*last_layer.*glas"):
+        Laplace(
+            small_model(), "regression", subset_of_weights="last_layer", hessian_structure="glas"
+        )
+
+
+@pytest.mark.parametrize("backend", [CurvlinopsEF, CurvlinopsHessian])
+def test_non_ggn_backend_is_rejected(backend):
+    with pytest.raises(ValueError, match=rf"exact GGN.*{backend.__name__}"):
+        glas(backend=backend)
+    with pytest.raises(ValueError, match=r"exact GGN"):
+        Laplace(
+            small_model(),
+            "regression",
+            subset_of_weights="all",
+            hessian_structure="glas",
+            n_components=2,
+            backend=backend,
+        )
+
+
+def test_ggn_backend_is_accepted_and_changes_nothing(reg_data):
+    X, y = reg_data
+    model = small_model()
+    with_backend = glas(model, backend=CurvlinopsGGN)
+    default = glas(model)
+    with_backend.fit(loader(X, y))
+    default.fit(loader(X, y))
+    assert isinstance(with_backend, ActiveSubspaceLaplace)
+    torch.testing.assert_close(with_backend.eigenvalues, default.eigenvalues, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"subsample_size": 0}, r"subsample_size must be a positive int"),
+        ({"subsample_size": 2.5}, r"subsample_size must be a positive int"),
+        ({"sample_chunk_size": 0}, r"sample_chunk_size must be >= 1"),
+    ],
+)
+def test_other_invalid_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        glas(**kwargs)
+
+
+# ---------------------------------------------------------------- before fit
+UNFITTED_CALLS = {
+    "glm predictive": lambda la, X: la(X),
+    "nn predictive": lambda la, X: la(X, pred_type="nn", link_approx="mc"),
+    "sample": lambda la, X: la.sample(),
+    "log_marginal_likelihood": lambda la, X: la.log_marginal_likelihood(),
+    "eigenvalues": lambda la, X: la.eigenvalues,
+    "eigenvectors": lambda la, X: la.eigenvectors,
+    "posterior_variances": lambda la, X: la.posterior_variances,
+    "posterior_covariance": lambda la, X: la.posterior_covariance,
+    "posterior_precision": lambda la, X: la.posterior_precision,
+    "log_det_ratio": lambda la, X: la.log_det_ratio,
+    "lanczos_info": lambda la, X: la.lanczos_info,
+    "optimize_prior_precision": lambda la, X: la.optimize_prior_precision(),
+    "state_dict": lambda la, X: la.state_dict(),
+    "functional_samples": lambda la, X: la.functional_samples(X),
+    "predictive_samples nn": lambda la, X: la.predictive_samples(X, pred_type="nn"),
+}
+
+
+@pytest.mark.parametrize("call", list(UNFITTED_CALLS.values()), ids=list(UNFITTED_CALLS))
+def test_use_before_fit_raises_not_fitted(call, reg_data):
+    X, _ = reg_data
+    la = glas()
+    with pytest.raises(NotFittedError, match=r"not fitted yet.*call fit"):
+        call(la, X)
+
+
+@pytest.mark.parametrize("attribute", ["scatter", "log_likelihood"])
+def test_evidence_terms_before_fit_raise_not_fitted(attribute):
+    la = glas()
+    with pytest.raises(NotFittedError, match=r"not fitted yet"):
+        getattr(la, attribute)
+
+
+def test_not_fitted_error_is_a_value_error():
+    # callers that catch laplace-torch's ValueError keep working
+    assert issubclass(NotFittedError, ValueError)
+
+
+# ---------------------------------------------------------------- training data
+def test_empty_loader():
+    empty = DataLoader(TensorDataset(torch.zeros(0, 1), torch.zeros(0, 1)), batch_size=4)
+    with pytest.raises(ValueError, match=r"loader is empty"):
+        glas().fit(empty)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_training_inputs(reg_data, value):
+    X, y = reg_data
+    X = X.clone()
+    X[13] = value
+    with pytest.raises(ValueError, match=r"training inputs of batch 1 contains NaN or inf"):
+        glas().fit(loader(X, y, batch_size=8))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_training_targets(reg_data, value):
+    X, y = reg_data
+    y = y.clone()
+    y[2] = value
+    with pytest.raises(ValueError, match=r"training targets of batch 0 contains NaN or inf"):
+        glas().fit(loader(X, y, batch_size=8))
+
+
+@pytest.mark.parametrize(
+    "reshape",
+    [
+        lambda y: y.reshape(-1),
+        lambda y: y.repeat(1, 2),
+        lambda y: y.unsqueeze(-1),
+    ],
+    ids=["(N,)", "(N, 2)", "(N, 1, 1)"],
+)
+def test_regression_targets_of_the_wrong_shape(reg_data, reshape):
+    X, y = reg_data
+    with pytest.raises(ValueError, match=r"Regression targets of shape .* do not match .*\(8, 1\)"):
+        glas().fit(loader(X, reshape(y), batch_size=8))
+
+
+def test_classification_with_float_labels(cls_data):
+    X, y = cls_data
+    with pytest.raises(ValueError, match=r"integer class labels.*float32"):
+        glas(small_classifier(), "classification").fit(loader(X, y.float()))
+
+
+def test_classification_with_one_hot_labels(cls_data):
+    X, y = cls_data
+    with pytest.raises(ValueError, match=r"integer class labels of shape \(batch,\)"):
+        glas(small_classifier(), "classification").fit(loader(X, nn.functional.one_hot(y, 3)))
+
+
+@pytest.mark.parametrize("shift", [1, -1])
+def test_classification_with_out_of_range_labels(cls_data, shift):
+    X, y = cls_data
+    with pytest.raises(ValueError, match=r"Class labels must lie in \[0, 2\]"):
+        glas(small_classifier(), "classification").fit(loader(X, y + shift))
+
+
+def test_fit_without_override(reg_data):
+    X, y = reg_data
+    with pytest.raises(ValueError, match=r"override=False.*not additive"):
+        glas().fit(loader(X, y), override=False)
+
+
+def test_shuffled_loader_with_drop_last(reg_data):
+    X, y = reg_data
+    dl = DataLoader(TensorDataset(X, y), batch_size=7, shuffle=True, drop_last=True)
+    with pytest.raises(ValueError, match=r"drop_last=True"):
+        glas().fit(dl)
+
+
+def test_shuffled_loader_without_drop_last_is_fine(reg_data):
+    X, y = reg_data
+    shuffled = glas()
+    shuffled.fit(DataLoader(TensorDataset(X, y), batch_size=7, shuffle=True))
+    ordered = glas()
+    ordered.fit(loader(X, y, batch_size=7))
+    torch.testing.assert_close(shuffled.eigenvalues, ordered.eigenvalues, rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------- prediction time
+NAN_BATCH = torch.tensor([[0.5], [float("nan")], [-0.5]])
+INF_BATCH = torch.tensor([[0.5], [float("inf")]])
+
+
+@pytest.mark.parametrize("X", [NAN_BATCH, INF_BATCH], ids=["nan", "inf"])
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"pred_type": "nn", "link_approx": "mc"}], ids=["glm", "nn"]
+)
+def test_non_finite_inputs_at_prediction(fitted, X, kwargs):
+    with pytest.raises(ValueError, match=r"input contains NaN or inf"):
+        fitted(X, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "method, pred_type",
+    [
+        ("functional_samples", "glm"),
+        ("functional_samples", "nn"),
+        ("predictive_samples", "glm"),
+        ("predictive_samples", "nn"),
+    ],
+)
+def test_non_finite_inputs_to_samplers(fitted, method, pred_type):
+    with pytest.raises(ValueError, match=r"input contains NaN or inf"):
+        getattr(fitted, method)(NAN_BATCH, pred_type=pred_type, n_samples=4)
+
+
+def test_empty_prediction_batch(fitted):
+    with pytest.raises(ValueError, match=r"input batch is empty"):
+        fitted(torch.zeros(0, 1))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"pred_type": "gp"}, r"Only glm and nn"),
+        ({"pred_type": "nn", "link_approx": "probit"}, r"Only mc link approximation"),
+        ({"link_approx": "laplace_bridge"}, r"Unsupported link approximation"),
+        ({"pred_type": "nn", "link_approx": "mc", "n_samples": 0}, r"n_samples must be >= 1"),
+        ({"pred_type": "nn", "link_approx": "mc", "joint": True}, r"joint=True"),
+        ({"generator": 123}, r"Invalid random generator"),
+    ],
+)
+def test_invalid_predictive_arguments(fitted, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fitted(torch.zeros(3, 1), **kwargs)
+
+
+# ---------------------------------------------------------------- prior precision
+def test_per_layer_prior_precision_is_rejected_at_use(fitted):
+    fitted.prior_precision = torch.ones(fitted.n_layers)
+    for use in (
+        lambda: fitted.posterior_variances,
+        lambda: fitted.log_marginal_likelihood(),
+        lambda: fitted(torch.zeros(2, 1)),
+        lambda: fitted.sample(3),
+    ):
+        with pytest.raises(ValueError, match=r"scalar .*prior precision.*shape \(4,\)"):
+            use()
+
+
+def test_per_parameter_prior_precision_from_the_constructor_is_rejected_at_use(reg_data):
+    X, y = reg_data
+    la = glas(prior_precision=torch.ones(D_SMALL))
+    la.fit(loader(X, y))
+    with pytest.raises(ValueError, match=rf"scalar .*prior precision.*shape \({D_SMALL},\)"):
+        _ = la.posterior_variances
+
+
+@pytest.mark.parametrize("structure", ["layerwise", "diag"])
+def test_non_scalar_prior_structure_in_optimize(fitted, structure):
+    with pytest.raises(ValueError, match=r"scalar prior precision only"):
+        fitted.optimize_prior_precision(prior_structure=structure)
+
+
+def test_non_scalar_init_prior_prec_in_optimize(fitted):
+    with pytest.raises(ValueError, match=r"scalar prior precision only"):
+        fitted.optimize_prior_precision(init_prior_prec=torch.ones(fitted.n_layers))
+
+
+def test_gridsearch_without_val_loader(fitted):
+    with pytest.raises(ValueError, match=r"gridsearch requires a validation set"):
+        fitted.optimize_prior_precision(method="gridsearch")
+
+
+# ---------------------------------------------------------------- n_components after fit
+def test_n_components_setter_beyond_computed_pairs(fitted):
+    assert fitted.n_components == 3
+    with pytest.raises(ValueError, match=r"Only 3 eigenpairs were computed.*refit"):
+        fitted.n_components = 4
+    assert fitted.n_components == 3  # unchanged by the failed assignment
+    fitted.n_components = 2
+    assert fitted.eigenvalues.shape == (2,)
+    fitted.n_components = 3  # back up to what was computed: allowed
+    assert fitted.eigenvalues.shape == (3,)
+
+
+@pytest.mark.parametrize(
+    "k, error, match",
+    [
+        (0, ValueError, r">= 1"),
+        (D_SMALL, ValueError, r"eigsh"),
+        (1.5, TypeError, r"must be an int"),
+    ],
+)
+def test_n_components_setter_validates(fitted, k, error, match):
+    with pytest.raises(error, match=match):
+        fitted.n_components = k
+
+
+def test_n_components_setter_before_fit_sets_the_request(reg_data):
+    X, y = reg_data
+    la = glas(n_components=2)
+    la.n_components = 5
+    la.fit(loader(X, y))
+    assert la.eigenvalues.shape == (5,)
