@@ -142,10 +142,18 @@ class ActiveSubspaceLaplace(ParametricLaplace):
     complement : {'zero', 'prior'}, default='zero'
         Variance outside ``span(U)``: none (GLAS), or the prior's ``1/tau`` (the
         posterior of laplace-torch's ``LowRankLaplace``).
+    solver : {'lanczos', 'block'}, default='lanczos'
+        Eigen-solver: ARPACK's Lanczos (``scipy.sparse.linalg.eigsh``, one GGN
+        product per data pass, the reference) or block Krylov with Rayleigh-Ritz
+        (``block_size`` products per data pass; fewer passes over the data).
+    block_size : int, optional
+        Columns per data pass of the block solver (default ``max(k, 8)``).
     tol : float, default=0.0
-        Lanczos relative tolerance (``0``: machine precision of the model's dtype).
+        Relative tolerance (``0``: machine precision of the model's dtype for Lanczos;
+        1e-5 / 1e-8 in float32 / float64 for the block solver).
     maxiter : int, optional
-        Lanczos restarts allowed (ARPACK's default ``10 * D``).
+        Lanczos restarts allowed (ARPACK's default ``10 * D``); data passes for the
+        block solver (default 50).
     ncv : int, optional
         Lanczos basis size (ARPACK's default ``min(D, max(2k + 1, 20))``).
     seed : int, default=0
@@ -195,6 +203,8 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         n_components: int = 20,
         loss_scaling: str = "mean",
         complement: str = "zero",
+        solver: str = "lanczos",
+        block_size: int | None = None,
         tol: float = 0.0,
         maxiter: int | None = None,
         ncv: int | None = None,
@@ -225,6 +235,8 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             )
         if complement not in _COMPLEMENTS:
             raise ValueError(f"complement must be 'zero' or 'prior', got {complement!r}.")
+        if solver not in ("lanczos", "block"):
+            raise ValueError(f"solver must be 'lanczos' or 'block', got {solver!r}.")
         self._validate_n_components(n_components, n_params)
         if backend is not None and not issubclass(backend, _GGN_BACKENDS):
             raise ValueError(
@@ -257,6 +269,8 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         self.loss_scaling = loss_scaling
         self.complement = complement
         self._n_components = int(n_components)
+        self.solver = solver
+        self.block_size = block_size
         self.tol = tol
         self.maxiter = maxiter
         self.ncv = ncv
@@ -586,6 +600,8 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             rank_threshold=self.rank_threshold,
             n_data=eigen_n,
             progress_bar=progress_bar,
+            solver=self.solver,
+            block_size=self.block_size,
         )
 
     # ------------------------------------------------------------------ posterior

@@ -27,6 +27,8 @@ from scipy.sparse.linalg import ArpackNoConvergence, LinearOperator, eigsh
 from torch import nn
 from tqdm.auto import tqdm
 
+from laplace_glas.block_krylov import block_krylov_eigenpairs
+
 __all__ = [
     "Eigenpairs",
     "LanczosConvergenceWarning",
@@ -79,7 +81,7 @@ class Eigenpairs:
     rank_threshold : float
         Relative threshold used for ``below_threshold``.
     solver : str
-        Name of the solver (``'lanczos'``).
+        Name of the solver (``'lanczos'`` or ``'block'``).
 
     """
 
@@ -216,6 +218,115 @@ def mean_ggn_operator(
     )
 
 
+def _solve_lanczos(
+    operator: GGNLinearOperator | LinearOperator,
+    k: int,
+    scale: float,
+    dtype: torch.dtype,
+    tol: float,
+    maxiter: int | None,
+    ncv: int | None,
+    generator: torch.Generator | None,
+    pbar: tqdm,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """ARPACK on the SciPy operator; returns values, vectors, their images, products,
+    converged count (descending order).
+    """
+    D = operator.shape[0]
+    np_dtype = _TORCH_TO_NUMPY[dtype]
+    scipy_operator = (
+        operator.to_scipy(dtype=np_dtype) if hasattr(operator, "to_scipy") else operator
+    )
+    counting = _CountingOperator(scipy_operator, scale, on_product=pbar.update)
+    v0 = torch.randn(D, generator=generator, dtype=torch.float64).numpy().astype(np_dtype)
+    try:
+        values, vectors = eigsh(counting, k=k, which="LA", tol=tol, maxiter=maxiter, ncv=ncv, v0=v0)
+        n_converged = k
+    except ArpackNoConvergence as err:
+        values, vectors = err.eigenvalues, err.eigenvectors
+        n_converged = len(values)
+        if n_converged == 0:
+            raise RuntimeError(
+                f"Lanczos did not converge for any of the {k} requested eigenpairs "
+                f"after {counting.n_products} GGN products; raise maxiter or tol."
+            ) from None
+        warnings.warn(
+            f"Lanczos did not converge for {k - n_converged} of the {k} requested "
+            f"eigenpairs ({counting.n_products} GGN products); keeping the "
+            f"{n_converged} converged ones.",
+            LanczosConvergenceWarning,
+            stacklevel=3,
+        )
+    order = np.argsort(values)[::-1]
+    values = np.ascontiguousarray(values[order])
+    vectors = np.ascontiguousarray(vectors[:, order])
+    images = counting.matmat(vectors)  # residual check: one product with k columns
+    as_torch = lambda a: torch.as_tensor(a, dtype=dtype)  # noqa: E731
+    return as_torch(values), as_torch(vectors), as_torch(images), counting.n_products, n_converged
+
+
+def _solve_block(
+    operator: GGNLinearOperator | LinearOperator,
+    k: int,
+    scale: float,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tol: float,
+    maxiter: int | None,
+    block_size: int | None,
+    rank_threshold: float,
+    generator: torch.Generator | None,
+    pbar: tqdm,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """Block Krylov with ``block_size`` columns per data pass (basis kept in float64)."""
+
+    def matmat(V: torch.Tensor) -> torch.Tensor:
+        if hasattr(operator, "to_scipy"):  # a curvlinops operator: stay in torch
+            GV = operator @ V.to(dtype)
+        else:
+            GV = torch.as_tensor(operator.matmat(V.cpu().numpy().astype(_TORCH_TO_NUMPY[dtype])))
+        GV = scale * GV.to(device=V.device, dtype=V.dtype)
+        pbar.update(V.shape[1])
+        if not torch.isfinite(GV).all():
+            raise FloatingPointError(
+                "A GGN-vector product returned NaN or inf. Check the model's outputs "
+                "and the training data for non-finite values."
+            )
+        return GV
+
+    basis_dtype = torch.float64 if torch.device(device).type != "mps" else torch.float32
+    if tol <= 0:
+        tol = 1e-5 if dtype == torch.float32 else 1e-8
+    result = block_krylov_eigenpairs(
+        matmat,
+        operator.shape[0],
+        k,
+        block_size=block_size,
+        tol=tol,
+        max_passes=maxiter or 50,
+        rank_threshold=rank_threshold,
+        generator=generator,
+        dtype=basis_dtype,
+        device=device,
+    )
+    n_converged = int(result.converged.sum())
+    if n_converged < k:
+        warnings.warn(
+            f"The block solver did not converge for {k - n_converged} of the {k} "
+            f"requested eigenpairs in {result.n_passes} data passes "
+            f"({result.n_products} GGN products); their residuals are reported.",
+            LanczosConvergenceWarning,
+            stacklevel=3,
+        )
+    return (
+        result.values.to(dtype),
+        result.vectors.to(dtype),
+        result.images.to(dtype),
+        result.n_products,
+        n_converged,
+    )
+
+
 def compute_eigenpairs(
     operator: GGNLinearOperator | LinearOperator,
     k: int,
@@ -230,8 +341,10 @@ def compute_eigenpairs(
     rank_threshold: float | None = None,
     n_data: int = 0,
     progress_bar: bool = False,
+    solver: str = "lanczos",
+    block_size: int | None = None,
 ) -> Eigenpairs:
-    """Top-``k`` eigenpairs of ``scale * operator`` by ``eigsh(which='LA')``.
+    """Top-``k`` eigenpairs of ``scale * operator``.
 
     Parameters
     ----------
@@ -244,15 +357,17 @@ def compute_eigenpairs(
         Factor applied to every product (e.g. ``C / 2`` turns the GGN of
         ``MSELoss(reduction='mean')`` into the unit-noise Gaussian GGN).
     dtype, device : torch.dtype, torch.device
-        Precision of the solve and of the returned tensors, and their device.
+        Precision of the products and of the returned tensors, and their device.
     tol : float
-        ARPACK's relative accuracy; ``0`` means machine precision of ``dtype``.
+        Relative accuracy; ``0`` means machine precision of ``dtype`` for Lanczos
+        and ``1e-5`` (float32) / ``1e-8`` (float64) for the block solver.
     maxiter : int, optional
-        ARPACK's maximum number of restarts (default ``10 * D``).
+        Lanczos: ARPACK's maximum number of restarts (default ``10 * D``); block:
+        maximum number of data passes (default 50).
     ncv : int, optional
         Lanczos basis size (default ``min(D, max(2k + 1, 20))``).
     generator : torch.Generator, optional
-        Source of the random start vector; the solve is deterministic given it.
+        Source of the random start vector(s); the solve is deterministic given it.
     rank_threshold : float, optional
         Eigenvalues below ``rank_threshold * lambda_1`` are reported in
         ``below_threshold`` and set to zero. Default ``100 * eps(dtype)``.
@@ -260,6 +375,12 @@ def compute_eigenpairs(
         Recorded in the result (the number of points the operator averages over).
     progress_bar : bool
         Show a ``tqdm`` counter of operator products.
+    solver : {'lanczos', 'block'}
+        ``'lanczos'``: ARPACK's implicitly restarted Lanczos (``eigsh``), one vector
+        per product, the reference. ``'block'``: block Krylov with Rayleigh-Ritz
+        (:mod:`laplace_glas.block_krylov`), ``block_size`` vectors per data pass.
+    block_size : int, optional
+        Columns per pass of the block solver (default ``max(k, 8)``).
 
     Returns
     -------
@@ -268,11 +389,11 @@ def compute_eigenpairs(
     Raises
     ------
     ValueError
-        If ``k`` is outside ``[1, D - 1]``.
+        If ``k`` is outside ``[1, D - 1]`` or the solver is unknown.
     FloatingPointError
         If a product is not finite.
     RuntimeError
-        If not a single eigenpair converged.
+        If Lanczos converged for not a single eigenpair.
 
     """
     D = operator.shape[0]
@@ -283,54 +404,39 @@ def compute_eigenpairs(
             f"k={k} eigenpairs requested from a {D}-dimensional operator: Lanczos "
             f"(scipy eigsh) needs 1 <= k < D = {D}."
         )
-    np_dtype = _TORCH_TO_NUMPY[dtype]
-    scipy_operator = (
-        operator.to_scipy(dtype=np_dtype) if hasattr(operator, "to_scipy") else operator
-    )
+    if solver not in ("lanczos", "block"):
+        raise ValueError(f"solver must be 'lanczos' or 'block', got {solver!r}.")
+    if rank_threshold is None:
+        rank_threshold = 100.0 * torch.finfo(dtype).eps
     pbar = tqdm(desc="[GLAS] GGN products", unit="prod", disable=not progress_bar)
-    counting = _CountingOperator(scipy_operator, scale, on_product=pbar.update)
-
-    v0 = torch.randn(D, generator=generator, dtype=torch.float64).numpy()
     start = time.perf_counter()
     try:
-        values, vectors = eigsh(
-            counting, k=k, which="LA", tol=tol, maxiter=maxiter, ncv=ncv, v0=v0.astype(np_dtype)
-        )
-        n_converged = k
-    except ArpackNoConvergence as err:
-        values, vectors = err.eigenvalues, err.eigenvectors
-        n_converged = len(values)
-        if n_converged == 0:
-            pbar.close()
-            raise RuntimeError(
-                f"Lanczos did not converge for any of the {k} requested eigenpairs "
-                f"after {counting.n_products} GGN products; raise maxiter or tol."
-            ) from None
-        warnings.warn(
-            f"Lanczos did not converge for {k - n_converged} of the {k} requested "
-            f"eigenpairs ({counting.n_products} GGN products); keeping the "
-            f"{n_converged} converged ones.",
-            LanczosConvergenceWarning,
-            stacklevel=2,
-        )
-    order = np.argsort(values)[::-1]
-    values = np.ascontiguousarray(values[order])
-    vectors = np.ascontiguousarray(vectors[:, order])
-
-    # residual check: one product with all k columns
-    products = counting.matmat(vectors)
-    pbar.close()
+        if solver == "lanczos":
+            raw, U, GU, n_products, n_converged = _solve_lanczos(
+                operator, k, scale, dtype, tol, maxiter, ncv, generator, pbar
+            )
+        else:
+            raw, U, GU, n_products, n_converged = _solve_block(
+                operator,
+                k,
+                scale,
+                dtype,
+                device,
+                tol,
+                maxiter,
+                block_size,
+                rank_threshold,
+                generator,
+                pbar,
+            )
+    finally:
+        pbar.close()
     wall_time = time.perf_counter() - start
+    raw, U, GU = raw.cpu(), U.cpu(), GU.cpu()
 
-    raw = torch.as_tensor(values, dtype=dtype)
-    U = torch.as_tensor(vectors, dtype=dtype)
-    GU = torch.as_tensor(products, dtype=dtype)
     residual_norms = torch.linalg.vector_norm(GU - U * raw, dim=0)
     residuals = residual_norms / raw.abs()
     residuals = torch.where(raw.abs() > 0, residuals, torch.full_like(raw, float("inf")))
-
-    if rank_threshold is None:
-        rank_threshold = 100.0 * torch.finfo(dtype).eps
     top = raw[0].clamp(min=0)
     below = raw <= rank_threshold * top
     cleaned = torch.where(below, torch.zeros_like(raw), raw)
@@ -340,10 +446,11 @@ def compute_eigenpairs(
         residuals=residuals.to(device),
         below_threshold=below.to(device),
         raw_values=raw.to(device),
-        n_products=int(counting.n_products),
+        n_products=int(n_products),
         n_requested=int(k),
         n_converged=int(n_converged),
         wall_time=float(wall_time),
         n_data=int(n_data),
         rank_threshold=float(rank_threshold),
+        solver=solver,
     )

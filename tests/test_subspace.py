@@ -168,3 +168,67 @@ def test_truncate_keeps_leading_pairs(toy_regression):
     assert t.k == 2 and torch.equal(t.vectors, eig.vectors[:, :2])
     with pytest.raises(ValueError):
         eig.truncate(5)
+
+
+@pytest.mark.parametrize("k", [3, 10, 40])
+def test_block_solver_matches_lanczos(toy_regression, k):
+    """The block Krylov solver finds the same eigenpairs as ARPACK (rank ~20 here, so
+    k = 40 also exercises the numerically-zero tail)."""
+    model, X, y = toy_regression
+    op = mean_ggn_operator(model, nn.MSELoss(), list(model.parameters()), loader(X, y), 100)
+    g = torch.Generator
+    ref = compute_eigenpairs(op, k, scale=0.5, generator=g().manual_seed(0))
+    blk = compute_eigenpairs(op, k, scale=0.5, generator=g().manual_seed(1), solver="block")
+    assert blk.solver == "block" and blk.n_converged == k
+    nonzero = ~ref.below_threshold
+    torch.testing.assert_close(blk.values[nonzero], ref.values[nonzero], rtol=1e-4, atol=0)
+    assert torch.equal(blk.below_threshold, ref.below_threshold)
+    # eigenvectors of well-separated, resolved eigenvalues agree up to sign
+    vals = ref.values.double()
+    gaps = torch.minimum(
+        torch.cat([vals[:1] * 0 + float("inf"), vals[:-1] - vals[1:]]),
+        torch.cat([vals[:-1] - vals[1:], vals[-1:] * 0 + float("inf")]),
+    )
+    separated = nonzero & (gaps > 1e-2 * vals[0])
+    overlap = (blk.vectors.T @ ref.vectors).abs().diagonal()
+    assert torch.all(overlap[separated] > 0.999), overlap
+    # converged: relative residual 1e-5, or below the products' round-off floor
+    absolute = (blk.residuals * blk.raw_values)[nonzero]
+    floor = blk.rank_threshold * blk.raw_values[0]
+    assert torch.all(absolute <= torch.maximum(1e-5 * blk.raw_values[nonzero], floor) * 1.01)
+
+
+def test_block_solver_through_laplace_and_reports_passes(toy_regression):
+    from laplace import Laplace
+
+    model, X, y = toy_regression
+    kw = dict(subset_of_weights="all", hessian_structure="glas", sigma_noise=0.1, n_components=5)
+    lanczos = Laplace(model, "regression", **kw)
+    block = Laplace(model, "regression", solver="block", **kw)
+    lanczos.fit(loader(X, y))
+    block.fit(loader(X, y))
+    torch.testing.assert_close(block.eigenvalues, lanczos.eigenvalues, rtol=1e-4, atol=0)
+    torch.testing.assert_close(
+        block.log_marginal_likelihood(), lanczos.log_marginal_likelihood(), rtol=1e-4, atol=1e-3
+    )
+    assert block.lanczos_info.solver == "block"
+    with pytest.raises(ValueError, match="solver must be"):
+        Laplace(model, "regression", solver="arnoldi", **kw)
+
+
+def test_block_solver_warns_when_passes_run_out():
+    values = np.concatenate([[10.0, 9.0, 8.0], np.linspace(1.0, 1.001, 397)])
+    with pytest.warns(LanczosConvergenceWarning, match="block solver did not converge"):
+        eig = compute_eigenpairs(
+            _diag_operator(values),
+            6,
+            dtype=torch.float64,
+            solver="block",
+            maxiter=2,
+            block_size=6,
+            generator=torch.Generator().manual_seed(0),
+        )
+    assert eig.n_converged < 6
+    torch.testing.assert_close(
+        eig.values[:3], torch.tensor([10.0, 9.0, 8.0], dtype=torch.float64), rtol=1e-6, atol=0
+    )
