@@ -46,6 +46,7 @@ from laplace_glas.batches import (
     subsample_loader,
 )
 from laplace_glas.calibration import DimensionSelection, select_dimension
+from laplace_glas.losses import TokenCrossEntropy, count_targets
 from laplace_glas.posterior import (
     SubspaceOperator,
     log_det_ratio,
@@ -54,6 +55,7 @@ from laplace_glas.posterior import (
     sample_subspace,
 )
 from laplace_glas.predictive import (
+    autodiff_friendly,
     batched_outputs,
     jacobian_gram,
     jvp_directions,
@@ -171,6 +173,9 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         predictive (default: all ``k``).
     sample_chunk_size : int, default=32
         Number of weight samples pushed through the network at once ('nn').
+    ignore_index : int, default=-100
+        Classification targets equal to this value (padding) are left out of the
+        loss, the GGN and the count N of likelihood terms.
     progress_bar : bool, default=False
         Show ``tqdm`` progress bars during ``fit``.
 
@@ -214,6 +219,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         rank_threshold: float | None = None,
         jvp_chunk_size: int | None = None,
         sample_chunk_size: int = 32,
+        ignore_index: int = -100,
         progress_bar: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -280,6 +286,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         self.rank_threshold = rank_threshold
         self.jvp_chunk_size = jvp_chunk_size
         self.sample_chunk_size = sample_chunk_size
+        self.ignore_index = ignore_index
         self.progress_bar = progress_bar
         self._eigenpairs: Eigenpairs | None = None
         self._param_names = parameter_names(model, self.params)
@@ -311,9 +318,13 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             )
 
     def _loss_function(self, reduction: str) -> nn.Module:
+        """MSE for regression; cross-entropy over the last output axis, without
+        ``ignore_index`` targets, for classification (outputs ``(batch, C)`` or
+        ``(batch, seq_len, C)``).
+        """
         if self.likelihood == "regression":
             return nn.MSELoss(reduction=reduction)
-        return nn.CrossEntropyLoss(reduction=reduction)
+        return TokenCrossEntropy(reduction=reduction, ignore_index=self.ignore_index)
 
     def _to_device(self, X: Any) -> Any:
         return X.to(self._device) if isinstance(X, torch.Tensor) else X
@@ -452,7 +463,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
 
         loss, n_data, out_shape = self._loss_at_map(train_loader, show)
         self.loss = loss
-        self.n_data = n_data
+        self.n_data = n_data  # likelihood terms: data points, or tokens for sequences
         self.n_outputs = out_shape[-1]
         self.model.output_size = self.n_outputs
 
@@ -487,19 +498,21 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         """One pass: validate the data and sum laplace-torch's loss at the MAP.
 
         Returns laplace-torch's ``loss`` (``0.5 * SSE`` for regression, summed
-        cross-entropy for classification), the number of data points and the
-        per-point output shape.
+        cross-entropy for classification), the number N of likelihood terms (data
+        points; for sequence outputs, the targets that are not ``ignore_index``) and
+        the per-point output shape.
         """
         lossfunc = self._loss_function("sum")
         factor = 0.5 if self.likelihood == "regression" else 1.0
         total = torch.zeros((), device=self._device, dtype=self._dtype)
-        n_data, out_shape = 0, None
+        n_terms, n_points, out_shape = 0, 0, None
         for i, data in enumerate(tqdm(loader, desc="[GLAS] loss at MAP", disable=not show)):
             X, y = split_batch(data, self.dict_key_y)
             X, y = self._to_device(X), y.to(self._device)
             check_finite("The training inputs", X, i)
             check_finite("The training targets", y, i)
-            out = self.model(X)
+            with autodiff_friendly(self.model):
+                out = self.model(X)
             check_finite("The model output", out, i)
             if self.likelihood == "regression":
                 if y.shape != out.shape:
@@ -507,27 +520,47 @@ class ActiveSubspaceLaplace(ParametricLaplace):
                         f"Regression targets of shape {tuple(y.shape)} do not match the "
                         f"model output of shape {tuple(out.shape)} (batch {i})."
                     )
+                n_terms += batch_size(X, self.dict_key_x)
             else:
-                if out.ndim != 2:
-                    raise ValueError(
-                        "Classification needs model outputs of shape (batch, classes); "
-                        f"got {tuple(out.shape)}."
-                    )
-                if y.shape != out.shape[:1] or y.is_floating_point():
-                    raise ValueError(
-                        "Classification targets must be integer class labels of shape "
-                        f"(batch,); got {tuple(y.shape)} of dtype {y.dtype} (batch {i})."
-                    )
-                if y.numel() and (y.min() < 0 or y.max() >= out.shape[1]):
-                    raise ValueError(
-                        f"Class labels must lie in [0, {out.shape[1] - 1}] (batch {i})."
-                    )
+                n_terms += self._check_labels(out, y, i)
             total += factor * lossfunc(out, y).to(self._dtype)
-            n_data += batch_size(X, self.dict_key_x)
+            n_points += batch_size(X, self.dict_key_x)
             out_shape = out.shape[1:]
-        if n_data == 0:
+        if n_points == 0:
             raise ValueError("The training loader is empty: there is no data to fit.")
-        return total, n_data, out_shape
+        if n_terms == 0:
+            raise ValueError("Every training target equals ignore_index: nothing to fit.")
+        return total, n_terms, out_shape
+
+    def _check_labels(self, out: torch.Tensor, y: torch.Tensor, i: int) -> int:
+        """Validate class labels against the outputs; return the number of targets."""
+        if out.ndim not in (2, 3):
+            raise ValueError(
+                "Classification needs model outputs of shape (batch, classes) or "
+                f"(batch, seq_len, classes); got {tuple(out.shape)}."
+            )
+        if y.shape != out.shape[:-1] or y.is_floating_point():
+            raise ValueError(
+                "Classification targets must be integer class labels of shape (batch,) "
+                "for outputs (batch, classes), or (batch, seq_len) for outputs "
+                f"(batch, seq_len, classes); expected {tuple(out.shape[:-1])}, got "
+                f"{tuple(y.shape)} of dtype {y.dtype} (batch {i})."
+            )
+        valid = y[y != self.ignore_index]
+        if valid.numel() and (valid.min() < 0 or valid.max() >= out.shape[-1]):
+            raise ValueError(f"Class labels must lie in [0, {out.shape[-1] - 1}] (batch {i}).")
+        return int(valid.numel())
+
+    def _count_terms(self, loader: Any) -> int:
+        """Likelihood terms in ``loader`` (targets only, no forward pass)."""
+        n = 0
+        for data in loader:
+            X, y = split_batch(data, self.dict_key_y)
+            if self.likelihood == "regression":
+                n += batch_size(X, self.dict_key_x)
+            else:
+                n += count_targets(y, self.ignore_index)
+        return n
 
     def compute_eigenpairs(
         self,
@@ -565,7 +598,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         eigen_loader, eigen_n = train_loader, _n_data
         if subsample_size is not None:
             eigen_loader = subsample_loader(train_loader, subsample_size, generator)
-            eigen_n = subsample_size
+            eigen_n = self._count_terms(eigen_loader)
 
         batch_size_fn = None
         first_X = split_batch(next(iter(train_loader)), self.dict_key_y)[0]
@@ -575,34 +608,43 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             def batch_size_fn(X: MutableMapping) -> int:
                 return batch_size(X, key_x)
 
+        if self.likelihood == "regression":
+            # MSELoss(reduction='mean') also averages over the C outputs and drops the
+            # factor 1/2: its GGN is 2/(N C) sum J^T J. Rescale to the unit-noise
+            # Gaussian GGN (1/N) sum J^T J.
+            loss_func = self._loss_function("mean")
+            scale = _out_shape.numel() / 2.0
+            num_data = subsample_size if subsample_size is not None else eigen_n
+        else:
+            # summed cross-entropy over the N targets (tokens), scaled by 1/N
+            loss_func = self._loss_function("sum")
+            scale = 1.0 / eigen_n
+            num_data = eigen_n  # not used by curvlinops for reduction="sum"
         operator = mean_ggn_operator(
             self.model,
-            self._loss_function("mean"),
+            loss_func,
             self.params,
             XYBatches(eigen_loader, self.dict_key_y),
-            num_data=eigen_n,
+            num_data=num_data,
             batch_size_fn=batch_size_fn,
         )
-        # MSELoss(reduction='mean') also averages over the C outputs and drops the
-        # factor 1/2: its GGN is 2/(N C) sum J^T J. Rescale to the unit-noise
-        # Gaussian GGN (1/N) sum J^T J.
-        scale = _out_shape.numel() / 2.0 if self.likelihood == "regression" else 1.0
-        return compute_eigenpairs(
-            operator,
-            k,
-            scale=scale,
-            dtype=self._dtype,
-            device=self._device,
-            tol=self.tol if tol is None else tol,
-            maxiter=self.maxiter if maxiter is None else maxiter,
-            ncv=self.ncv if ncv is None else ncv,
-            generator=generator,
-            rank_threshold=self.rank_threshold,
-            n_data=eigen_n,
-            progress_bar=progress_bar,
-            solver=self.solver,
-            block_size=self.block_size,
-        )
+        with autodiff_friendly(self.model):
+            return compute_eigenpairs(
+                operator,
+                k,
+                scale=scale,
+                dtype=self._dtype,
+                device=self._device,
+                tol=self.tol if tol is None else tol,
+                maxiter=self.maxiter if maxiter is None else maxiter,
+                ncv=self.ncv if ncv is None else ncv,
+                generator=generator,
+                rank_threshold=self.rank_threshold,
+                n_data=eigen_n,
+                progress_bar=progress_bar,
+                solver=self.solver,
+                block_size=self.block_size,
+            )
 
     # ------------------------------------------------------------------ posterior
     @property
@@ -823,49 +865,57 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             probs = self._nn_predictive_samples(x, n_samples, generator, **model_kwargs)
             return probs.mean(dim=0)
 
-        if self.likelihood == "classification" and link_approx == LinkApprox.MC:
-            f_mu, f_var = self._glm_predictive_distribution(x)
-            return self._glm_predictive_samples(
+        if joint:
+            f_mu, f_var, _ = self._glm_moments(x, joint=True)
+            if self.likelihood == "regression":
+                return f_mu, f_var
+            raise ValueError("joint=True is only available for regression.")
+        f_mu, f_var, lead = self._glm_moments(x)
+        C = f_mu.shape[-1]
+        if self.likelihood == "regression":
+            if diagonal_output:
+                return f_mu.reshape(*lead, C), f_var.diagonal(dim1=-2, dim2=-1).reshape(*lead, C)
+            return f_mu.reshape(*lead, C), f_var.reshape(*lead, C, C)
+        if link_approx == LinkApprox.MC:
+            probs = self._glm_predictive_samples(
                 f_mu, f_var, n_samples, diagonal_output, generator
             ).mean(dim=0)
-        if self.likelihood == "classification" and link_approx in (
-            LinkApprox.BRIDGE,
-            LinkApprox.BRIDGE_NORM,
-        ):
-            f_mu, f_var = self._glm_predictive_distribution(x)
-            return laplace_bridge(f_mu, f_var, normalize=link_approx == LinkApprox.BRIDGE_NORM)
-        return self._glm_forward_call(
-            x, self.likelihood, joint, link_approx, n_samples, diagonal_output
-        )
+        elif link_approx == LinkApprox.PROBIT:
+            kappa = 1 / torch.sqrt(1.0 + math.pi / 8 * f_var.diagonal(dim1=1, dim2=2))
+            probs = torch.softmax(kappa * f_mu, dim=-1)
+        else:
+            probs = laplace_bridge(f_mu, f_var, normalize=link_approx == LinkApprox.BRIDGE_NORM)
+        return probs.reshape(*lead, C)
 
-    def _glm_predictive_distribution(
-        self,
-        X: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
-        joint: bool = False,
-        diagonal_output: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean ``f(x; theta*)`` and covariance ``J Sigma J^T`` of the linearised model."""
+    def _glm_moments(
+        self, X: torch.Tensor | MutableMapping[str, torch.Tensor | Any], joint: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Size]:
+        """Linearised predictive ``f(x; theta*)``, ``J Sigma J^T`` and the leading shape.
+
+        Outputs ``(batch, ..., C)`` are flattened to ``(n, C)`` with
+        ``n = batch * ...`` (one Gaussian per token for sequence models) and the
+        covariance is ``(n, C, C)``; with ``joint`` they are ``(n C,)`` and
+        ``(n C, n C)``.
+        """
         self._check_H_init()
         self._check_inputs(X)
         X = self._to_device(X)
         U = self.eigenvectors
         v = self.posterior_variances
         theta = self.mean if self.enable_backprop else self.mean.detach()
-        with torch.set_grad_enabled(self.enable_backprop):
+        names, shapes = self._param_names, self._param_shapes
+        with torch.set_grad_enabled(self.enable_backprop), autodiff_friendly(self.model):
             f_mu, JU = jvp_directions(
-                self.model,
-                self._param_names,
-                self._param_shapes,
-                theta,
-                X,
-                U,
-                chunk_size=self.jvp_chunk_size,
+                self.model, names, shapes, theta, X, U, chunk_size=self.jvp_chunk_size
             )
-            if f_mu.ndim != 2:
+            if f_mu.ndim < 2:
                 raise ValueError(
-                    "The 'glm' predictive needs model outputs of shape (batch, outputs); "
+                    "The 'glm' predictive needs model outputs of shape (batch, ..., outputs); "
                     f"got {tuple(f_mu.shape)}."
                 )
+            lead = f_mu.shape[:-1]
+            f_mu = f_mu.reshape(-1, f_mu.shape[-1])
+            JU = JU.reshape(*f_mu.shape, JU.shape[-1])
             weights = v
             if self.complement == "prior":
                 weights = v - 1.0 / self._tau
@@ -873,22 +923,30 @@ class ActiveSubspaceLaplace(ParametricLaplace):
                 JU_flat = JU.reshape(-1, JU.shape[-1])
                 f_var = (JU_flat * weights) @ JU_flat.T
                 if self.complement == "prior":
-                    gram = jacobian_gram(
-                        self.model, self._param_names, self._param_shapes, theta, X, joint=True
-                    )
+                    gram = jacobian_gram(self.model, names, shapes, theta, X, joint=True)
                     f_var = f_var + gram / self._tau
                 f_mu = f_mu.flatten()
             else:
                 f_var = torch.einsum("nck,k,nlk->ncl", JU, weights, JU)
                 if self.complement == "prior":
-                    gram = jacobian_gram(
-                        self.model, self._param_names, self._param_shapes, theta, X
-                    )
-                    f_var = f_var + gram / self._tau
-                if diagonal_output:
-                    f_var = torch.diagonal(f_var, dim1=-2, dim2=-1)
+                    f_var = f_var + jacobian_gram(self.model, names, shapes, theta, X) / self._tau
         if not self.enable_backprop:
-            return f_mu.detach(), f_var.detach()
+            f_mu, f_var = f_mu.detach(), f_var.detach()
+        return f_mu, f_var, lead
+
+    def _glm_predictive_distribution(
+        self,
+        X: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
+        joint: bool = False,
+        diagonal_output: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean ``f(x; theta*)`` ``(n, C)`` and covariance ``J Sigma J^T`` ``(n, C, C)``
+        of the linearised model (laplace-torch's hook; sequence outputs come
+        flattened to one row per token).
+        """
+        f_mu, f_var, _ = self._glm_moments(X, joint=joint)
+        if diagonal_output and not joint:
+            f_var = torch.diagonal(f_var, dim1=-2, dim2=-1)
         return f_mu, f_var
 
     def functional_variance(self, Js: torch.Tensor) -> torch.Tensor:
@@ -928,7 +986,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         self._check_inputs(X)
         X = self._to_device(X)
         outputs = []
-        with torch.set_grad_enabled(self.enable_backprop):
+        with torch.set_grad_enabled(self.enable_backprop), autodiff_friendly(self.model):
             for start in range(0, n_samples, self.sample_chunk_size):
                 n_chunk = min(self.sample_chunk_size, n_samples - start)
                 thetas = self.sample(n_chunk, generator)

@@ -16,7 +16,9 @@ restricted to the parameters under inference).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,12 +26,31 @@ from torch import nn
 from torch.func import functional_call, jacrev, jvp, vmap
 
 __all__ = [
+    "autodiff_friendly",
     "batched_outputs",
     "jacobian_gram",
     "jvp_directions",
     "parameter_names",
     "unflatten",
 ]
+
+
+@contextlib.contextmanager
+def autodiff_friendly(model: nn.Module) -> Iterator[None]:
+    """Switch off the oneDNN (mkldnn) and cuDNN RNN kernels while ``model`` runs.
+
+    Those fused kernels have no forward-mode derivative (``torch.func.jvp`` raises
+    ``NotImplementedError: ... mkldnn_rnn_layer``), and the GGN products and the
+    'glm' predictive are forward mode. Only models that contain an ``nn.RNNBase``
+    (LSTM, GRU, RNN) are affected; for the others this is a no-op.
+    """
+    if not any(isinstance(m, nn.RNNBase) for m in model.modules()):
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*TF32 acceleration on top of oneDNN.*")
+        with torch.backends.mkldnn.flags(enabled=False), torch.backends.cudnn.flags(enabled=False):
+            yield
 
 
 def parameter_names(model: nn.Module, params: Sequence[torch.Tensor]) -> list[str]:
@@ -152,6 +173,8 @@ def jacobian_gram(
 ) -> torch.Tensor:
     """``J J^T`` at ``theta``: ``(batch, C, C)``, or ``(batch*C, batch*C)`` if ``joint``.
 
+    For outputs ``(batch, ..., C)`` the leading axes are flattened: ``(batch * ..., C, C)``.
+
     Forms the Jacobian of at most ``chunk_size`` inputs at a time (``joint`` needs
     all of them), so memory stays ``O(chunk_size * C * D)``.
     """
@@ -162,10 +185,11 @@ def jacobian_gram(
         def f(params):
             return _call(model, params, x_chunk, kwargs)
 
-        J = jacrev(f)(primals)  # {name: (b, C, *shape)}
-        b = x_chunk.shape[0]
-        flat = [J[n].reshape(b, -1, s.numel()) for n, s in zip(names, shapes)]
-        return torch.cat(flat, dim=-1)  # (b, C, D)
+        J = jacrev(f)(primals)  # {name: (b, ..., C, *shape)}
+        first = J[names[0]]
+        n_out = first.shape[first.ndim - len(shapes[0]) - 1]
+        flat = [J[n].reshape(-1, n_out, s.numel()) for n, s in zip(names, shapes)]
+        return torch.cat(flat, dim=-1)  # (b * ..., C, D)
 
     if joint:
         J = jac(x)

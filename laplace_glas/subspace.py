@@ -199,13 +199,16 @@ def mean_ggn_operator(
     batch_size_fn: Callable | None = None,
     progress_bar: bool = False,
 ) -> GGNLinearOperator:
-    """Curvlinops' GGN operator of the mean loss, without its determinism probe.
+    """Curvlinops' GGN operator of a loss, without its determinism probe.
 
+    ``reduction='mean'`` gives the GGN of the mean loss over ``num_data`` points;
+    ``reduction='sum'`` the GGN of the summed loss, which the caller scales by one
+    over the number of likelihood terms (e.g. tokens) to get the mean-loss GGN.
     ``check_deterministic`` is switched off: it costs two gradient passes and two
     products and rejects shuffled loaders; the model must be in eval mode instead.
     """
-    if getattr(loss_func, "reduction", None) != "mean":
-        raise ValueError("The GLAS operator is the GGN of the MEAN loss.")
+    if getattr(loss_func, "reduction", None) not in ("mean", "sum"):
+        raise ValueError("The loss needs a `reduction` attribute, 'mean' or 'sum'.")
     return GGNLinearOperator(
         model,
         loss_func,
