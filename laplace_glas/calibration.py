@@ -37,7 +37,12 @@ import torch
 
 from laplace_glas.batches import split_batch
 from laplace_glas.posterior import optimal_prior_precision
-from laplace_glas.predictive import batched_outputs, jacobian_gram, jvp_directions
+from laplace_glas.predictive import (
+    autodiff_friendly,
+    batched_outputs,
+    jacobian_gram,
+    jvp_directions,
+)
 
 __all__ = [
     "CoverageNotReachedWarning",
@@ -230,7 +235,7 @@ def coverage_table(
     prior_complement = la.complement == "prior"
     names, shapes, theta = la._param_names, la._param_shapes, la.mean.detach()
     rows = []
-    with torch.no_grad():
+    with torch.no_grad(), autodiff_friendly(la.model):
         if la.likelihood == "regression" and pred_type == "glm":
             f, JU = jvp_directions(la.model, names, shapes, theta, X, U, la.jvp_chunk_size)
             if f.shape != y.shape:
@@ -334,9 +339,19 @@ def _sampled_rows(
                 ]
             )
         if classification:
-            probs = torch.softmax(fs, dim=-1).mean(0)  # (n, C)
-            covered, size = _credible_sets(probs, y, level)
-            nll = float(-torch.log(probs.gather(1, y.reshape(-1, 1)).clamp(min=1e-12)).mean())
+            if fs.shape[1:-1] != y.shape:
+                raise ValueError(
+                    f"Calibration labels of shape {tuple(y.shape)} do not match the model "
+                    f"output of shape {tuple(fs.shape[1:])}."
+                )
+            # one credible set per target: tokens of sequence outputs are flattened,
+            # padding (ignore_index) is left out
+            probs = torch.softmax(fs, dim=-1).mean(0).reshape(-1, fs.shape[-1])
+            labels = y.reshape(-1)
+            keep = labels != getattr(la, "ignore_index", -100)
+            probs, labels = probs[keep], labels[keep]
+            covered, size = _credible_sets(probs, labels, level)
+            nll = float(-torch.log(probs.gather(1, labels.reshape(-1, 1)).clamp(min=1e-12)).mean())
             rows.append(CoverageRow(k, tau, covered, size, nll, eb))
             continue
         if fs.shape[1:] != y.shape:

@@ -949,6 +949,30 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             f_var = torch.diagonal(f_var, dim1=-2, dim2=-1)
         return f_mu, f_var
 
+    def _glm_functional_samples(
+        self,
+        f_mu: torch.Tensor,
+        f_var: torch.Tensor,
+        n_samples: int,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Draws ``(n_samples, n, C)`` from ``N(f_mu, f_var)`` per row.
+
+        The GLAS output covariance ``(J U) diag(v) (J U)^T`` has rank at most k, so
+        laplace-torch's Cholesky sampler fails whenever ``C > k``; the square root is
+        taken from an eigen-decomposition instead (negative round-off clamped to 0).
+        """
+        z = torch.randn(
+            n_samples, *f_mu.shape, device=f_mu.device, dtype=f_mu.dtype, generator=generator
+        )
+        if diagonal_output or f_var.shape == f_mu.shape:
+            var = f_var if f_var.shape == f_mu.shape else f_var.diagonal(dim1=-2, dim2=-1)
+            return f_mu + var.clamp(min=0).sqrt() * z
+        evals, evecs = torch.linalg.eigh(f_var)
+        root = evecs * evals.clamp(min=0).sqrt().unsqueeze(-2)  # (n, C, C)
+        return f_mu + torch.einsum("ncd,snd->snc", root, z)
+
     def functional_variance(self, Js: torch.Tensor) -> torch.Tensor:
         """``J Sigma J^T`` per input: ``(batch, C, C)`` from Jacobians ``(batch, C, D)``."""
         self._check_jacobians(Js)

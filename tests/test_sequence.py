@@ -1,0 +1,217 @@
+"""Sequence models: per-token cross-entropy GGN, predictive shapes, token coverage."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from laplace import Laplace
+from torch import nn
+from torch.func import functional_call, jacrev
+from torch.utils.data import DataLoader, TensorDataset
+
+from laplace_glas import select_dimension
+from laplace_glas.losses import TokenCrossEntropy
+from laplace_glas.predictive import autodiff_friendly
+from laplace_glas.subspace import compute_eigenpairs, mean_ggn_operator
+
+PAD, BOS, VOCAB = 0, 1, 6
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = VOCAB, hidden: int = 8, dtype=torch.float32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.lstm = nn.LSTM(hidden, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, vocab)
+        self.to(dtype)
+
+    def forward(self, tokens):
+        if isinstance(tokens, dict):
+            tokens = tokens["input_ids"]
+        return self.head(self.lstm(self.embed(tokens))[0])
+
+
+def grammar(n: int, generator: torch.Generator, length: int = 7):
+    """BOS, then pairs (a, b): a uniform in {2, 3}, b = 4 if a == 2 else 5; random
+    lengths, padded with PAD (ignored)."""
+    seqs = torch.full((n, length), PAD)
+    seqs[:, 0] = BOS
+    for i in range(n):
+        n_tokens = int(torch.randint(3, length + 1, (1,), generator=generator))
+        for t in range(1, n_tokens):
+            if t % 2 == 1:
+                seqs[i, t] = 2 + int(torch.randint(0, 2, (1,), generator=generator))
+            else:
+                seqs[i, t] = 4 if seqs[i, t - 1] == 2 else 5
+    x, y = seqs[:, :-1].clone(), seqs[:, 1:].clone()
+    return x, y
+
+
+@pytest.fixture(scope="module")
+def trained():
+    g = torch.Generator().manual_seed(0)
+    x, y = grammar(200, g)
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-2)
+    loss = TokenCrossEntropy("mean", ignore_index=PAD)
+    for _ in range(150):
+        opt.zero_grad()
+        loss(model(x), y).backward()
+        opt.step()
+    model.eval()
+    return model, x, y
+
+
+def fit(model, x, y, **kw):
+    la = Laplace(
+        model,
+        "classification",
+        subset_of_weights="all",
+        hessian_structure="glas",
+        ignore_index=PAD,
+        **kw,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la.fit(DataLoader(TensorDataset(x, y), batch_size=64))
+    return la
+
+
+def explicit_token_ggn(model, x, y):
+    """(1/T) sum over non-padding tokens of J_t^T (diag p - p p^T) J_t."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    with autodiff_friendly(model):
+        J = jacrev(lambda p: functional_call(model, p, (x,)))(params)
+        out = model(x).detach()
+    D = sum(p.numel() for p in params.values())
+    J = torch.cat([J[n].reshape(*out.shape, -1) for n in params], -1).reshape(-1, VOCAB, D)
+    p = torch.softmax(out, -1).reshape(-1, VOCAB)
+    keep = y.reshape(-1) != PAD
+    J, p = J[keep], p[keep]
+    Lam = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+    return torch.einsum("tcd,tce,tef->df", J, Lam, J) / keep.sum()
+
+
+def test_tiny_lstm_ggn_matches_explicit():
+    g = torch.Generator().manual_seed(1)
+    x, y = grammar(10, g)
+    model = TinyLM(dtype=torch.float64)
+    G = explicit_token_ggn(model, x, y)
+    n_tokens = int((y != PAD).sum())
+    op = mean_ggn_operator(
+        model,
+        TokenCrossEntropy("sum", PAD),
+        list(model.parameters()),
+        DataLoader(TensorDataset(x, y), batch_size=3),
+        n_tokens,
+    )
+    V = torch.randn(G.shape[0], 4, dtype=torch.float64, generator=g)
+    with autodiff_friendly(model):
+        GV = (op @ V) / n_tokens
+    torch.testing.assert_close(GV, G @ V, rtol=1e-10, atol=1e-12)
+    with autodiff_friendly(model):
+        eig = compute_eigenpairs(
+            op,
+            4,
+            scale=1 / n_tokens,
+            dtype=torch.float64,
+            generator=torch.Generator().manual_seed(0),
+        )
+    ref = torch.linalg.eigvalsh(G).flip(0)[:4]
+    torch.testing.assert_close(eig.values, ref, rtol=1e-8, atol=1e-12)
+
+
+def test_glas_fit_on_lstm_counts_tokens_and_matches_explicit(trained):
+    model, x, y = trained
+    la = fit(model, x[:40], y[:40], n_components=3)
+    assert la.n_data == int((y[:40] != PAD).sum())  # N = tokens, padding excluded
+    G = explicit_token_ggn(model, x[:40], y[:40])
+    ref = torch.linalg.eigvalsh(G.double()).flip(0)[:3]
+    torch.testing.assert_close(la.eigenvalues.double(), ref, rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("link", ["probit", "mc", "bridge"])
+def test_glm_predictive_per_token(trained, link):
+    model, x, y = trained
+    la = fit(model, x, y, n_components=4)  # k = 4 < 6 classes: rank-deficient output cov
+    probs = la(
+        x[:5],
+        pred_type="glm",
+        link_approx=link,
+        n_samples=50,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert probs.shape == (5, x.shape[1], VOCAB)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(5, x.shape[1]), rtol=1e-5, atol=1e-5)
+    assert (probs >= 0).all()
+
+
+def test_nn_predictive_and_samples_per_token(trained):
+    model, x, y = trained
+    la = fit(model, x, y, n_components=4)
+    g = torch.Generator().manual_seed(0)
+    probs = la(x[:5], pred_type="nn", link_approx="mc", n_samples=20, generator=g)
+    assert probs.shape == (5, x.shape[1], VOCAB)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(5, x.shape[1]), rtol=1e-5, atol=1e-5)
+    samples = la.predictive_samples(x[:5], pred_type="nn", n_samples=3)
+    assert samples.shape == (3, 5, x.shape[1], VOCAB)
+
+
+def test_per_token_coverage_on_toy_grammar(trained):
+    """Free tokens (2 or 3, p = 1/2 each) need a 2-token set, determined ones 1 token:
+    90% credible sets cover every true next token with mean size between the two."""
+    model, x, y = trained
+    la = fit(model, x, y, n_components=4)
+    g = torch.Generator().manual_seed(5)
+    xc, yc = grammar(100, g)
+    # a tight prior keeps the predictive near the MAP, whose sets are known
+    sel = select_dimension(
+        la,
+        DataLoader(TensorDataset(xc, yc), batch_size=50),
+        0.9,
+        ks=[1, 4],
+        prior_precisions=[1e3],
+        empirical_bayes=False,
+        pred_type="nn",
+        n_samples=30,
+        generator=g,
+    )
+    valid = yc != PAD
+    free = ((yc == 2) | (yc == 3)) & valid
+    expected_size = (2 * free.sum() + (valid & ~free).sum()) / valid.sum()
+    for row in sel.rows:
+        assert row.coverage > 0.95
+        assert abs(row.mean_width - float(expected_size)) < 0.25, (row, expected_size)
+
+
+def test_subsampled_fit_is_reproducible(trained):
+    model, x, y = trained
+    a = fit(model, x, y, n_components=3, subsample_size=50, seed=3)
+    b = fit(model, x, y, n_components=3, subsample_size=50, seed=3)
+    c = fit(model, x, y, n_components=3, subsample_size=50, seed=4)
+    assert torch.equal(a.eigenvalues, b.eigenvalues) and torch.equal(a.eigenvectors, b.eigenvectors)
+    assert not torch.equal(a.eigenvalues, c.eigenvalues)
+    assert a.lanczos_info.n_data == int((y != PAD).sum()) or a.lanczos_info.n_data < a.n_data
+
+
+def test_dict_batches(trained):
+    model, x, y = trained
+    data = [{"input_ids": x[i : i + 50], "labels": y[i : i + 50]} for i in range(0, 200, 50)]
+    la = Laplace(
+        model,
+        "classification",
+        subset_of_weights="all",
+        hessian_structure="glas",
+        ignore_index=PAD,
+        n_components=3,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la.fit(data)
+    ref = fit(model, x, y, n_components=3)
+    torch.testing.assert_close(la.eigenvalues, ref.eigenvalues, rtol=1e-4, atol=0)
+    probs = la({"input_ids": x[:3]}, pred_type="glm")
+    assert probs.shape == (3, x.shape[1], VOCAB)
