@@ -109,6 +109,12 @@ class DimensionSelection:
     pred_type: str = "nn"
     include_noise: bool = False
     likelihood: str = "regression"
+    numerical_rank: int | None = None
+
+    @property
+    def beyond_rank(self) -> bool:
+        """Whether the selected k exceeds the numerical rank of the computed GGN."""
+        return self.numerical_rank is not None and self.k > self.numerical_rank
 
     def best_per_k(self) -> list[CoverageRow]:
         """For each k, the row the selection rule prefers (coverage curve vs k)."""
@@ -136,9 +142,15 @@ class DimensionSelection:
         for r in self.rows:
             mark = " <" if (r.k, r.prior_precision) == (self.k, self.prior_precision) else ""
             eb = " (EB)" if r.empirical_bayes else ""
+            star = "*" if self.numerical_rank is not None and r.k > self.numerical_rank else " "
             lines.append(
-                f"{r.k:>4} {r.prior_precision:>11.4g} {r.coverage:>9.3f} "
+                f"{r.k:>4}{star}{r.prior_precision:>11.4g} {r.coverage:>9.3f} "
                 f"{r.mean_width:>9.4g} {r.nll:>9.4g}{eb}{mark}"
+            )
+        if self.numerical_rank is not None and any(r.k > self.numerical_rank for r in self.rows):
+            lines.append(
+                f"* k beyond the numerical rank ({self.numerical_rank}): those directions "
+                "carry the prior's variance, not resolved curvature."
             )
         return "\n".join(lines)
 
@@ -439,7 +451,8 @@ def select_dimension(
             CoverageNotReachedWarning,
             stacklevel=2,
         )
-    return DimensionSelection(
+    numerical_rank = int((~la.lanczos_info.below_threshold).sum())
+    selection = DimensionSelection(
         k=best.k,
         prior_precision=best.prior_precision,
         reached=bool(reaching),
@@ -450,7 +463,17 @@ def select_dimension(
         pred_type=pred_type,
         include_noise=include_noise,
         likelihood=str(getattr(la.likelihood, "value", la.likelihood)),
+        numerical_rank=numerical_rank,
     )
+    if selection.reached and selection.beyond_rank:
+        warnings.warn(
+            f"The selected k = {selection.k} lies beyond the numerical rank "
+            f"({numerical_rank}) of the GGN: the coverage comes from directions that "
+            "carry the prior's variance, not from resolved curvature.",
+            CoverageNotReachedWarning,
+            stacklevel=2,
+        )
+    return selection
 
 
 def _current_row(

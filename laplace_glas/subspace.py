@@ -52,6 +52,10 @@ class NumericalRankWarning(UserWarning):
 class Eigenpairs:
     """Immutable record of an eigen-solve of a symmetric PSD operator.
 
+    In a fitted ``ActiveSubspaceLaplace`` (``la.lanczos_info``) the operator is the
+    unit-noise GGN ``G_1 = (1/N) sum_n J_n^T Lambda_n J_n`` (``Lambda = I`` for
+    regression); ``la.eigenvalues`` is ``values / sigma^2``.
+
     Attributes
     ----------
     values : torch.Tensor

@@ -263,3 +263,34 @@ def test_bad_arguments(fitted):
     bad = loader(torch.rand(5, 1), torch.rand(5))
     with pytest.raises(ValueError, match="do not match"):
         select_dimension(la, bad, pred_type="glm")
+
+
+def test_selection_beyond_numerical_rank_is_flagged():
+    """A GGN of rank 3 (4 training points in a 3-dim input span): a coverage reached
+    only with k > 3 comes from prior-variance directions and is flagged."""
+    g = torch.Generator().manual_seed(0)
+    d = 10
+    A = torch.randn(d, 3, generator=g, dtype=torch.float64)
+    Xtr = torch.randn(4, 3, generator=g, dtype=torch.float64) @ A.T
+    w = torch.randn(d, 1, generator=g, dtype=torch.float64)
+    model = nn.Linear(d, 1, bias=False).double()
+    with torch.no_grad():
+        model.weight.copy_(w.T)
+    Xc = torch.randn(200, d, generator=g, dtype=torch.float64)  # off the training span
+    yc = Xc @ w + torch.randn(200, 1, generator=g, dtype=torch.float64)
+    la = Laplace(
+        model,
+        "regression",
+        subset_of_weights="all",
+        hessian_structure="glas",
+        sigma_noise=1.0,
+        prior_precision=1e-2,
+        n_components=6,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la.fit(loader(Xtr, Xtr @ w, batch_size=4))
+    with pytest.warns(CoverageNotReachedWarning, match="beyond the numerical rank"):
+        sel = select_dimension(la, loader(Xc, yc), 0.9, pred_type="glm", empirical_bayes=False)
+    assert sel.numerical_rank == 3 and sel.k > 3 and sel.beyond_rank
+    assert "* k beyond the numerical rank (3)" in str(sel)
