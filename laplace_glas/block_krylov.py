@@ -41,6 +41,26 @@ class BlockKrylovResult:
     converged: torch.Tensor
 
 
+def _left_matmul(
+    A: torch.Tensor, images: torch.Tensor, dtype: torch.dtype, step: int
+) -> torch.Tensor:
+    """``A @ images`` with ``images`` upcast to ``dtype`` one column block at a time."""
+    return torch.cat(
+        [A @ images[:, j : j + step].to(dtype) for j in range(0, images.shape[1], step)], dim=1
+    )
+
+
+def _right_matmul(
+    images: torch.Tensor, S: torch.Tensor, dtype: torch.dtype, step: int
+) -> torch.Tensor:
+    """``images @ S`` with ``images`` upcast to ``dtype`` one column block at a time."""
+    out = None
+    for j in range(0, images.shape[1], step):
+        part = images[:, j : j + step].to(dtype) @ S[j : j + step]
+        out = part if out is None else out + part
+    return out
+
+
 def _orthonormalize(block: torch.Tensor, basis: torch.Tensor | None, drop: float) -> torch.Tensor:
     """Columns of ``block`` made orthonormal to ``basis`` and to each other.
 
@@ -75,6 +95,7 @@ def block_krylov_eigenpairs(
     rank_threshold: float = 1e-6,
     generator: torch.Generator | None = None,
     dtype: torch.dtype = torch.float64,
+    image_dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
 ) -> BlockKrylovResult:
     """Top-``k`` eigenpairs of a symmetric PSD operator given by ``matmat``.
@@ -88,7 +109,9 @@ def block_krylov_eigenpairs(
     block_size : int, optional
         Columns per pass ``p`` (default ``max(k, 8)``).
     max_basis : int, optional
-        Largest basis before a thick restart (default ``max(3 k + 2 p, 4 p)``, at most dim).
+        Largest basis before a thick restart (default ``max(2 k + p, 3 p)``, at most dim).
+        Memory is about ``max_basis * dim`` numbers for the basis (in ``dtype``) plus as
+        many for its images (in ``image_dtype``).
     tol : float
         Relative residual ``||G x - theta x|| / theta`` at which a pair is converged.
     max_passes : int
@@ -102,48 +125,52 @@ def block_krylov_eigenpairs(
     dtype, device :
         Precision and device of the basis (float64 is recommended: the basis is
         orthogonalised in it while products run in the operator's own precision).
+    image_dtype : torch.dtype, optional
+        Precision in which the images ``G Q`` are stored (default ``dtype``); the
+        operator's own precision halves their memory without losing accuracy.
 
     """
     if not 1 <= k < dim:
         raise ValueError(f"Need 1 <= k < dim = {dim}, got k = {k}.")
     p = block_size or max(k, 8)
     p = min(p, dim)
-    max_basis = min(dim, max_basis or max(3 * k + 2 * p, 4 * p))
+    max_basis = min(dim, max_basis or max(2 * k + p, 3 * p))
     if max_basis < k + p:
         max_basis = min(dim, k + p)
     drop = 100 * torch.finfo(dtype).eps
 
+    image_dtype = image_dtype or dtype
     start = torch.randn(dim, p, generator=generator, dtype=torch.float64).to(device, dtype)
     Q = _orthonormalize(start, None, drop)
-    GQ = matmat(Q)
+    GQ = matmat(Q).to(image_dtype)
     n_products, n_passes = Q.shape[1], 1
     basis, images = Q, GQ
     while True:
-        T = basis.T @ images
+        T = _left_matmul(basis.T, images, dtype, p)
         T = (T + T.T) / 2
         theta, S = torch.linalg.eigh(T)
         theta, S = theta.flip(0), S.flip(1)
         kk = min(k, theta.numel())
         X = basis @ S[:, :kk]
-        GX = images @ S[:, :kk]
+        GX = _right_matmul(images, S[:, :kk], dtype, p)
         residual = torch.linalg.vector_norm(GX - X * theta[:kk], dim=0)
         floor = rank_threshold * theta[0].clamp(min=0)
         converged = residual <= torch.maximum(tol * theta[:kk].abs(), floor)
         if (kk == k and bool(converged.all())) or n_passes >= max_passes:
             break
         # next block: the images of the newest block, orthogonalised against the basis
-        new = _orthonormalize(images[:, -Q.shape[1] :], basis, drop)
+        new = _orthonormalize(images[:, -Q.shape[1] :].to(dtype), basis, drop)
         if new.shape[1] == 0:  # Krylov space exhausted (invariant subspace found)
             break
         if basis.shape[1] + new.shape[1] > max_basis:
             keep = min(theta.numel(), max(k + p, max_basis - new.shape[1]))
             basis = basis @ S[:, :keep]
-            images = images @ S[:, :keep]
+            images = _right_matmul(images, S[:, :keep], dtype, p).to(image_dtype)
             new = _orthonormalize(new, basis, drop)
             if new.shape[1] == 0:
                 break
         Q = new[:, :p]
-        GQ = matmat(Q)
+        GQ = matmat(Q).to(image_dtype)
         n_products += Q.shape[1]
         n_passes += 1
         basis = torch.cat([basis, Q], dim=1)

@@ -172,6 +172,14 @@ def _gather(la: Any, loader: Iterable) -> tuple[torch.Tensor, torch.Tensor]:
         ys.append(y)
     if not Xs:
         raise ValueError("The calibration loader is empty.")
+    if la.likelihood == "classification" and len({y.shape[1:] for y in ys}) > 1:
+        # sequence batches of different lengths: right-pad inputs with 0 and targets
+        # with ignore_index (padding after a sequence does not change a causal model's
+        # earlier outputs, and padded targets are not scored)
+        length = max(y.shape[1] for y in ys)
+        pad = getattr(la, "ignore_index", -100)
+        Xs = [torch.nn.functional.pad(X, (0, length - X.shape[1]), value=0) for X in Xs]
+        ys = [torch.nn.functional.pad(y, (0, length - y.shape[1]), value=pad) for y in ys]
     X = torch.cat(Xs).to(la._device)
     y = torch.cat(ys).to(la._device)
     if X.is_floating_point() and not torch.isfinite(X).all():

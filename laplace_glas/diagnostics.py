@@ -32,10 +32,11 @@ class ResidualReport:
     wall_time: float
     n_requested: int
     n_converged: int
+    solver: str = "lanczos"
 
     def __str__(self) -> str:
         lines = [
-            f"Lanczos: {self.n_converged}/{self.n_requested} eigenpairs converged, "
+            f"{self.solver}: {self.n_converged}/{self.n_requested} eigenpairs converged, "
             f"{self.n_products} GGN products, {self.wall_time:.2f} s",
             f"{'j':>4} {'lambda_j':>12} {'rel. residual':>14}",
         ]
@@ -61,6 +62,7 @@ def residual_report(la: Any) -> ResidualReport:
         wall_time=info.wall_time,
         n_requested=info.n_requested,
         n_converged=info.n_converged,
+        solver=info.solver,
     )
 
 

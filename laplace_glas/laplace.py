@@ -23,6 +23,7 @@ so ``loss_scaling='mean'`` is exactly laplace-torch at ``temperature = N`` and
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Callable, MutableMapping
@@ -289,6 +290,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         self.ignore_index = ignore_index
         self.progress_bar = progress_bar
         self._eigenpairs: Eigenpairs | None = None
+        self._out_shape: torch.Size | None = None
         self._param_names = parameter_names(model, self.params)
         self._param_shapes = [p.shape for p in self.params]
 
@@ -356,6 +358,33 @@ class ActiveSubspaceLaplace(ParametricLaplace):
                 "needs a refit with a larger n_components."
             )
         self._n_components = int(k)
+
+    @property
+    def loss_scaling(self) -> str:
+        """``'mean'`` (s = 1) or ``'sum'`` (s = N). Changing it after ``fit`` is exact and
+        free: the stored eigenpairs do not depend on the scaling.
+        """
+        return self._loss_scaling
+
+    @loss_scaling.setter
+    def loss_scaling(self, value: str) -> None:
+        if value not in _LOSS_SCALINGS:
+            raise ValueError(
+                f"loss_scaling must be 'mean' (generalized, s = 1) or 'sum' "
+                f"(standard, s = N), got {value!r}."
+            )
+        self._loss_scaling = value
+
+    def with_loss_scaling(self, loss_scaling: str) -> ActiveSubspaceLaplace:
+        """A shallow copy with another loss scaling, sharing the eigenpairs (no refit).
+
+        Prior precision and ``n_components`` are copied, so tuning one does not
+        change the other.
+        """
+        other = copy.copy(self)
+        other.loss_scaling = loss_scaling
+        other._prior_precision = self._prior_precision.clone()
+        return other
 
     @property
     def scaling_factor(self) -> float:
@@ -465,6 +494,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         self.loss = loss
         self.n_data = n_data  # likelihood terms: data points, or tokens for sequences
         self.n_outputs = out_shape[-1]
+        self._out_shape = out_shape
         self.model.output_size = self.n_outputs
 
         generator = self.generator
@@ -580,7 +610,8 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         The solve ``fit`` uses, exposed so that it can be repeated with other random
         starts or data subsamples (see :func:`laplace_glas.diagnostics.replica_check`)
         without touching this object's posterior. Lanczos settings default to the
-        constructor's.
+        constructor's. After ``fit``, ``train_loader`` must be the fitted data set
+        (its size and output shape are reused, saving a pass over the data).
 
         Returns
         -------
@@ -593,6 +624,8 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         self._validate_n_components(k, self.n_params)
         if generator is None:
             generator = torch.Generator().manual_seed(self.seed)
+        if (_out_shape is None or _n_data is None) and getattr(self, "_out_shape", None):
+            _out_shape, _n_data = self._out_shape, self.n_data  # the fitted data set
         if _out_shape is None or _n_data is None:
             _, _n_data, _out_shape = self._loss_at_map(train_loader, False)
         eigen_loader, eigen_n = train_loader, _n_data

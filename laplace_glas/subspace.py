@@ -314,6 +314,7 @@ def _solve_block(
         rank_threshold=rank_threshold,
         generator=generator,
         dtype=basis_dtype,
+        image_dtype=dtype,
         device=device,
     )
     n_converged = int(result.converged.sum())

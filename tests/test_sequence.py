@@ -215,3 +215,48 @@ def test_dict_batches(trained):
     torch.testing.assert_close(la.eigenvalues, ref.eigenvalues, rtol=1e-4, atol=0)
     probs = la({"input_ids": x[:3]}, pred_type="glm")
     assert probs.shape == (3, x.shape[1], VOCAB)
+
+
+def test_calibration_accepts_sequence_batches_of_different_lengths(trained):
+    model, x, y = trained
+    la = fit(model, x, y, n_components=3)
+    batches = [(x[:20, :4], y[:20, :4]), (x[20:40], y[20:40])]
+    sel = select_dimension(
+        la,
+        batches,
+        0.9,
+        ks=[1, 3],
+        pred_type="glm",
+        n_samples=20,
+        prior_precisions=[1e3],
+        empirical_bayes=False,
+        generator=torch.Generator().manual_seed(0),
+    )
+    full = select_dimension(
+        la,
+        [(x[20:40], y[20:40])],
+        0.9,
+        ks=[1, 3],
+        pred_type="glm",
+        n_samples=20,
+        prior_precisions=[1e3],
+        empirical_bayes=False,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert all(0 < r.coverage <= 1 for r in sel.rows) and len(sel.rows) == len(full.rows)
+
+
+def test_with_loss_scaling_shares_eigenpairs(trained):
+    model, x, y = trained
+    la = fit(model, x, y, n_components=3)
+    other = la.with_loss_scaling("sum")
+    assert other.loss_scaling == "sum" and la.loss_scaling == "mean"
+    assert other.H[0] is la.H[0]  # shared, not recomputed
+    ratio = (1 / other.posterior_variances - other.prior_precision) / (
+        1 / la.posterior_variances - la.prior_precision
+    )
+    torch.testing.assert_close(ratio, torch.full_like(ratio, float(la.n_data)), rtol=1e-4, atol=0)
+    other.prior_precision = 5.0
+    assert float(la.prior_precision) == 1.0
+    with pytest.raises(ValueError, match="loss_scaling must be"):
+        la.loss_scaling = "median"
