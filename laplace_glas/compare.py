@@ -29,7 +29,9 @@ Protocol
   since it shows how much the weight posterior itself contributes.
 * **Predictive**: ``pred_type`` ('glm' by default) for the parametric posteriors; ELLA
   is a function-space method and always predicts with ``pred_type='gp'`` (its
-  linearised predictive).
+  linearised predictive). Every structure is called on batches of
+  ``predict_batch_size`` inputs, for the metrics and for the timing (``n_predict_timing``
+  test inputs, tiled, reported per 1000).
 * **Failures** do not stop the comparison: a structure that raises gets a row with
   ``status='failed'`` and the error message; a structure whose number of parameters
   under inference exceeds its ``max_params`` (``'full'`` above ``full_max_params``: a
@@ -75,6 +77,7 @@ from laplace_glas.subspace import NumericalRankWarning
 
 __all__ = [
     "ComparisonRow",
+    "PeakMemory",
     "Structure",
     "compare_structures",
     "default_structures",
@@ -300,14 +303,27 @@ def _trim_heap() -> None:
             pass
 
 
-class _PeakMemory:
-    """Context manager: peak resident memory added inside the block, in MiB."""
+class PeakMemory:
+    """Context manager: peak resident memory added inside the block, in MiB.
+
+    On entry: garbage collection, ``malloc_trim(0)``, reset of the high-water mark
+    (``/proc/self/clear_refs``) and the current ``VmRSS``; on exit ``peak_mb`` is
+    ``VmHWM`` minus that. Without the reset, the ``ru_maxrss`` increase (a lower bound).
+
+    Examples
+    --------
+    >>> with PeakMemory() as probe:
+    ...     x = bytearray(50 * 2**20)
+    >>> probe.peak_mb  # doctest: +SKIP
+    50.1
+
+    """
 
     def __init__(self) -> None:
         self.method = rss_method()
         self.peak_mb: float | None = None
 
-    def __enter__(self) -> _PeakMemory:
+    def __enter__(self) -> PeakMemory:
         _trim_heap()
         if self.method == "VmHWM reset":
             _reset_high_water_mark()
@@ -444,15 +460,22 @@ def _evaluate(
 
 
 def _time_predictive(
-    la: Any, X: torch.Tensor, structure: Structure, pred_type: str, likelihood: str, n: int
+    la: Any,
+    X: torch.Tensor,
+    structure: Structure,
+    pred_type: str,
+    likelihood: str,
+    n: int,
+    batch: int,
 ) -> float:
-    """Seconds of one predictive call on ``n`` inputs (test inputs tiled), per 1000."""
+    """Seconds to predict ``n`` inputs (test inputs tiled) in calls of ``batch``, per 1000."""
     reps = -(-n // X.shape[0])
     Xt = X.repeat(reps, *([1] * (X.ndim - 1)))[:n]
     with torch.no_grad():
         _predict(la, Xt[: min(8, n)], structure, pred_type, likelihood)  # warm-up
         start = time.perf_counter()
-        _predict(la, Xt, structure, pred_type, likelihood)
+        for i in range(0, n, batch):
+            _predict(la, Xt[i : i + batch], structure, pred_type, likelihood)
         elapsed = time.perf_counter() - start
     return elapsed * 1000.0 / n
 
@@ -517,6 +540,8 @@ def _run_one(
             row.calibration_time = time.perf_counter() - start
             row.k = selection.k
             row.calibration_reached = selection.reached
+            if getattr(selection, "beyond_rank", False):
+                notes.append(f"k beyond the GGN's numerical rank ({selection.numerical_rank})")
             if not selection.reached:
                 notes.append(
                     f"calib. {level:.0%} f-coverage not reached for k <= {row.k_max} "
@@ -537,7 +562,7 @@ def _run_one(
         setattr(row, key, value)
     if n_predict_timing > 0:
         row.predict_time_per_1000 = _time_predictive(
-            la, X_test, structure, pred_type, likelihood, n_predict_timing
+            la, X_test, structure, pred_type, likelihood, n_predict_timing, eval_batch
         )
     row.note = "; ".join(notes)
     if progress:
@@ -559,7 +584,7 @@ def compare_structures(
     full_max_params: int = 5000,
     pred_type: str = "glm",
     n_predict_timing: int = 1000,
-    eval_batch_size: int = 1000,
+    predict_batch_size: int = 100,
     progress: bool = False,
 ) -> list[ComparisonRow]:
     """Fit, tune and evaluate each structure on the same model and data.
@@ -590,9 +615,12 @@ def compare_structures(
     pred_type : {'glm', 'nn'}, default='glm'
         Predictive of the parametric posteriors (ELLA always uses 'gp').
     n_predict_timing : int, default=1000
-        Inputs (test inputs, tiled) in the timed predictive call; 0 skips the timing.
-    eval_batch_size : int, default=1000
-        Test inputs per predictive call when computing the metrics.
+        Inputs (test inputs, tiled) of the timed predictive; 0 skips the timing.
+    predict_batch_size : int, default=100
+        Inputs per predictive call, for the metrics and the timing alike.
+        laplace-torch forms Jacobians with ``jacrev`` of the batch output, whose time and
+        memory grow like ``batch^2 * D``: one call of 1000 inputs would penalise it
+        (and GLAS's JVPs are linear in the batch either way).
     progress : bool, default=False
         Print one line per finished structure.
 
@@ -603,11 +631,15 @@ def compare_structures(
 
     """
     if likelihood not in ("regression", "classification"):
-        raise ValueError(f"likelihood must be 'regression' or 'classification', got {likelihood!r}.")
+        raise ValueError(
+            f"likelihood must be 'regression' or 'classification', got {likelihood!r}."
+        )
     if not 0 < coverage < 1:
         raise ValueError(f"coverage must lie in (0, 1), got {coverage}.")
     if pred_type not in ("glm", "nn"):
         raise ValueError(f"pred_type must be 'glm' or 'nn', got {pred_type!r}.")
+    if predict_batch_size < 1:
+        raise ValueError(f"predict_batch_size must be >= 1, got {predict_batch_size}.")
     if structures is None:
         structures = default_structures(glas_k_max, full_max_params)
     model.eval()
@@ -638,11 +670,11 @@ def compare_structures(
         if structure.max_params is not None and n_params > structure.max_params:
             row.status = "skipped"
             row.error = (
-                f"skipped: {n_params} parameters > max_params = {structure.max_params} "
+                f"{n_params} parameters > max_params = {structure.max_params} "
                 f"(a {n_params} x {n_params} matrix and its log-determinant per marglik step)"
             )
             continue
-        probe = _PeakMemory()
+        probe = PeakMemory()
         row.rss_method = probe.method
         try:
             with probe:
@@ -660,7 +692,7 @@ def compare_structures(
                     level=coverage,
                     pred_type=pred_type,
                     n_predict_timing=n_predict_timing,
-                    eval_batch=eval_batch_size,
+                    eval_batch=predict_batch_size,
                     progress=progress,
                 )
         except Exception as err:  # a failing structure is a result, not a crash
