@@ -86,6 +86,9 @@ class Eigenpairs:
         Relative threshold used for ``below_threshold``.
     solver : str
         Name of the solver (``'lanczos'`` or ``'block'``).
+    n_passes : int
+        Operator calls, i.e. passes over the data (a ``matmat`` with many columns is
+        one pass), including the residual check.
 
     """
 
@@ -101,6 +104,7 @@ class Eigenpairs:
     n_data: int
     rank_threshold: float
     solver: str = "lanczos"
+    n_passes: int = 0
 
     @property
     def k(self) -> int:
@@ -148,6 +152,7 @@ class Eigenpairs:
             "n_data": int(self.n_data),
             "rank_threshold": float(self.rank_threshold),
             "solver": str(self.solver),
+            "n_passes": int(self.n_passes),
         }
 
     @classmethod
@@ -172,9 +177,11 @@ class _CountingOperator(LinearOperator):
         self._scale = scale
         self._on_product = on_product
         self.n_products = 0
+        self.n_calls = 0
 
     def _record(self, result: np.ndarray, n_columns: int) -> np.ndarray:
         self.n_products += n_columns
+        self.n_calls += 1
         if self._on_product is not None:
             self._on_product(n_columns)
         if not np.all(np.isfinite(result)):
@@ -235,7 +242,7 @@ def _solve_lanczos(
     ncv: int | None,
     generator: torch.Generator | None,
     pbar: tqdm,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
     """ARPACK on the SciPy operator; returns values, vectors, their images, products,
     converged count (descending order).
     """
@@ -269,7 +276,14 @@ def _solve_lanczos(
     vectors = np.ascontiguousarray(vectors[:, order])
     images = counting.matmat(vectors)  # residual check: one product with k columns
     as_torch = lambda a: torch.as_tensor(a, dtype=dtype)  # noqa: E731
-    return as_torch(values), as_torch(vectors), as_torch(images), counting.n_products, n_converged
+    return (
+        as_torch(values),
+        as_torch(vectors),
+        as_torch(images),
+        counting.n_products,
+        n_converged,
+        counting.n_calls,
+    )
 
 
 def _solve_block(
@@ -284,7 +298,7 @@ def _solve_block(
     rank_threshold: float,
     generator: torch.Generator | None,
     pbar: tqdm,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
     """Block Krylov with ``block_size`` columns per data pass (basis kept in float64)."""
 
     def matmat(V: torch.Tensor) -> torch.Tensor:
@@ -332,6 +346,7 @@ def _solve_block(
         result.images.to(dtype),
         result.n_products,
         n_converged,
+        result.n_passes,
     )
 
 
@@ -420,11 +435,11 @@ def compute_eigenpairs(
     start = time.perf_counter()
     try:
         if solver == "lanczos":
-            raw, U, GU, n_products, n_converged = _solve_lanczos(
+            raw, U, GU, n_products, n_converged, n_passes = _solve_lanczos(
                 operator, k, scale, dtype, tol, maxiter, ncv, generator, pbar
             )
         else:
-            raw, U, GU, n_products, n_converged = _solve_block(
+            raw, U, GU, n_products, n_converged, n_passes = _solve_block(
                 operator,
                 k,
                 scale,
@@ -461,4 +476,5 @@ def compute_eigenpairs(
         n_data=int(n_data),
         rank_threshold=float(rank_threshold),
         solver=solver,
+        n_passes=int(n_passes),
     )

@@ -93,6 +93,7 @@ def test_eigenpairs_match_eigh_of_explicit_ggn(toy_regression, dtype, val_tol, v
     overlap = (eig.vectors.double().T @ ref_vecs).abs().diagonal()
     assert torch.all(overlap > 1 - vec_tol), overlap
     assert eig.n_products > 6 and eig.wall_time > 0
+    assert eig.n_passes == eig.n_products - 6 + 1  # single products + one 6-column check
     assert torch.all(eig.residuals < 1e-3)
 
 
@@ -180,6 +181,7 @@ def test_block_solver_matches_lanczos(toy_regression, k):
     ref = compute_eigenpairs(op, k, scale=0.5, generator=g().manual_seed(0))
     blk = compute_eigenpairs(op, k, scale=0.5, generator=g().manual_seed(1), solver="block")
     assert blk.solver == "block" and blk.n_converged == k
+    assert blk.n_products > blk.n_passes >= 1  # several columns per data pass
     nonzero = ~ref.below_threshold
     torch.testing.assert_close(blk.values[nonzero], ref.values[nonzero], rtol=1e-4, atol=0)
     assert torch.equal(blk.below_threshold, ref.below_threshold)
