@@ -77,3 +77,15 @@ def toy_classification():
 # One thread: on 2 cores, two BLAS threads per process fight with anything else running
 # (a second pytest, the example subprocesses) and products slow down 10-30x.
 torch.set_num_threads(1)
+
+
+def fit_glas(model, X, y, likelihood="regression", batch_size=32, **kwargs):
+    """A fitted GLAS posterior (regression defaults: sigma 0.1, k = 10)."""
+    from laplace import Laplace
+
+    if likelihood == "regression":
+        kwargs.setdefault("sigma_noise", 0.1)
+    kwargs.setdefault("n_components", 10)
+    la = Laplace(model, likelihood, subset_of_weights="all", hessian_structure="glas", **kwargs)
+    la.fit(loader(X, y, batch_size))
+    return la

@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from conftest import loader
+from conftest import fit_glas, loader
 from laplace import Laplace
 from torch import nn
 
@@ -24,16 +24,7 @@ from laplace_glas.calibration import _credible_sets
 
 @pytest.fixture(scope="module")
 def fitted(toy_regression):
-    model, X, y = toy_regression
-    la = Laplace(
-        model,
-        "regression",
-        subset_of_weights="all",
-        hessian_structure="glas",
-        sigma_noise=0.1,
-        n_components=10,
-    )
-    la.fit(loader(X, y))
+    la = fit_glas(*toy_regression)
     g = torch.Generator().manual_seed(7)
     Xc = torch.rand(300, 1, generator=g) * 4 - 2
     yc = torch.sin(3 * Xc) + 0.1 * torch.randn(300, 1, generator=g)

@@ -4,25 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import loader
-from laplace import Laplace
+from conftest import fit_glas, loader
 
 from laplace_glas import replica_check, residual_report
 
 
 def fit(toy_regression, **kw):
-    model, X, y = toy_regression
-    la = Laplace(
-        model,
-        "regression",
-        subset_of_weights="all",
-        hessian_structure="glas",
-        sigma_noise=0.1,
-        n_components=10,
-        **kw,
-    )
-    la.fit(loader(X, y))
-    return la, loader(X, y)
+    _, X, y = toy_regression
+    return fit_glas(*toy_regression, **kw), loader(X, y)
 
 
 def test_residual_report(toy_regression):

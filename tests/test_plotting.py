@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import loader
-from laplace import Laplace
+from conftest import fit_glas, loader
 
 pytest.importorskip("matplotlib", reason="matplotlib is the optional 'plot' extra")
 
@@ -19,17 +18,7 @@ from laplace_glas.plotting import (
 
 @pytest.fixture(scope="module")
 def la(toy_regression):
-    model, X, y = toy_regression
-    la = Laplace(
-        model,
-        "regression",
-        subset_of_weights="all",
-        hessian_structure="glas",
-        sigma_noise=0.1,
-        n_components=5,
-    )
-    la.fit(loader(X, y))
-    return la
+    return fit_glas(*toy_regression, n_components=5)
 
 
 def test_plots_write_pngs(la, toy_regression, tmp_path):
