@@ -47,6 +47,7 @@ from laplace_glas.batches import (
     subsample_loader,
 )
 from laplace_glas.calibration import DimensionSelection, select_dimension
+from laplace_glas.links import gaussian_samples, laplace_bridge
 from laplace_glas.losses import TokenCrossEntropy, count_targets
 from laplace_glas.posterior import (
     SubspaceOperator,
@@ -69,7 +70,7 @@ from laplace_glas.subspace import (
     mean_ggn_operator,
 )
 
-__all__ = ["ActiveSubspaceLaplace", "NotFittedError", "laplace_bridge"]
+__all__ = ["ActiveSubspaceLaplace", "NotFittedError"]
 
 _LOSS_SCALINGS = ("mean", "sum")
 _COMPLEMENTS = ("zero", "prior")
@@ -81,32 +82,6 @@ class NotFittedError(ValueError, AttributeError):
 
     Also an ``AttributeError``: ``hasattr(la, 'eigenvalues')`` is False before ``fit``.
     """
-
-
-def laplace_bridge(
-    f_mu: torch.Tensor, f_var: torch.Tensor, normalize: bool = False
-) -> torch.Tensor:
-    """Laplace bridge from a Gaussian over logits to class probabilities.
-
-    laplace-torch's formula (Hobbhahn et al., 2022), with one change: the mean is
-    centred first (``f_mu - mean(f_mu)``, which leaves softmax unchanged). The bridge
-    conditions the Gaussian on ``sum(f) = 0`` and shifts the mean by
-    ``Sigma 1 * sum(mu) / (1^T Sigma 1)``; a GLAS posterior has almost no variance
-    along the softmax-invariant direction ``1``, so without centring that shift
-    divides by nearly zero and moves the mean arbitrarily far.
-    """
-    f_mu = f_mu - f_mu.mean(-1, keepdim=True)
-    total = f_var.sum(dim=(1, 2)).reshape(-1, 1, 1)
-    f_var = f_var - torch.einsum("bi,bj->bij", f_var.sum(-1), f_var.sum(-2)) / total
-    K = f_mu.size(-1)
-    f_var_diag = torch.diagonal(f_var, dim1=1, dim2=2)
-    if normalize:
-        mean_var = f_var_diag.mean(dim=1) / math.sqrt(K / 2)
-        f_mu = f_mu / mean_var.sqrt().unsqueeze(-1)
-        f_var_diag = f_var_diag / mean_var.unsqueeze(-1)
-    sum_exp = torch.exp(-f_mu).sum(dim=1).unsqueeze(-1)
-    alpha = (1 - 2 / K + f_mu.exp() / K**2 * sum_exp) / f_var_diag
-    return torch.nan_to_num(alpha / alpha.sum(dim=1).unsqueeze(-1), nan=1.0)
 
 
 class ActiveSubspaceLaplace(ParametricLaplace):
@@ -996,15 +971,9 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         laplace-torch's Cholesky sampler fails whenever ``C > k``; the square root is
         taken from an eigen-decomposition instead (negative round-off clamped to 0).
         """
-        z = torch.randn(
-            n_samples, *f_mu.shape, device=f_mu.device, dtype=f_mu.dtype, generator=generator
-        )
-        if diagonal_output or f_var.shape == f_mu.shape:
-            var = f_var if f_var.shape == f_mu.shape else f_var.diagonal(dim1=-2, dim2=-1)
-            return f_mu + var.clamp(min=0).sqrt() * z
-        evals, evecs = torch.linalg.eigh(f_var)
-        root = evecs * evals.clamp(min=0).sqrt().unsqueeze(-2)  # (n, C, C)
-        return f_mu + torch.einsum("ncd,snd->snc", root, z)
+        if diagonal_output and f_var.shape != f_mu.shape:
+            f_var = f_var.diagonal(dim1=-2, dim2=-1)
+        return gaussian_samples(f_mu, f_var, n_samples, generator)
 
     def functional_variance(self, Js: torch.Tensor) -> torch.Tensor:
         """``J Sigma J^T`` per input: ``(batch, C, C)`` from Jacobians ``(batch, C, D)``."""
