@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from laplace_glas.posterior import posterior_variances
+
 __all__ = ["activity_scores", "cumulative_activity", "per_parameter", "weights_for_share"]
 
 _WEIGHTINGS = ("eigenvalue", "posterior", "variance")
@@ -51,12 +53,11 @@ def activity_scores(la: Any, k: int | None = None, weighting: str = "eigenvalue"
     if weighting not in _WEIGHTINGS:
         raise ValueError(f"weighting must be one of {_WEIGHTINGS}, got {weighting!r}.")
     U = la.H[0][:, :k]
-    h = la.H[1][:k]
     if weighting == "eigenvalue":
-        weights = h / (la.n_data * la.sigma_noise.square())
+        weights = la._eigenvalues_up_to(k)
     else:
-        a = la._H_factor * h
-        variances = 1.0 / (a + la._tau)
+        a = la._curvature_up_to(k)
+        variances = posterior_variances(a, la._tau)
         weights = a * variances if weighting == "posterior" else variances
     return (U.square() @ weights).detach()
 

@@ -250,7 +250,7 @@ def coverage_table(
         raise ValueError("n_samples must be >= 2.")
     k_max = max(k for k, _, _ in pairs)
     U = la.H[0][:, :k_max]
-    a = (la._H_factor * la.H[1][:k_max]).detach()
+    a = la._curvature_up_to(k_max).detach()
     sigma2 = float(la.sigma_noise.square()) if la.likelihood == "regression" else 0.0
     prior_complement = la.complement == "prior"
     names, shapes, theta = la._param_names, la._param_shapes, la.mean.detach()

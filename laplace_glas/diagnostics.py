@@ -53,9 +53,8 @@ def residual_report(la: Any) -> ResidualReport:
     mean-loss GGN, including the noise precision for regression).
     """
     info = la.lanczos_info
-    sigma2 = la.sigma_noise.square() if la.likelihood == "regression" else 1.0
     return ResidualReport(
-        eigenvalues=(info.values / sigma2).detach().cpu(),
+        eigenvalues=la._eigenvalues_up_to(info.k).detach().cpu(),
         residuals=info.residuals.detach().cpu(),
         below_threshold=info.below_threshold.detach().cpu(),
         n_products=info.n_products,

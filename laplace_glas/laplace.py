@@ -210,11 +210,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             raise ValueError(
                 f"GLAS supports likelihood 'regression' or 'classification', got {likelihood!r}."
             )
-        if loss_scaling not in _LOSS_SCALINGS:
-            raise ValueError(
-                f"loss_scaling must be 'mean' (generalized, s = 1) or 'sum' "
-                f"(standard, s = N), got {loss_scaling!r}."
-            )
+        self.loss_scaling = loss_scaling  # validated by the property
         if complement not in _COMPLEMENTS:
             raise ValueError(f"complement must be 'zero' or 'prior', got {complement!r}.")
         if solver not in ("lanczos", "block"):
@@ -248,7 +244,6 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             backend_kwargs=backend_kwargs,
             asdl_fisher_kwargs=asdl_fisher_kwargs,
         )
-        self.loss_scaling = loss_scaling
         self.complement = complement
         self._n_components = int(n_components)
         self.solver = solver
@@ -383,6 +378,16 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         self._check_H_init()
         return self._eigenpairs
 
+    def _eigenvalues_up_to(self, k: int) -> torch.Tensor:
+        """``lambda_1..k`` of the mean-loss GGN, for any ``k`` up to the computed number."""
+        self._check_H_init()
+        return self.H[1][:k] / (self.n_data * self.sigma_noise.square())
+
+    def _curvature_up_to(self, k: int) -> torch.Tensor:
+        """``a_j = s * lambda_j / T`` for ``j <= k``, any ``k`` up to the computed number."""
+        self._check_H_init()
+        return self._H_factor * self.H[1][:k]
+
     @property
     def eigenvectors(self) -> torch.Tensor:
         """``U``: ``(D, k)`` orthonormal leading eigenvectors of the mean-loss GGN."""
@@ -394,15 +399,12 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         """``lambda``: ``(k,)`` leading eigenvalues (descending) of the mean-loss GGN
         ``G = (1/N) sum_n J_n^T Lambda_n J_n`` (``Lambda = 1/sigma^2`` for regression).
         """
-        self._check_H_init()
-        h = self.H[1][: self._n_components]
-        return h / (self.n_data * self.sigma_noise.square())
+        return self._eigenvalues_up_to(self._n_components)
 
     @property
     def subspace_curvature(self) -> torch.Tensor:
         """``a_j = s * lambda_j / T``: the posterior's curvature along ``u_j``."""
-        self._check_H_init()
-        return self._H_factor * self.H[1][: self._n_components]
+        return self._curvature_up_to(self._n_components)
 
     @property
     def _tau(self) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -81,6 +82,11 @@ def _call(
     model: nn.Module, params: Mapping[str, torch.Tensor], x: Any, kwargs: dict
 ) -> torch.Tensor:
     return functional_call(model, dict(params), (x,), kwargs or None)
+
+
+# Models whose forward failed under vmap (e.g. nn.LSTM: no batching rule for aten::lstm),
+# so that the sampling predictive does not retry vmap on every chunk.
+_NO_BATCHING_RULE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def jvp_directions(
@@ -155,10 +161,12 @@ def batched_outputs(
     def f(theta: torch.Tensor) -> torch.Tensor:
         return _call(model, unflatten(theta, names, shapes), x, kwargs)
 
-    try:
-        return vmap(f, chunk_size=chunk_size, randomness="same")(thetas)
-    except (RuntimeError, NotImplementedError):
-        return torch.stack([f(theta) for theta in thetas])
+    if model not in _NO_BATCHING_RULE:
+        try:
+            return vmap(f, chunk_size=chunk_size, randomness="same")(thetas)
+        except (RuntimeError, NotImplementedError):
+            _NO_BATCHING_RULE.add(model)  # later calls go straight to the loop
+    return torch.stack([f(theta) for theta in thetas])
 
 
 def jacobian_gram(
