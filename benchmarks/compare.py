@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_glas  # noqa: F401  (registers hessian_structure='glas')
 from laplace_glas.compare import compare_structures, default_structures, format_table
-from laplace_glas.data import load_concrete, make_mlp, split, standardize, train_map
+from laplace_glas.data import concrete_splits, make_mlp, train_map
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/concrete/Concrete_Data.csv"
 
@@ -92,11 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"command: {shlex.join([Path(sys.executable).name, *sys.argv])}")
     generator = torch.Generator().manual_seed(args.seed)
 
-    X, y = load_concrete(args.data)
-    (Xtr, ytr), (Xc, yc), (Xte, yte) = split(X, y, (0.7, 0.15, 0.15), generator=generator)
-    Xtr, Xc, Xte, _, _ = standardize(Xtr, Xc, Xte)
-    ytr, yc, yte, _, _ = standardize(ytr, yc, yte)
-    widths = [X.shape[1], *([args.width] * args.depth), 1]
+    (Xtr, ytr), (Xc, yc), (Xte, yte) = concrete_splits(args.data, generator)
+    widths = [Xtr.shape[1], *([args.width] * args.depth), 1]
     model = make_mlp(widths, seed=args.seed)
     start = time.perf_counter()
     train_map(model, Xtr, ytr, steps=args.steps, lr=3e-3, weight_decay=1e-4, generator=generator)
@@ -108,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     sigma = rmse[args.sigma_from]
     D = sum(p.numel() for p in model.parameters())
     print(
-        f"data: {len(X)} rows; train {len(Xtr)}, calibration {len(Xc)}, test {len(Xte)} "
+        f"data: {len(Xtr) + len(Xc) + len(Xte)} rows; train {len(Xtr)}, "
+        f"calibration {len(Xc)}, test {len(Xte)} "
         f"(standardised)\nmodel: tanh MLP {widths}, D = {D}, MAP in "
         f"{time.perf_counter() - start:.1f} s; RMSE train {rmse['train']:.3f}, calibration "
         f"{rmse['calib']:.3f}, test {rmse['test']:.3f}; sigma = {args.sigma_from} RMSE = "

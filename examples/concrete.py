@@ -37,7 +37,7 @@ from laplace_glas import (
     select_dimension,
     weights_for_share,
 )
-from laplace_glas.data import load_concrete, make_mlp, split, standardize, train_map
+from laplace_glas.data import concrete_splits, make_mlp, train_map
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/concrete/Concrete_Data.csv"
 
@@ -82,13 +82,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch threads: {torch.get_num_threads()}")
     generator = torch.Generator().manual_seed(args.seed)
 
-    X, y = load_concrete(args.data)
-    (Xtr, ytr), (Xc, yc), (Xte, yte) = split(X, y, (0.7, 0.15, 0.15), generator=generator)
-    Xtr, Xc, Xte, _, _ = standardize(Xtr, Xc, Xte)
-    ytr, yc, yte, _, _ = standardize(ytr, yc, yte)
-    print(f"\n== Data: {len(X)} rows; train {len(Xtr)}, calibration {len(Xc)}, test {len(Xte)}")
+    (Xtr, ytr), (Xc, yc), (Xte, yte) = concrete_splits(args.data, generator)
+    print(
+        f"\n== Data: {len(Xtr) + len(Xc) + len(Xte)} rows; train {len(Xtr)}, "
+        f"calibration {len(Xc)}, test {len(Xte)}"
+    )
 
-    widths = [X.shape[1], *([args.width] * args.depth), 1]
+    widths = [Xtr.shape[1], *([args.width] * args.depth), 1]
     model = make_mlp(widths, seed=args.seed)
     start = time.perf_counter()
     train_map(model, Xtr, ytr, steps=args.steps, lr=3e-3, weight_decay=1e-4, generator=generator)

@@ -61,11 +61,9 @@ from laplace_glas import (
     select_dimension,
 )
 from laplace_glas.data import (
+    concrete_splits,
     known_noise_regression,
-    load_concrete,
     make_mlp,
-    split,
-    standardize,
     train_map,
 )
 
@@ -308,11 +306,8 @@ def toy_problem(n_train: int, args, seed: int) -> Problem:
 
 def concrete_problem(args, seed: int) -> Problem:
     gen = torch.Generator().manual_seed(seed)
-    X, y = load_concrete(args.concrete)
-    (Xtr, ytr), (Xc, yc), (Xte, yte) = split(X, y, (0.7, 0.15, 0.15), generator=gen)
-    Xtr, Xc, Xte, _, _ = standardize(Xtr, Xc, Xte)
-    ytr, yc, yte, _, _ = standardize(ytr, yc, yte)
-    model = make_mlp([X.shape[1], args.concrete_width, args.concrete_width, 1], seed=seed)
+    (Xtr, ytr), (Xc, yc), (Xte, yte) = concrete_splits(args.concrete, gen)
+    model = make_mlp([Xtr.shape[1], args.concrete_width, args.concrete_width, 1], seed=seed)
     start = time.perf_counter()
     train_map(model, Xtr, ytr, steps=args.concrete_steps, lr=3e-3, weight_decay=1e-4)
     sigma = rmse(model, Xtr, ytr)

@@ -374,3 +374,20 @@ def split(
         idx = perm[start:stop]
         parts.append((X[idx], y[idx]))
     return tuple(parts)
+
+
+def concrete_splits(
+    path: str | os.PathLike,
+    generator: torch.Generator | None = None,
+    fractions: Sequence[float] = (0.7, 0.15, 0.15),
+) -> tuple[tuple[Tensor, Tensor], ...]:
+    """UCI Concrete as standardised train / calibration / test ``(X, y)`` pairs.
+
+    :func:`load_concrete`, then :func:`split` with ``generator``, then inputs and
+    targets each standardised with the training part's statistics.
+    """
+    X, y = load_concrete(path)
+    parts = split(X, y, fractions, generator=generator)
+    Xs = standardize(*(X for X, _ in parts))[: len(parts)]
+    ys = standardize(*(y for _, y in parts))[: len(parts)]
+    return tuple(zip(Xs, ys))

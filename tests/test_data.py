@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from laplace_glas.data import (
+    concrete_splits,
     known_noise_regression,
     load_concrete,
     make_mlp,
@@ -231,3 +232,19 @@ def test_split_custom_fractions_and_errors():
         split(X, y, fractions=(1.2, -0.2))
     with pytest.raises(ValueError):
         split(X, torch.zeros(9))
+
+
+@pytest.mark.skipif(
+    not CONCRETE.is_file(),
+    reason=f"UCI concrete data not found at {CONCRETE} (shared/data next to the repository)",
+)
+def test_concrete_splits_equal_load_split_standardize():
+    parts = concrete_splits(CONCRETE, torch.Generator().manual_seed(3))
+    X, y = load_concrete(CONCRETE)
+    (Xtr, ytr), (Xc, yc), (Xte, yte) = split(X, y, generator=torch.Generator().manual_seed(3))
+    expected_X = standardize(Xtr, Xc, Xte)[:3]
+    expected_y = standardize(ytr, yc, yte)[:3]
+    assert len(parts) == 3
+    for (Xp, yp), Xe, ye in zip(parts, expected_X, expected_y):
+        assert torch.equal(Xp, Xe) and torch.equal(yp, ye)
+    assert abs(float(parts[0][0].mean())) < 1e-5 and abs(float(parts[0][1].std()) - 1) < 1e-5
