@@ -25,13 +25,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
-import platform
 import shlex
 import sys
 import time
 from pathlib import Path
 
 import torch
+from machine import machine_description  # benchmarks/machine.py
 from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_glas  # noqa: F401  (registers hessian_structure='glas')
@@ -39,25 +39,6 @@ from laplace_glas.compare import compare_structures, default_structures, format_
 from laplace_glas.data import concrete_splits, make_mlp, train_map
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/concrete/Concrete_Data.csv"
-
-
-def machine_description() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return (
-        f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}; "
-        f"Python {platform.python_version()}, torch {torch.__version__}, "
-        f"threads {torch.get_num_threads()}, OMP_WAIT_POLICY="
-        f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}, OPENBLAS_NUM_THREADS="
-        f"{os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}"
-    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

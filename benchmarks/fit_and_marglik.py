@@ -15,13 +15,12 @@ Prints a Markdown table and the machine/threads used.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import time
 import warnings
 
 import torch
 from laplace import Laplace
+from machine import machine_description  # benchmarks/machine.py
 from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_glas  # registers 'glas'
@@ -37,10 +36,7 @@ def main() -> None:
     parser.add_argument("--skip-full", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-        f"torch {torch.__version__}, threads {torch.get_num_threads()}"
-    )
+    print(f"machine: {machine_description()}")
     g = torch.Generator().manual_seed(0)
     X, y = known_noise_regression(args.n, noise=0.1, generator=g)
     model = make_mlp([1, 50, 50, 1], seed=0)

@@ -52,7 +52,6 @@ import json
 import math
 import multiprocessing as mp
 import pickle
-import platform
 import shlex
 import sys
 import time
@@ -63,6 +62,7 @@ from typing import Any
 
 import torch
 from laplace import Laplace
+from machine import machine_description  # benchmarks/machine.py
 from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_glas  # noqa: F401  (registers hessian_structure='glas')
@@ -93,31 +93,6 @@ def trained_state(
     g = torch.Generator().manual_seed(1)
     train_map(model, X, y, steps=steps, lr=1e-3, batch_size=256, generator=g)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def machine_description(threads: int) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    mem = ""
-    try:
-        with open("/proc/meminfo") as handle:
-            kib = int(handle.readline().split()[1])
-            mem = f", {kib / 2**20:.0f} GiB RAM"
-    except (OSError, ValueError, IndexError):
-        pass
-    return (
-        f"{cpu}, {os.cpu_count()} cores{mem}, {platform.system()} {platform.release()}; "
-        f"Python {platform.python_version()}, torch {torch.__version__}; torch threads "
-        f"{threads}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
-        f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}"
-    )
 
 
 # ---------------------------------------------------------------------- child side
