@@ -56,7 +56,9 @@ from laplace_glas.smiles import (
     SmilesTokenizer,
     encode_batch,
     generate,
+    load_language_model,
     load_smiles,
+    save_language_model,
     token_lengths,
     train_lm,
     trim_padding,
@@ -83,6 +85,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=None, help="LSTM layers [3]")
     parser.add_argument("--steps", type=int, default=None, help="Adam steps [300]")
     parser.add_argument("--train-batch", type=int, default=64, help="sequences per Adam step")
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="trained model file: loaded if it exists (no training; --embed/--hidden/"
+        "--layers/--steps ignored), else written after training",
+    )
     parser.add_argument("--subsample", type=int, default=None, help="eigen-solve SMILES [2000]")
     parser.add_argument("--k", type=int, default=None, help="eigenpairs [20]")
     parser.add_argument("--solver", choices=("lanczos", "block"), default="lanczos")
@@ -162,7 +171,18 @@ def main(argv: list[str] | None = None) -> None:
     # ------------------------------------------------------------------ data
     smiles = load_smiles(args.data, limit=args.n_train + args.n_heldout)
     train_smiles, heldout = smiles[: args.n_train], smiles[args.n_train :]
-    tokenizer = SmilesTokenizer().fit(train_smiles)
+    checkpoint = args.checkpoint if args.checkpoint and args.checkpoint.is_file() else None
+    if checkpoint is not None:
+        model, tokenizer, meta = load_language_model(checkpoint)
+        known = set(tokenizer.tokens)
+        unknown = [s for s in train_smiles if not set(tokenizer.tokenize(s)) <= known]
+        if unknown:
+            raise ValueError(
+                f"{checkpoint} was trained with another vocabulary: {len(unknown)} training "
+                f"SMILES hold tokens it lacks (first: {unknown[0]!r})."
+            )
+    else:
+        tokenizer = SmilesTokenizer().fit(train_smiles)
     x, y = encode_batch(tokenizer, train_smiles)
     max_len = x.shape[1]
     known = set(tokenizer.tokens)
@@ -180,32 +200,48 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     # ------------------------------------------------------------------ MAP
-    model = SmilesLSTM(tokenizer.vocab_size, args.embed, args.hidden, args.layers)
+    if checkpoint is None:
+        model = SmilesLSTM(tokenizer.vocab_size, args.embed, args.hidden, args.layers)
     D = model.n_params
     print(
-        f"== Model: Embedding({tokenizer.vocab_size}, {args.embed}) -> "
-        f"LSTM({args.hidden} x {args.layers}) -> Linear: D = {D:,} weights"
+        f"== Model: Embedding({tokenizer.vocab_size}, {model.embed_size}) -> "
+        f"LSTM({model.hidden} x {model.layers}) -> Linear: D = {D:,} weights"
         + ("" if args.quick else " (REINVENT-size target: ~1.6M)")
     )
-    start = time.perf_counter()
-    losses = train_lm(
-        model,
-        x,
-        y,
-        steps=args.steps,
-        batch_size=args.train_batch,
-        lr=3e-3 if args.quick else 1e-3,
-        generator=generator,
-        log_every=0 if args.quick else 50,
-    )
     loss_fn = TokenCrossEntropy("mean", ignore_index=PAD)
+    if checkpoint is None:
+        start = time.perf_counter()
+        losses = train_lm(
+            model,
+            x,
+            y,
+            steps=args.steps,
+            batch_size=args.train_batch,
+            lr=3e-3 if args.quick else 1e-3,
+            generator=generator,
+            log_every=0 if args.quick else 50,
+        )
+        train_time = time.perf_counter() - start
+        tail = losses[-20:] if losses else [float("nan")]
+        meta = {
+            "steps": args.steps,
+            "train_batch": args.train_batch,
+            "first_loss": losses[0] if losses else float("nan"),
+            "last20_loss": sum(tail) / len(tail),
+            "train_seconds": train_time,
+        }
+        if args.checkpoint is not None:
+            args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+            save_language_model(args.checkpoint, model, tokenizer, meta)
     with torch.no_grad():
         held_loss = float(loss_fn(model(xh), yh))
-    tail = losses[-20:] if losses else [float("nan")]
+    epochs = meta["steps"] * meta["train_batch"] / len(train_smiles)
     print(
-        f"== Training: {args.steps} Adam steps x {args.train_batch} SMILES, "
-        f"{time.perf_counter() - start:.1f} s; per-token loss first {losses[0]:.3f}, "
-        f"last-20 mean {sum(tail) / len(tail):.3f}, held-out {held_loss:.3f}"
+        f"== Training{' (loaded from ' + str(checkpoint) + ')' if checkpoint else ''}: "
+        f"{meta['steps']} Adam steps x {meta['train_batch']} SMILES (~{epochs:.1f} epochs), "
+        f"{meta['train_seconds']:.1f} s; per-token loss first {meta['first_loss']:.3f}, "
+        f"last-20 mean {meta['last20_loss']:.3f}, held-out {held_loss:.3f}"
+        + (f"; saved to {args.checkpoint}" if checkpoint is None and args.checkpoint else "")
     )
 
     # the data set sorted by length: subsampled batches hold similar lengths, and

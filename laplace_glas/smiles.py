@@ -13,6 +13,8 @@ A leaf module (nothing in the core imports it) behind ``examples/smiles_lstm.py`
   (an ``ignore_index`` target: padding is not a likelihood term).
 * :class:`SmilesLSTM`: ``Embedding -> LSTM (3 x 256) -> Linear``, as in REINVENT;
   with the default sizes and the MOSES vocabulary it has about 1.6 M weights.
+* :func:`save_language_model` / :func:`load_language_model`: a trained model with its
+  vocabulary in one file (``torch.load(weights_only=True)``-safe).
 * :func:`train_lm`, :func:`generate` (free-running sampling, optionally with another
   weight vector, e.g. a posterior sample, through ``torch.func.functional_call``) and
   :func:`validity` (RDKit, optional).
@@ -39,7 +41,9 @@ __all__ = [
     "SmilesTokenizer",
     "encode_batch",
     "generate",
+    "load_language_model",
     "load_smiles",
+    "save_language_model",
     "token_lengths",
     "train_lm",
     "trim_padding",
@@ -293,6 +297,77 @@ class SmilesLSTM(nn.Module):
     def n_params(self) -> int:
         """Number of weights ``D``."""
         return sum(p.numel() for p in self.parameters())
+
+
+def save_language_model(
+    path: str | Path,
+    model: SmilesLSTM,
+    tokenizer: SmilesTokenizer,
+    metadata: Mapping[str, float | int | str] | None = None,
+) -> None:
+    """Save a trained :class:`SmilesLSTM` with its vocabulary to ``path``.
+
+    The file holds plain containers and tensors only (architecture sizes, token list,
+    ``state_dict`` and optional scalar ``metadata`` such as training steps and losses),
+    so :func:`load_language_model` reads it with ``torch.load(weights_only=True)``.
+    """
+    if not isinstance(model, SmilesLSTM):
+        raise TypeError(f"save_language_model expects a SmilesLSTM, got {type(model).__name__}.")
+    if model.vocab != tokenizer.vocab_size:
+        raise ValueError(
+            f"Model vocabulary ({model.vocab}) and tokenizer ({tokenizer.vocab_size} tokens) "
+            "differ: save the tokenizer the model was built with."
+        )
+    torch.save(
+        {
+            "config": {
+                "vocab": model.vocab,
+                "embed": model.embed_size,
+                "hidden": model.hidden,
+                "layers": model.layers,
+            },
+            "tokens": list(tokenizer.tokens),
+            "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+            "metadata": dict(metadata or {}),
+        },
+        path,
+    )
+
+
+def load_language_model(
+    path: str | Path, map_location: str | torch.device | None = None
+) -> tuple[SmilesLSTM, SmilesTokenizer, dict[str, float | int | str]]:
+    """Load what :func:`save_language_model` wrote: ``(model, tokenizer, metadata)``.
+
+    The model is returned in eval mode (on ``map_location`` if given).
+
+    Raises
+    ------
+    FileNotFoundError
+        If ``path`` does not exist.
+    ValueError
+        If the file is not a SMILES language-model checkpoint.
+
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"No language-model checkpoint at {path}.")
+    blob = torch.load(path, map_location=map_location, weights_only=True)
+    if not isinstance(blob, dict) or not {"config", "tokens", "state_dict"} <= blob.keys():
+        raise ValueError(
+            f"{path} is not a SMILES language-model checkpoint (expected the keys 'config', "
+            "'tokens', 'state_dict' written by save_language_model)."
+        )
+    specials = list(blob["tokens"][: len(_SPECIALS)])
+    if specials != list(_SPECIALS):
+        raise ValueError(f"{path}: the vocabulary does not start with {_SPECIALS}.")
+    tokenizer = SmilesTokenizer(blob["tokens"][len(_SPECIALS) :])
+    model = SmilesLSTM(**blob["config"])
+    model.load_state_dict(blob["state_dict"])
+    if map_location is not None:
+        model.to(map_location)
+    model.eval()
+    return model, tokenizer, dict(blob.get("metadata", {}))
 
 
 def train_lm(

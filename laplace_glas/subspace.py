@@ -455,7 +455,8 @@ def compute_eigenpairs(
     finally:
         pbar.close()
     wall_time = time.perf_counter() - start
-    raw, U, GU = raw.cpu(), U.cpu(), GU.cpu()
+    # Lanczos results arrive on the host (ARPACK); the block solver's stay on ``device``
+    raw, U, GU = (t.to(device) for t in (raw, U, GU))
 
     residual_norms = torch.linalg.vector_norm(GU - U * raw, dim=0)
     residuals = residual_norms / raw.abs()
@@ -464,11 +465,11 @@ def compute_eigenpairs(
     below = raw <= rank_threshold * top
     cleaned = torch.where(below, torch.zeros_like(raw), raw)
     return Eigenpairs(
-        values=cleaned.to(device),
-        vectors=U.to(device),
-        residuals=residuals.to(device),
-        below_threshold=below.to(device),
-        raw_values=raw.to(device),
+        values=cleaned,
+        vectors=U,
+        residuals=residuals,
+        below_threshold=below,
+        raw_values=raw,
         n_products=int(n_products),
         n_requested=int(k),
         n_converged=int(n_converged),

@@ -21,7 +21,9 @@ from laplace_glas.smiles import (
     SmilesTokenizer,
     encode_batch,
     generate,
+    load_language_model,
     load_smiles,
+    save_language_model,
     token_lengths,
     train_lm,
     trim_padding,
@@ -212,9 +214,20 @@ def test_example_help():
 @needs_data
 def test_example_quick(tmp_path):
     # about 50 s on an idle 2-core machine; the timeout allows for a loaded one
-    result = run_example("--quick", "--threads", "2", "--out", str(tmp_path), timeout=600)
+    checkpoint = tmp_path / "lm.pt"
+    result = run_example(
+        "--quick",
+        "--threads",
+        "2",
+        "--out",
+        str(tmp_path),
+        "--checkpoint",
+        str(checkpoint),
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
+    assert f"saved to {checkpoint}" in out and checkpoint.is_file()
     for section in (
         "== Model:",
         "== Training:",
@@ -238,5 +251,60 @@ def test_example_quick(tmp_path):
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        return
-    assert png.exists() and png.stat().st_size > 0
+        pass
+    else:
+        assert png.exists() and png.stat().st_size > 0
+
+    # a second run reuses the trained model: same held-out loss, no training
+    again = run_example(
+        "--quick",
+        "--threads",
+        "2",
+        "--checkpoint",
+        str(checkpoint),
+        "--replicas",
+        "0",
+        "--n-gen",
+        "4",
+        "--n-posterior",
+        "1",
+        timeout=600,
+    )
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"(loaded from {checkpoint})" in again.stdout
+
+    def held_out(text: str) -> str:
+        line = next(x for x in text.splitlines() if x.startswith("== Training"))
+        return line.split("held-out")[1].split(";")[0]
+
+    assert held_out(again.stdout) == held_out(out)
+
+
+def test_language_model_checkpoint_round_trip(tmp_path):
+    tokenizer = fitted_tokenizer()
+    torch.manual_seed(0)
+    model = SmilesLSTM(tokenizer.vocab_size, 8, 6, 2).eval()
+    path = tmp_path / "lm.pt"
+    save_language_model(path, model, tokenizer, {"steps": 3, "last20_loss": 1.5})
+    loaded, tok, meta = load_language_model(path)
+    assert tok.tokens == tokenizer.tokens
+    assert (loaded.embed_size, loaded.hidden, loaded.layers) == (8, 6, 2)
+    assert meta == {"steps": 3, "last20_loss": 1.5}
+    assert not loaded.training
+    x, _ = encode_batch(tokenizer, HAND)
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+    assert tok.encode(HAND[0]) == tokenizer.encode(HAND[0])
+
+
+def test_language_model_checkpoint_errors(tmp_path):
+    tokenizer = fitted_tokenizer()
+    model = SmilesLSTM(tokenizer.vocab_size + 1, 4, 4, 1)
+    with pytest.raises(ValueError, match="vocabulary"):
+        save_language_model(tmp_path / "x.pt", model, tokenizer)
+    with pytest.raises(TypeError, match="SmilesLSTM"):
+        save_language_model(tmp_path / "x.pt", torch.nn.Linear(2, 2), tokenizer)
+    with pytest.raises(FileNotFoundError, match="checkpoint"):
+        load_language_model(tmp_path / "missing.pt")
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="not a SMILES language-model checkpoint"):
+        load_language_model(tmp_path / "other.pt")
