@@ -84,6 +84,24 @@ class NotFittedError(ValueError, AttributeError):
     """
 
 
+def _validate_loss_fn(loss_fn: Any) -> None:
+    """``loss_fn`` must be a summed loss module (curvlinops calls it functionally)."""
+    if loss_fn is None:
+        return
+    if not isinstance(loss_fn, nn.Module):
+        raise TypeError(
+            "loss_fn must be a torch.nn.Module (curvlinops evaluates it functionally), "
+            f"got {type(loss_fn).__name__}."
+        )
+    reduction = getattr(loss_fn, "reduction", None)
+    if reduction != "sum":
+        raise ValueError(
+            f"loss_fn must sum over the targets (reduction='sum'), got reduction="
+            f"{reduction!r}: GLAS divides by the number N of likelihood terms itself, "
+            "e.g. pass nn.CrossEntropyLoss(reduction='sum')."
+        )
+
+
 class ActiveSubspaceLaplace(ParametricLaplace):
     """Generalized Laplace Active Subspace (GLAS) posterior over all weights.
 
@@ -152,6 +170,17 @@ class ActiveSubspaceLaplace(ParametricLaplace):
     ignore_index : int, default=-100
         Classification targets equal to this value (padding) are left out of the
         loss, the GGN and the count N of likelihood terms.
+    loss_fn : torch.nn.Module, optional
+        A loss whose GGN defines the curvature instead of the likelihood's:
+        ``G = (1/N) sum_n J_n^T (d^2 l(f_n, y_n) / d f^2) J_n`` with ``l = loss_fn``,
+        called on the model outputs and targets as they are. Any module curvlinops
+        accepts (its Hessian in the outputs comes from autodiff), with
+        ``reduction='sum'``: GLAS applies the ``1/N`` itself. It takes the place of
+        ``0.5 * ||f - y||^2`` (regression, unit noise; ``sigma_noise`` still divides)
+        or the summed cross-entropy (classification), e.g. a class-weighted or
+        label-smoothed ``nn.CrossEntropyLoss(reduction='sum')`` or a Huber loss. Only
+        the curvature changes: the data-fit term of the evidence and the predictives
+        keep laplace-torch's likelihood. Not saved by :meth:`state_dict`.
     progress_bar : bool, default=False
         Show ``tqdm`` progress bars during ``fit``.
 
@@ -196,6 +225,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         jvp_chunk_size: int | None = None,
         sample_chunk_size: int = 32,
         ignore_index: int = -100,
+        loss_fn: nn.Module | None = None,
         progress_bar: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -229,6 +259,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             raise ValueError(f"subsample_size must be a positive int, got {subsample_size!r}.")
         if sample_chunk_size < 1:
             raise ValueError("sample_chunk_size must be >= 1.")
+        _validate_loss_fn(loss_fn)
 
         super().__init__(
             model,
@@ -258,6 +289,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         self.jvp_chunk_size = jvp_chunk_size
         self.sample_chunk_size = sample_chunk_size
         self.ignore_index = ignore_index
+        self.loss_fn = loss_fn
         self.progress_bar = progress_bar
         self._eigenpairs: Eigenpairs | None = None
         self._out_shape: torch.Size | None = None
@@ -618,7 +650,10 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             def batch_size_fn(X: MutableMapping) -> int:
                 return batch_size(X, key_x)
 
-        if self.likelihood == "regression":
+        if self.loss_fn is not None:
+            # the user's summed loss over the N terms, scaled by 1/N
+            loss_func, scale, num_data = self.loss_fn, 1.0 / eigen_n, eigen_n
+        elif self.likelihood == "regression":
             # MSELoss(reduction='mean') also averages over the C outputs and drops the
             # factor 1/2: its GGN is 2/(N C) sum J^T J. Rescale to the unit-noise
             # Gaussian GGN (1/N) sum J^T J.
