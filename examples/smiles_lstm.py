@@ -235,12 +235,15 @@ def main(argv: list[str] | None = None) -> None:
             save_language_model(args.checkpoint, model, tokenizer, meta)
     with torch.no_grad():
         held_loss = float(loss_fn(model(xh), yh))
-    epochs = meta["steps"] * meta["train_batch"] / len(train_smiles)
+    nan = float("nan")
+    steps, per_step = meta.get("steps", 0), meta.get("train_batch", 0)
+    epochs = steps * per_step / len(train_smiles)
     print(
         f"== Training{' (loaded from ' + str(checkpoint) + ')' if checkpoint else ''}: "
-        f"{meta['steps']} Adam steps x {meta['train_batch']} SMILES (~{epochs:.1f} epochs), "
-        f"{meta['train_seconds']:.1f} s; per-token loss first {meta['first_loss']:.3f}, "
-        f"last-20 mean {meta['last20_loss']:.3f}, held-out {held_loss:.3f}"
+        f"{steps} Adam steps x {per_step} SMILES (~{epochs:.1f} epochs), "
+        f"{meta.get('train_seconds', nan):.1f} s; per-token loss first "
+        f"{meta.get('first_loss', nan):.3f}, last-20 mean {meta.get('last20_loss', nan):.3f}, "
+        f"held-out {held_loss:.3f}"
         + (f"; saved to {args.checkpoint}" if checkpoint is None and args.checkpoint else "")
     )
 

@@ -84,8 +84,15 @@ class NotFittedError(ValueError, AttributeError):
     """
 
 
-def _validate_loss_fn(loss_fn: Any) -> None:
-    """``loss_fn`` must be a summed loss module (curvlinops calls it functionally)."""
+def _loss_fn_name(loss_fn: nn.Module | None) -> str:
+    """A marker of ``loss_fn`` for the saved state (``''`` for the likelihood's loss)."""
+    return "" if loss_fn is None else type(loss_fn).__qualname__
+
+
+def _validate_loss_fn(loss_fn: Any, ignore_index: int | None) -> None:
+    """``loss_fn`` must be a summed loss module (curvlinops calls it functionally) that
+    leaves out the same targets as GLAS's count N.
+    """
     if loss_fn is None:
         return
     if not isinstance(loss_fn, nn.Module):
@@ -99,6 +106,13 @@ def _validate_loss_fn(loss_fn: Any) -> None:
             f"loss_fn must sum over the targets (reduction='sum'), got reduction="
             f"{reduction!r}: GLAS divides by the number N of likelihood terms itself, "
             "e.g. pass nn.CrossEntropyLoss(reduction='sum')."
+        )
+    own = getattr(loss_fn, "ignore_index", None)
+    if ignore_index is not None and own is not None and own != ignore_index:
+        raise ValueError(
+            f"loss_fn ignores targets equal to {own} but GLAS's ignore_index is "
+            f"{ignore_index}: the GGN and the count N would disagree on which targets "
+            "are padding. Give both the same value."
         )
 
 
@@ -176,11 +190,16 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         called on the model outputs and targets as they are. Any module curvlinops
         accepts (its Hessian in the outputs comes from autodiff), with
         ``reduction='sum'``: GLAS applies the ``1/N`` itself. It takes the place of
-        ``0.5 * ||f - y||^2`` (regression, unit noise; ``sigma_noise`` still divides)
-        or the summed cross-entropy (classification), e.g. a class-weighted or
-        label-smoothed ``nn.CrossEntropyLoss(reduction='sum')`` or a Huber loss. Only
-        the curvature changes: the data-fit term of the evidence and the predictives
-        keep laplace-torch's likelihood. Not saved by :meth:`state_dict`.
+        ``0.5 * ||f - y||^2`` (regression, unit noise; ``sigma_noise`` still divides;
+        note that ``nn.MSELoss(reduction='sum')`` is ``||f - y||^2``, twice the
+        curvature) or the summed cross-entropy (classification, integer labels; e.g. a
+        class-weighted ``nn.CrossEntropyLoss(weight=w, reduction='sum')``, a Huber
+        loss, or a module of one's own; label smoothing leaves the GGN unchanged).
+        For ``(batch, seq_len, vocab)`` outputs the loss must take the classes on the
+        last axis (``nn.CrossEntropyLoss`` takes them on axis 1). Its buffers are
+        moved to the model's device and dtype; an ``ignore_index`` attribute must
+        equal ``ignore_index``. Only the curvature changes: the data-fit term of the
+        evidence and the predictives keep laplace-torch's likelihood.
     progress_bar : bool, default=False
         Show ``tqdm`` progress bars during ``fit``.
 
@@ -259,7 +278,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             raise ValueError(f"subsample_size must be a positive int, got {subsample_size!r}.")
         if sample_chunk_size < 1:
             raise ValueError("sample_chunk_size must be >= 1.")
-        _validate_loss_fn(loss_fn)
+        _validate_loss_fn(loss_fn, ignore_index if likelihood == "classification" else None)
 
         super().__init__(
             model,
@@ -553,6 +572,8 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             with autodiff_friendly(self.model):
                 out = self.model(X)
             check_finite("The model output", out, i)
+            if i == 0 and self.loss_fn is not None:
+                self._check_loss_fn(out, y)
             if self.likelihood == "regression":
                 if y.shape != out.shape:
                     raise ValueError(
@@ -570,6 +591,20 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         if n_terms == 0:
             raise ValueError("Every training target equals ignore_index: nothing to fit.")
         return total, n_terms, out_shape
+
+    def _check_loss_fn(self, out: torch.Tensor, y: torch.Tensor) -> None:
+        """``loss_fn`` evaluates to a scalar on the first batch (clear error if not)."""
+        loss_fn = copy.deepcopy(self.loss_fn).to(self._device, self._dtype)
+        try:
+            value = loss_fn(out, y)
+        except Exception as err:
+            raise ValueError(
+                f"loss_fn failed on the first training batch (model outputs "
+                f"{tuple(out.shape)}, targets {tuple(y.shape)}): {err}"
+            ) from err
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+            raise ValueError(f"loss_fn must return a scalar (the summed loss), got {shape}.")
 
     def _check_labels(self, out: torch.Tensor, y: torch.Tensor, i: int) -> int:
         """Validate class labels against the outputs; return the number of targets."""
@@ -614,7 +649,8 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         _out_shape: torch.Size | None = None,
         _n_data: int | None = None,
     ) -> Eigenpairs:
-        """Top eigenpairs of the unit-noise mean-loss GGN at the model's weights.
+        """Top eigenpairs of the unit-noise mean-loss GGN (or of ``loss_fn``'s) at the
+        model's weights.
 
         The solve ``fit`` uses, exposed so that it can be repeated with other random
         starts or data subsamples (see :func:`laplace_glas.diagnostics.replica_check`)
@@ -626,7 +662,8 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         -------
         Eigenpairs
             Eigenvalues of ``G_1 = (1/N) sum_n J_n^T Lambda_n J_n`` with unit noise
-            (divide by ``sigma^2`` for the regression GGN).
+            (divide by ``sigma^2`` for the regression GGN); with ``loss_fn``,
+            ``Lambda_n`` is that loss's Hessian in the outputs.
 
         """
         k = self._n_components if n_components is None else n_components
@@ -652,7 +689,8 @@ class ActiveSubspaceLaplace(ParametricLaplace):
 
         if self.loss_fn is not None:
             # the user's summed loss over the N terms, scaled by 1/N
-            loss_func, scale, num_data = self.loss_fn, 1.0 / eigen_n, eigen_n
+            loss_func = copy.deepcopy(self.loss_fn).to(self._device, self._dtype)
+            scale, num_data = 1.0 / eigen_n, eigen_n
         elif self.likelihood == "regression":
             # MSELoss(reduction='mean') also averages over the C outputs and drops the
             # factor 1/2: its GGN is 2/(N C) sum J^T J. Rescale to the unit-noise
@@ -1138,6 +1176,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         state["complement"] = self.complement
         state["n_components"] = self._n_components
         state["eigenpairs"] = self._eigenpairs.to_dict()
+        state["loss_fn"] = _loss_fn_name(self.loss_fn)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1157,7 +1196,16 @@ class ActiveSubspaceLaplace(ParametricLaplace):
                 f"{state_dict['complement']!r}.",
                 stacklevel=2,
             )
+        saved_loss = state_dict.get("loss_fn", "")
+        if saved_loss != _loss_fn_name(self.loss_fn):
+            warnings.warn(
+                f"The saved eigenpairs are those of loss_fn {saved_loss or None!r}; this "
+                f"object has {_loss_fn_name(self.loss_fn) or None!r}. The loaded curvature "
+                "is used as saved.",
+                stacklevel=2,
+            )
         super().load_state_dict(state_dict)
+        self.loss = torch.as_tensor(self.loss).to(self._device, self._dtype)
         U, h = state_dict["H"]
         self.H = (U.to(self._device, self._dtype), h.to(self._device, self._dtype))
         self.mean = self.mean.to(self._device, self._dtype)

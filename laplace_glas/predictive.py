@@ -26,6 +26,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev, jvp, vmap
 
+from laplace_glas.rnn import elementary_rnns
+
 __all__ = [
     "autodiff_friendly",
     "batched_outputs",
@@ -38,19 +40,26 @@ __all__ = [
 
 @contextlib.contextmanager
 def autodiff_friendly(model: nn.Module) -> Iterator[None]:
-    """Switch off the oneDNN (mkldnn) and cuDNN RNN kernels while ``model`` runs.
+    """Run ``model``'s recurrent layers without fused kernels while the block runs.
 
-    Those fused kernels have no forward-mode derivative (``torch.func.jvp`` raises
-    ``NotImplementedError: ... mkldnn_rnn_layer``), and the GGN products and the
-    'glm' predictive are forward mode. Only models that contain an ``nn.RNNBase``
-    (LSTM, GRU, RNN) are affected; for the others this is a no-op.
+    The fused RNN kernels have no forward-mode derivative (``torch.func.jvp`` raises
+    ``NotImplementedError: ... mkldnn_rnn_layer`` on the CPU, and ``...
+    _thnn_fused_lstm_cell`` on a GPU even with cuDNN off), and the GGN products and the
+    'glm' predictive are forward mode. On the CPU, switching oneDNN off is enough;
+    LSTM/GRU/RNN layers on any other device run through
+    :func:`laplace_glas.rnn.elementary_rnn_forward`. Only models that contain an
+    ``nn.RNNBase`` are affected; for the others this is a no-op.
     """
     if not any(isinstance(m, nn.RNNBase) for m in model.modules()):
         yield
         return
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*TF32 acceleration on top of oneDNN.*")
-        with torch.backends.mkldnn.flags(enabled=False), torch.backends.cudnn.flags(enabled=False):
+        with (
+            torch.backends.mkldnn.flags(enabled=False),
+            torch.backends.cudnn.flags(enabled=False),
+            elementary_rnns(model),
+        ):
             yield
 
 

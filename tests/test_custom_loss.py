@@ -175,3 +175,76 @@ def test_loss_fn_must_be_a_summed_module(classification):
         Laplace(model, "classification", loss_fn=nn.CrossEntropyLoss(), **kwargs)
     with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
         Laplace(model, "classification", loss_fn=nn.functional.cross_entropy, **kwargs)
+
+
+def test_loss_fn_buffers_follow_the_model_dtype(classification):
+    """A float32 class weight with a float64 model: moved, same result as float64."""
+    model, X, y = classification
+    w = torch.tensor([1.0, 4.0, 0.5])
+    la32 = fit(model, X, y, "classification", nn.CrossEntropyLoss(weight=w, reduction="sum"))
+    la64 = fit(
+        model, X, y, "classification", nn.CrossEntropyLoss(weight=w.double(), reduction="sum")
+    )
+    torch.testing.assert_close(la32.eigenvalues, la64.eigenvalues, rtol=1e-12, atol=0)
+
+
+def test_loss_fn_with_subsample_and_replica_check(classification):
+    model, X, y = classification
+    loss_fn = TemperedCrossEntropy(2.5)
+    la = fit(model, X, y, "classification", loss_fn, k=3, subsample_size=20, seed=4)
+    # the subsample's explicit GGN: the same 20 points, drawn by the same generator
+    from laplace_glas.batches import subsample_loader
+
+    batches = list(subsample_loader(loader(X, y, 16), 20, torch.Generator().manual_seed(4)))
+    Xs = torch.cat([b[0] for b in batches])
+    ys = torch.cat([b[1] for b in batches])
+    assert len(Xs) == 20
+    assert_top_eigenpairs(la, explicit_loss_ggn(model, loss_fn, Xs, ys, 20), 3, rtol=1e-7)
+    check = laplace_glas.replica_check(la, loader(X, y, 16), n_replicas=1, subsample=20)
+    assert len(check.overlaps) == 1 and check.best_overlap.shape == (3,)
+
+
+def test_loss_fn_errors_name_the_problem(classification):
+    model, X, y = classification
+    kwargs = {"subset_of_weights": "all", "hessian_structure": "glas", "n_components": 2}
+    with pytest.raises(ValueError, match="ignore_index"):
+        Laplace(
+            model,
+            "classification",
+            loss_fn=nn.CrossEntropyLoss(reduction="sum"),  # ignores -100
+            ignore_index=0,
+            **kwargs,
+        )
+
+    class Broken(nn.Module):
+        reduction = "sum"
+
+        def forward(self, output, target):
+            return output.sum(0)  # not a scalar
+
+    la = Laplace(model, "classification", loss_fn=Broken(), **kwargs)
+    with pytest.raises(ValueError, match="scalar"):
+        la.fit(loader(X, y))
+
+    class WrongAxis(nn.Module):
+        reduction = "sum"
+
+        def forward(self, output, target):
+            return nn.functional.cross_entropy(output.T, target, reduction="sum")
+
+    la = Laplace(model, "classification", loss_fn=WrongAxis(), **kwargs)
+    with pytest.raises(ValueError, match="loss_fn failed on the first training batch"):
+        la.fit(loader(X, y))
+
+
+def test_state_dict_records_the_loss(classification):
+    model, X, y = classification
+    la = fit(model, X, y, "classification", TemperedCrossEntropy(2.0), k=2)
+    state = la.state_dict()
+    assert state["loss_fn"] == "TemperedCrossEntropy"
+    other = Laplace(
+        model, "classification", subset_of_weights="all", hessian_structure="glas", n_components=2
+    )
+    with pytest.warns(UserWarning, match="TemperedCrossEntropy"):
+        other.load_state_dict(state)
+    torch.testing.assert_close(other.eigenvalues, la.eigenvalues)
