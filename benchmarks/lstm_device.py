@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--solver", choices=("lanczos", "block"), default="block")
     parser.add_argument("--tol", type=float, default=1e-3)
     parser.add_argument(
+        "--maxiter", type=int, default=None, help="cap on data passes (block) / restarts"
+    )
+    parser.add_argument(
         "--batch-size", type=int, default=None, help="sequences per GGN batch [200]"
     )
     parser.add_argument("--n-predict", type=int, default=None, help="held-out SMILES [200]")
@@ -165,12 +168,14 @@ def main(argv: list[str] | None = None) -> None:
         n_components=args.k,
         solver=args.solver,
         tol=args.tol,
+        maxiter=args.maxiter,
         subsample_size=min(args.subsample, len(train_smiles)),
         seed=args.seed,
         ignore_index=PAD,
     )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    memory_before = peak_memory_mb(device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", laplace_glas.NumericalRankWarning)
         _, fit_time = timed(lambda: la.fit(train_loader), device)
@@ -215,8 +220,8 @@ def main(argv: list[str] | None = None) -> None:
         f"(tol {args.tol:g}), {info.n_data} tokens of {n_subsample} subsampled SMILES; "
         f"{info.n_products} GGN products in {info.n_passes} data passes; "
         f"max rel. residual {float(info.residuals.max()):.2e}; "
-        f"peak memory after fit {fit_memory:.0f} MB "
-        f"({'CUDA allocated' if device.type == 'cuda' else 'RSS'})"
+        f"peak memory after fit {fit_memory:.0f} MB (before {memory_before:.0f} MB; "
+        f"{'CUDA allocated' if device.type == 'cuda' else 'RSS'})"
     )
     print(f"Command: python {' '.join(sys.argv)}\n")
     print(f"| step | {device.type} [s] | CPU reference [s] | CPU / {device.type} |")

@@ -98,6 +98,19 @@ class ReplicaCheck:
         """True when every fitted eigenvector has a partner in every replica."""
         return not self.flagged
 
+    def subspace_overlap(self, m: int | None = None) -> torch.Tensor:
+        """Share of the leading ``m`` fitted eigenvectors' span inside each replica's
+        subspace: ``||U_{:, :m}^T U_r||_F^2 / m`` in ``[0, 1]``, one value per replica.
+
+        Unlike the per-vector overlaps this does not care how the replica splits a
+        cluster of near-equal eigenvalues among its vectors (``m = k`` by default).
+        """
+        k = self.best_overlap.numel()
+        m = k if m is None else m
+        if not 1 <= m <= k:
+            raise ValueError(f"m must lie in [1, {k}], got {m}.")
+        return torch.stack([(o[:m] ** 2).sum() / m for o in self.overlaps])
+
     def __str__(self) -> str:
         n = len(self.overlaps)
         where = f"subsamples of {self.subsample} points" if self.subsample else "the full data"
@@ -106,10 +119,15 @@ class ReplicaCheck:
             f"threshold {self.threshold:.2f}: "
             + ("all eigenvectors matched." if self.passed else f"{len(self.flagged)} flagged.")
         )
-        lines = [head, f"{'j':>4} {'min_r max_i |u_j.u_i|':>22}"]
+        lines = [head, f"{'j':>4} {'min_r max_i |u_j.u_i|':>22} {'span of u_1..u_j kept':>22}"]
         for j, value in enumerate(self.best_overlap.tolist()):
             mark = "  FLAGGED" if j in self.flagged else ""
-            lines.append(f"{j + 1:>4} {value:>22.4f}{mark}")
+            kept = float(self.subspace_overlap(j + 1).min())
+            lines.append(f"{j + 1:>4} {value:>22.4f} {kept:>22.4f}{mark}")
+        lines.append(
+            "(last column: min over replicas of ||U_{:, :j}^T U_r||_F^2 / j, the share of "
+            "the leading j-dimensional subspace that the replica's subspace contains)"
+        )
         return "\n".join(lines)
 
 

@@ -56,3 +56,36 @@ def test_replica_check_on_subsamples(toy_regression):
     assert "subsamples of 60 points" in str(check)
     with pytest.raises(ValueError, match="subsample_size"):
         replica_check(la, dl, subsample=1000)
+
+
+def test_subspace_overlap_ignores_rotations_within_the_subspace():
+    """A replica that rotates a pair of vectors by 45 degrees inside the span: per-vector
+    overlaps drop to 0.71 (flagged), the subspace overlap stays 1; a replica that swaps
+    one vector for an orthogonal direction loses exactly 1/k of the span.
+    """
+    from laplace_glas.diagnostics import ReplicaCheck
+
+    g = torch.Generator().manual_seed(0)
+    Q, _ = torch.linalg.qr(torch.randn(30, 5, generator=g, dtype=torch.float64))
+    U = Q[:, :4]
+    c = 2**-0.5
+    rotation = torch.eye(4, dtype=torch.float64)
+    rotation[2:, 2:] = torch.tensor([[c, -c], [c, c]], dtype=torch.float64)
+    rotated = U @ rotation
+    swapped = torch.cat([U[:, :3], Q[:, 4:5]], dim=1)
+    overlaps = [(U.T @ rotated).abs(), (U.T @ swapped).abs()]
+    best = torch.stack([o.max(dim=1).values for o in overlaps]).min(dim=0).values
+    check = ReplicaCheck(overlaps, best, [j for j in range(4) if best[j] < 0.9], 0.9)
+    assert check.flagged == [2, 3]
+    torch.testing.assert_close(check.subspace_overlap(2), torch.tensor([1.0, 1.0]).double())
+    torch.testing.assert_close(check.subspace_overlap(), torch.tensor([1.0, 0.75]).double())
+    torch.testing.assert_close(check.subspace_overlap(3)[0], torch.tensor(1.0).double())
+    with pytest.raises(ValueError, match="m must lie"):
+        check.subspace_overlap(5)
+    assert "span of u_1..u_j kept" in str(check)
+
+
+def test_subspace_overlap_of_a_converged_replica_is_one(toy_regression):
+    la, dl = fit(toy_regression)
+    check = replica_check(la, dl, n_replicas=1)
+    assert float(check.subspace_overlap()) > 1 - 1e-4
