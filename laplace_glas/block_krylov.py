@@ -41,24 +41,44 @@ class BlockKrylovResult:
     converged: torch.Tensor
 
 
-def _left_matmul(
-    A: torch.Tensor, images: torch.Tensor, dtype: torch.dtype, step: int
-) -> torch.Tensor:
-    """``A @ images`` with ``images`` upcast to ``dtype`` one column block at a time."""
-    return torch.cat(
-        [A @ images[:, j : j + step].to(dtype) for j in range(0, images.shape[1], step)], dim=1
-    )
+_ROWS = 1 << 15  # rows per chunk of the tall-skinny products: temporaries of ~MBs
 
 
-def _right_matmul(
-    images: torch.Tensor, S: torch.Tensor, dtype: torch.dtype, step: int
-) -> torch.Tensor:
-    """``images @ S`` with ``images`` upcast to ``dtype`` one column block at a time."""
-    out = None
-    for j in range(0, images.shape[1], step):
-        part = images[:, j : j + step].to(dtype) @ S[j : j + step]
-        out = part if out is None else out + part
+def _cross(A: torch.Tensor, B: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``A^T B`` accumulated in ``dtype`` over row chunks (both upcast chunk by chunk)."""
+    out = torch.zeros(A.shape[1], B.shape[1], dtype=dtype, device=A.device)
+    for r in range(0, A.shape[0], _ROWS):
+        out.addmm_(A[r : r + _ROWS].to(dtype).T, B[r : r + _ROWS].to(dtype))
     return out
+
+
+def _times(
+    A: torch.Tensor, S: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``A @ S`` with ``A`` upcast to ``dtype`` row chunk by row chunk.
+
+    ``out`` may overlap ``A``'s leading columns (``out = A[:, :S.shape[1]]``, the thick
+    restart): each row chunk is read completely before it is written.
+    """
+    if out is None:
+        out = torch.empty(A.shape[0], S.shape[1], dtype=dtype, device=A.device)
+    for r in range(0, A.shape[0], _ROWS):
+        out[r : r + _ROWS] = A[r : r + _ROWS].to(dtype) @ S
+    return out
+
+
+def _residual_norms(
+    basis: torch.Tensor, images: torch.Tensor, S: torch.Tensor, theta: torch.Tensor
+) -> torch.Tensor:
+    """``||G x_j - theta_j x_j||`` for the Ritz pairs ``x_j = basis s_j``, accumulated
+    over row chunks (the Ritz vectors are never formed here).
+    """
+    squares = torch.zeros(S.shape[1], dtype=S.dtype, device=S.device)
+    for r in range(0, basis.shape[0], _ROWS):
+        x = basis[r : r + _ROWS].to(S.dtype) @ S
+        gx = images[r : r + _ROWS].to(S.dtype) @ S
+        squares += gx.sub_(x.mul_(theta)).square_().sum(0)
+    return squares.sqrt()
 
 
 def _orthonormalize(block: torch.Tensor, basis: torch.Tensor | None, drop: float) -> torch.Tensor:
@@ -66,19 +86,20 @@ def _orthonormalize(block: torch.Tensor, basis: torch.Tensor | None, drop: float
 
     Two rounds of classical Gram-Schmidt against the basis, then a QR whose
     numerically dependent columns (``|R_ii| <= drop * max|R_ii|``) are dropped.
+    ``block`` is overwritten.
     """
     for _ in range(2):
         if basis is not None and basis.shape[1]:
-            block = block - basis @ (basis.T @ block)
+            block.addmm_(basis, basis.T @ block, alpha=-1)
     if block.shape[1] == 0:
         return block
-    Q, R = torch.linalg.qr(block)
-    diag = R.diagonal().abs()
     scale = torch.linalg.vector_norm(block, dim=0).max().clamp(min=torch.finfo(block.dtype).tiny)
-    keep = diag > drop * scale
+    Q, R = torch.linalg.qr(block)
+    del block
+    keep = R.diagonal().abs() > drop * scale
     Q = Q[:, keep]
     if basis is not None and basis.shape[1] and Q.shape[1]:
-        Q = Q - basis @ (basis.T @ Q)
+        Q.addmm_(basis, basis.T @ Q, alpha=-1)
         Q, _ = torch.linalg.qr(Q)
     return Q
 
@@ -110,8 +131,10 @@ def block_krylov_eigenpairs(
         Columns per pass ``p`` (default ``max(k, 8)``).
     max_basis : int, optional
         Largest basis before a thick restart (default ``max(2 k + p, 3 p)``, at most dim).
-        Memory is about ``max_basis * dim`` numbers for the basis (in ``dtype``) plus as
-        many for its images (in ``image_dtype``).
+        Memory is ``max_basis * dim`` numbers for the basis (in ``dtype``) plus as many
+        for its images (in ``image_dtype``), both preallocated; the products with small
+        matrices (Rayleigh-Ritz, residuals, restarts) run over row chunks, so the
+        temporaries beyond that are one block and its QR.
     tol : float
         Relative residual ``||G x - theta x|| / theta`` at which a pair is converged.
     max_passes : int
@@ -140,41 +163,61 @@ def block_krylov_eigenpairs(
     drop = 100 * torch.finfo(dtype).eps
 
     image_dtype = image_dtype or dtype
+    # the basis and its images live in two preallocated buffers (no copies as they grow)
+    basis = torch.empty(dim, max_basis, dtype=dtype, device=device)
+    images = torch.empty(dim, max_basis, dtype=image_dtype, device=device)
+    T = torch.zeros(max_basis, max_basis, dtype=dtype, device=device)
+
+    def append(Q: torch.Tensor, GQ: torch.Tensor, m: int) -> int:
+        """Add the block and its image at column ``m``; extend ``T = basis^T images``."""
+        q = Q.shape[1]
+        basis[:, m : m + q] = Q
+        images[:, m : m + q] = GQ
+        column = _cross(basis[:, : m + q], images[:, m : m + q], dtype)  # (m + q, q)
+        row = _cross(images[:, :m], Q, dtype)  # (m, q): the transposed product
+        T[:m, m : m + q] = (column[:m] + row) / 2
+        T[m : m + q, :m] = T[:m, m : m + q].T
+        T[m : m + q, m : m + q] = (column[m:] + column[m:].T) / 2
+        return m + q
+
     start = torch.randn(dim, p, generator=generator, dtype=torch.float64).to(device, dtype)
     Q = _orthonormalize(start, None, drop)
-    GQ = matmat(Q).to(image_dtype)
+    m = append(Q, matmat(Q).to(image_dtype), 0)
+    newest = Q.shape[1]
     n_products, n_passes = Q.shape[1], 1
-    basis, images = Q, GQ
+    del Q
     while True:
-        T = _left_matmul(basis.T, images, dtype, p)
-        T = (T + T.T) / 2
-        theta, S = torch.linalg.eigh(T)
+        theta, S = torch.linalg.eigh(T[:m, :m])
         theta, S = theta.flip(0), S.flip(1)
         kk = min(k, theta.numel())
-        X = basis @ S[:, :kk]
-        GX = _right_matmul(images, S[:, :kk], dtype, p)
-        residual = torch.linalg.vector_norm(GX - X * theta[:kk], dim=0)
+        residual = _residual_norms(basis[:, :m], images[:, :m], S[:, :kk], theta[:kk])
         floor = rank_threshold * theta[0].clamp(min=0)
         converged = residual <= torch.maximum(tol * theta[:kk].abs(), floor)
         if (kk == k and bool(converged.all())) or n_passes >= max_passes:
             break
         # next block: the images of the newest block, orthogonalised against the basis
-        new = _orthonormalize(images[:, -Q.shape[1] :].to(dtype), basis, drop)
+        new = _orthonormalize(images[:, m - newest : m].to(dtype, copy=True), basis[:, :m], drop)
         if new.shape[1] == 0:  # Krylov space exhausted (invariant subspace found)
             break
-        if basis.shape[1] + new.shape[1] > max_basis:
+        if m + new.shape[1] > max_basis:  # thick restart from the leading Ritz vectors
             keep = min(theta.numel(), max(k + p, max_basis - new.shape[1]))
-            basis = basis @ S[:, :keep]
-            images = _right_matmul(images, S[:, :keep], dtype, p).to(image_dtype)
-            new = _orthonormalize(new, basis, drop)
+            _times(basis[:, :m], S[:, :keep], dtype, out=basis[:, :keep])
+            _times(images[:, :m], S[:, :keep], dtype, out=images[:, :keep])
+            m = keep
+            T[:m, :m] = _cross(basis[:, :m], images[:, :m], dtype)
+            T[:m, :m] = (T[:m, :m] + T[:m, :m].T) / 2
+            new = _orthonormalize(new, basis[:, :m], drop)
             if new.shape[1] == 0:
                 break
         Q = new[:, :p]
-        GQ = matmat(Q).to(image_dtype)
-        n_products += Q.shape[1]
+        del new
+        m = append(Q, matmat(Q).to(image_dtype), m)
+        newest = Q.shape[1]
+        n_products += newest
         n_passes += 1
-        basis = torch.cat([basis, Q], dim=1)
-        images = torch.cat([images, GQ], dim=1)
+        del Q
+    X = _times(basis[:, :m], S[:, :kk], dtype)
+    GX = _times(images[:, :m], S[:, :kk], dtype)
     return BlockKrylovResult(
         values=theta[:kk],
         vectors=X,
