@@ -302,11 +302,12 @@ def _solve_block(
     """Block Krylov with ``block_size`` columns per data pass (basis kept in float64)."""
 
     def matmat(V: torch.Tensor) -> torch.Tensor:
+        """``scale * G V`` in the model's precision (the solver stores images in it)."""
         if hasattr(operator, "to_scipy"):  # a curvlinops operator: stay in torch
             GV = operator @ V.to(dtype)
         else:
             GV = torch.as_tensor(operator.matmat(V.cpu().numpy().astype(_TORCH_TO_NUMPY[dtype])))
-        GV = scale * GV.to(device=V.device, dtype=V.dtype)
+        GV = GV.to(device=V.device, dtype=dtype).mul_(scale)
         pbar.update(V.shape[1])
         if not torch.isfinite(GV).all():
             raise FloatingPointError(
