@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 from laplace import Laplace
-from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine_description
@@ -44,11 +43,12 @@ from laplace_glas.smiles import (
     PAD,
     SmilesLSTM,
     SmilesTokenizer,
+    encodable,
     encode_batch,
+    length_sorted_loader,
     load_language_model,
     load_smiles,
     train_lm,
-    trim_padding,
 )
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/smiles/moses_train_20k.smi"
@@ -148,17 +148,9 @@ def main(argv: list[str] | None = None) -> None:
         train_lm(model, x, y, steps=args.train_steps, generator=torch.Generator().manual_seed(0))
         source = f"{args.train_steps} Adam steps"
     x, y = encode_batch(tokenizer, train_smiles)
-    known = set(tokenizer.tokens)
-    heldout = [  # tokens the model knows, no longer than the training sequences
-        s
-        for s in heldout
-        if set(tokenizer.tokenize(s)) <= known and len(tokenizer.tokenize(s)) < x.shape[1]
-    ]
+    heldout = encodable(tokenizer, heldout, x.shape[1])
     xh, _ = encode_batch(tokenizer, heldout, x.shape[1])
-    order = torch.argsort((y != PAD).sum(1), stable=True)
-    train_loader = DataLoader(
-        TensorDataset(x[order], y[order]), batch_size=args.batch_size, collate_fn=trim_padding
-    )
+    train_loader = length_sorted_loader(x, y, args.batch_size)
     model = model.to(device)
     la = Laplace(
         model,

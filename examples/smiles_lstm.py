@@ -54,14 +54,15 @@ from laplace_glas.smiles import (
     PAD,
     SmilesLSTM,
     SmilesTokenizer,
+    encodable,
     encode_batch,
     generate,
+    length_sorted_loader,
     load_language_model,
     load_smiles,
     save_language_model,
     token_lengths,
     train_lm,
-    trim_padding,
     validity,
 )
 
@@ -185,12 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = SmilesTokenizer().fit(train_smiles)
     x, y = encode_batch(tokenizer, train_smiles)
     max_len = x.shape[1]
-    known = set(tokenizer.tokens)
-    heldout = [
-        s
-        for s in heldout
-        if set(tokenizer.tokenize(s)) <= known and len(tokenizer.tokenize(s)) < max_len
-    ]
+    heldout = encodable(tokenizer, heldout, max_len)
     xh, yh = encode_batch(tokenizer, heldout, max_len)
     n_tokens = int((y != PAD).sum())
     print(
@@ -247,12 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         + (f"; saved to {args.checkpoint}" if checkpoint is None and args.checkpoint else "")
     )
 
-    # the data set sorted by length: subsampled batches hold similar lengths, and
-    # trim_padding drops their padded tail (the GGN of the causal LSTM is unchanged)
-    order = torch.argsort((y != PAD).sum(1), stable=True)
-    train_loader = DataLoader(
-        TensorDataset(x[order], y[order]), batch_size=args.batch_size, collate_fn=trim_padding
-    )
+    train_loader = length_sorted_loader(x, y, args.batch_size)
     heldout_loader = DataLoader(TensorDataset(xh, yh), batch_size=args.batch_size)
 
     # ------------------------------------------------------------------ GLAS fit

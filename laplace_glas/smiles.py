@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_glas.losses import TokenCrossEntropy
 
@@ -39,8 +40,10 @@ __all__ = [
     "PAD",
     "SmilesLSTM",
     "SmilesTokenizer",
+    "encodable",
     "encode_batch",
     "generate",
+    "length_sorted_loader",
     "load_language_model",
     "load_smiles",
     "save_language_model",
@@ -237,6 +240,32 @@ def trim_padding(
     used = (y != PAD).any(0).nonzero()
     length = int(used.max()) + 1 if used.numel() else 1
     return x[:, :length], y[:, :length]
+
+
+def length_sorted_loader(x: torch.Tensor, y: torch.Tensor, batch_size: int) -> DataLoader:
+    """A loader over ``(x, y)`` sorted by sequence length, batches trimmed of padding.
+
+    Batches (also those of a random subsample, which keeps the order) then hold
+    sequences of similar length, and :func:`trim_padding` drops their padded tail: for
+    the causal LSTM the loss and the GGN are unchanged, the padded steps are not computed.
+    """
+    order = torch.argsort((y != PAD).sum(1), stable=True)
+    return DataLoader(
+        TensorDataset(x[order], y[order]), batch_size=batch_size, collate_fn=trim_padding
+    )
+
+
+def encodable(tokenizer: SmilesTokenizer, smiles: Iterable[str], max_len: int) -> list[str]:
+    """The SMILES made only of ``tokenizer``'s tokens and shorter than ``max_len`` tokens
+    (so that ``encode_batch(tokenizer, result, max_len)`` succeeds).
+    """
+    known = set(tokenizer.tokens)
+    kept = []
+    for s in smiles:
+        tokens = tokenizer.tokenize(s)
+        if set(tokens) <= known and len(tokens) < max_len:
+            kept.append(s)
+    return kept
 
 
 def token_lengths(smiles: Iterable[str]) -> list[int]:

@@ -19,8 +19,10 @@ from laplace_glas.smiles import (
     PAD,
     SmilesLSTM,
     SmilesTokenizer,
+    encodable,
     encode_batch,
     generate,
+    length_sorted_loader,
     load_language_model,
     load_smiles,
     save_language_model,
@@ -308,3 +310,25 @@ def test_language_model_checkpoint_errors(tmp_path):
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match="not a SMILES language-model checkpoint"):
         load_language_model(tmp_path / "other.pt")
+
+
+def test_encodable_keeps_what_encode_batch_accepts():
+    tokenizer = fitted_tokenizer()
+    candidates = [*HAND, "CC[Se]C", "C" * 30]  # an unknown token; one too long
+    kept = encodable(tokenizer, candidates, max_len=25)
+    assert kept == HAND
+    x, _ = encode_batch(tokenizer, kept, 25)
+    assert x.shape == (len(HAND), 25)
+
+
+def test_length_sorted_loader_sorts_and_trims():
+    tokenizer = fitted_tokenizer()
+    smiles = ["CCCCCCCC", "C", "CCCC", "CC", "CCCCCCCCCCCC", "CCC"]
+    x, y = encode_batch(tokenizer, smiles)
+    batches = list(length_sorted_loader(x, y, batch_size=2))
+    lengths = [int((yb != PAD).sum(1).max()) for _, yb in batches]
+    assert lengths == sorted(lengths)
+    for xb, yb in batches:
+        assert xb.shape == yb.shape and yb.shape[1] == int((yb != PAD).sum(1).max())
+    total = sum(int((yb != PAD).sum()) for _, yb in batches)
+    assert total == int((y != PAD).sum())  # no target lost by the trimming
