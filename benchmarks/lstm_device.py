@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--solver", choices=("lanczos", "block"), default="block")
     parser.add_argument("--tol", type=float, default=1e-3)
     parser.add_argument(
+        "--block-size", type=int, default=None, help="block solver columns per pass [max(k, 8)]"
+    )
+    parser.add_argument(
         "--maxiter", type=int, default=None, help="cap on data passes (block) / restarts"
     )
     parser.add_argument(
@@ -159,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         hessian_structure="glas",
         n_components=args.k,
         solver=args.solver,
+        block_size=args.block_size,
         tol=args.tol,
         maxiter=args.maxiter,
         subsample_size=min(args.subsample, len(train_smiles)),
@@ -209,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Machine: {machine_description()}")
     print(
         f"Model: D = {model.n_params:,} ({source}); k = {info.k}, solver {args.solver} "
-        f"(tol {args.tol:g}), {info.n_data} tokens of {n_subsample} subsampled SMILES; "
+        f"(tol {args.tol:g}, block size {args.block_size or max(args.k, 8)}), "
+        f"{info.n_data} tokens of {n_subsample} subsampled SMILES; "
         f"{info.n_products} GGN products in {info.n_passes} data passes; "
         f"max rel. residual {float(info.residuals.max()):.2e}; "
         f"peak memory after fit {fit_memory:.0f} MB (before {memory_before:.0f} MB; "
