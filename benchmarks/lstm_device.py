@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
         f"(tol {args.tol:g}, block size {args.block_size or max(args.k, 8)}), "
         f"{info.n_data} tokens of {n_subsample} subsampled SMILES; "
         f"{info.n_products} GGN products in {info.n_passes} data passes; "
-        f"max rel. residual {float(info.residuals.max()):.2e}; "
+        f"max rel. residual {float(info.residuals.max()):.2e}; eigenvalues "
+        f"{float(info.values[0]):.5g} ... {float(info.values[-1]):.5g}; "
         f"peak memory after fit {fit_memory:.0f} MB (before {memory_before:.0f} MB; "
         f"{'CUDA allocated' if device.type == 'cuda' else 'RSS'})"
     )
