@@ -83,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpu-reference", action="store_true", help="predictives on CPU too")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--progress-bar", action="store_true", help="tqdm bars of the fit")
     args = parser.parse_args(argv)
     quick = {"n_train": 300, "subsample": 100, "k": 3, "n_predict": 20, "batch_size": 50}
     full = {"n_train": 19000, "subsample": 2000, "k": 20, "n_predict": 200, "batch_size": 200}
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         subsample_size=min(args.subsample, len(train_smiles)),
         seed=args.seed,
         ignore_index=PAD,
+        progress_bar=args.progress_bar,
     )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
