@@ -142,3 +142,29 @@ def test_cuda_fit_and_predict_match_cpu(toy_regression, solver):
     torch.testing.assert_close(var_gpu.cpu(), var_cpu, rtol=1e-2, atol=1e-6)
     samples = la_gpu.sample(4, generator=torch.Generator("cuda").manual_seed(0))
     assert samples.device.type == "cuda"
+
+
+@cuda
+def test_cuda_lstm_fit_and_glm_match_cpu():
+    """On a GPU the LSTM runs through laplace_glas.rnn (fused cells have no JVP)."""
+    from laplace_glas.smiles import PAD, SmilesLSTM
+
+    torch.manual_seed(0)
+    model = SmilesLSTM(7, 6, 5, 2).double().eval()
+    x = torch.randint(3, 7, (12, 8))
+    y = torch.roll(x, -1, 1)
+    kwargs = dict(
+        subset_of_weights="all", hessian_structure="glas", n_components=4, ignore_index=PAD
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", laplace_glas.NumericalRankWarning)
+        la_cpu = Laplace(model, "classification", **kwargs)
+        la_cpu.fit(loader(x, y, 6))
+        probs_cpu = la_cpu(x[:3], pred_type="glm")
+        gpu_model = copy.deepcopy(model).cuda()
+        la_gpu = Laplace(gpu_model, "classification", **kwargs)
+        la_gpu.fit(loader(x.cuda(), y.cuda(), 6))
+        probs_gpu = la_gpu(x[:3].cuda(), pred_type="glm")
+    torch.testing.assert_close(la_gpu.eigenvalues.cpu(), la_cpu.eigenvalues, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(probs_gpu.cpu(), probs_cpu, rtol=1e-6, atol=1e-9)
+    assert "forward" not in gpu_model.lstm.__dict__  # the swap is undone
