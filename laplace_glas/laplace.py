@@ -592,9 +592,15 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             raise ValueError("Every training target equals ignore_index: nothing to fit.")
         return total, n_terms, out_shape
 
+    def _loss_fn_on_device(self) -> nn.Module:
+        """A copy of ``loss_fn`` with its buffers on the model's device and dtype (the
+        user's module is left untouched).
+        """
+        return copy.deepcopy(self.loss_fn).to(self._device, self._dtype)
+
     def _check_loss_fn(self, out: torch.Tensor, y: torch.Tensor) -> None:
         """``loss_fn`` evaluates to a scalar on the first batch (clear error if not)."""
-        loss_fn = copy.deepcopy(self.loss_fn).to(self._device, self._dtype)
+        loss_fn = self._loss_fn_on_device()
         try:
             value = loss_fn(out, y)
         except Exception as err:
@@ -689,7 +695,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
 
         if self.loss_fn is not None:
             # the user's summed loss over the N terms, scaled by 1/N
-            loss_func = copy.deepcopy(self.loss_fn).to(self._device, self._dtype)
+            loss_func = self._loss_fn_on_device()
             scale, num_data = 1.0 / eigen_n, eigen_n
         elif self.likelihood == "regression":
             # MSELoss(reduction='mean') also averages over the C outputs and drops the

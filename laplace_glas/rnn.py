@@ -91,11 +91,12 @@ def elementary_rnn_forward(
         )
     is_lstm = isinstance(module, nn.LSTM)
     unbatched = input.dim() == 2
-    x = (
-        input.unsqueeze(1)
-        if unbatched
-        else (input.transpose(0, 1) if module.batch_first else input)
-    )
+    if unbatched:  # time-major (T, B, F) inside
+        x = input.unsqueeze(1)
+    elif module.batch_first:
+        x = input.transpose(0, 1)
+    else:
+        x = input
     n_dirs = 2 if module.bidirectional else 1
     T, B = x.shape[0], x.shape[1]
     h_size = module.proj_size if is_lstm and module.proj_size > 0 else module.hidden_size
