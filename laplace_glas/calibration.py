@@ -106,7 +106,7 @@ class DimensionSelection:
     level: float
     rows: list[CoverageRow] = field(default_factory=list)
     loss_scaling: str = "mean"
-    pred_type: str = "nn"
+    pred_type: str = "glm"
     include_noise: bool = False
     likelihood: str = "regression"
     numerical_rank: int | None = None
@@ -162,7 +162,10 @@ def _preferred(rows: Sequence[CoverageRow], level: float) -> CoverageRow:
     return max(rows, key=lambda r: (r.coverage, -r.k, -r.mean_width))
 
 
-def _gather(la: Any, loader: Iterable) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather(la: Any, loader: Iterable) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """All of ``loader`` as one ``(X, y)`` on the posterior's device, and the largest
+    batch size seen (the calibration pushes the data through in batches of that size).
+    """
     Xs, ys = [], []
     for data in loader:
         X, y = split_batch(data, la.dict_key_y)
@@ -186,7 +189,7 @@ def _gather(la: Any, loader: Iterable) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError("The calibration inputs contain NaN or inf.")
     if y.is_floating_point() and not torch.isfinite(y).all():
         raise ValueError("The calibration targets contain NaN or inf.")
-    return X, y
+    return X, y, max(len(X_batch) for X_batch in Xs)
 
 
 def _candidates(
@@ -232,15 +235,18 @@ def coverage_table(
     y: torch.Tensor,
     pairs: Sequence[tuple[int, float, bool]],
     level: float = 0.9,
-    pred_type: str = "nn",
+    pred_type: str = "glm",
     n_samples: int = 200,
     generator: torch.Generator | None = None,
     include_noise: bool = False,
+    batch_size: int | None = None,
 ) -> list[CoverageRow]:
     """Coverage, mean width and NLL for each ``(k, tau, is_empirical_bayes)``.
 
     Uses the eigenpairs already in ``la`` (truncation only, no recomputation) and one
-    draw of standard normals shared by all candidates.
+    draw of standard normals shared by all candidates. The network sees at most
+    ``batch_size`` rows of ``X`` at a time (default: all), so the memory of the JVPs
+    and sample evaluations is that of one batch; only the outputs are kept.
     """
     if not 0 < level < 1:
         raise ValueError(f"The coverage level must lie in (0, 1), got {level}.")
@@ -248,6 +254,8 @@ def coverage_table(
         raise ValueError(f"pred_type must be 'nn' or 'glm', got {pred_type!r}.")
     if n_samples < 2:
         raise ValueError("n_samples must be >= 2.")
+    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}.")
     k_max = max(k for k, _, _ in pairs)
     U = la.H[0][:, :k_max]
     a = la._curvature_up_to(k_max).detach()
@@ -257,7 +265,7 @@ def coverage_table(
     rows = []
     with torch.no_grad(), autodiff_friendly(la.model):
         if la.likelihood == "regression" and pred_type == "glm":
-            f, JU = jvp_directions(la.model, names, shapes, theta, X, U, la.jvp_chunk_size)
+            f, JU = _linearised(la, X, U, batch_size)
             if f.shape != y.shape:
                 raise ValueError(
                     f"Calibration targets of shape {tuple(y.shape)} do not match the model "
@@ -265,9 +273,10 @@ def coverage_table(
                 )
             gram_diag = None
             if prior_complement:
-                gram_diag = jacobian_gram(la.model, names, shapes, theta, X).diagonal(
-                    dim1=-2, dim2=-1
-                )
+                rows_at_once = 32 if batch_size is None else min(32, batch_size)
+                gram_diag = jacobian_gram(
+                    la.model, names, shapes, theta, X, chunk_size=rows_at_once
+                ).diagonal(dim1=-2, dim2=-1)
             JU2 = JU.square()
             z_score = statistics.NormalDist().inv_cdf(0.5 + level / 2)
             for tau in sorted({t for _, t, _ in pairs}):
@@ -291,10 +300,62 @@ def coverage_table(
                     )
         else:
             rows = _sampled_rows(
-                la, X, y, U, a, pairs, level, pred_type, n_samples, generator, include_noise
+                la,
+                X,
+                y,
+                U,
+                a,
+                pairs,
+                level,
+                pred_type,
+                n_samples,
+                generator,
+                include_noise,
+                batch_size,
             )
     order = {(k, t): i for i, (k, t, _) in enumerate(pairs)}
     return sorted(rows, key=lambda r: order[(r.k, r.prior_precision)])
+
+
+def _row_chunks(X: torch.Tensor, batch_size: int | None) -> list[torch.Tensor]:
+    step = X.shape[0] if batch_size is None else batch_size
+    return [X[start : start + step] for start in range(0, X.shape[0], step)]
+
+
+def _linearised(
+    la: Any, X: torch.Tensor, directions: torch.Tensor, batch_size: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``f(X; theta*)`` and ``J(X) V`` for ``(D, m)`` directions ``V``, over row chunks
+    of ``X`` (``la.jvp_chunk_size`` directions at a time).
+    """
+    names, shapes, theta = la._param_names, la._param_shapes, la.mean.detach()
+    parts = [
+        jvp_directions(la.model, names, shapes, theta, rows, directions, la.jvp_chunk_size)
+        for rows in _row_chunks(X, batch_size)
+    ]
+    return torch.cat([f for f, _ in parts]), torch.cat([JV for _, JV in parts])
+
+
+def _sampled_outputs(
+    la: Any, thetas: torch.Tensor, X: torch.Tensor, batch_size: int | None
+) -> torch.Tensor:
+    """``(S, n, ...)`` network outputs at weight samples ``thetas`` ``(S, D)``,
+    ``la.sample_chunk_size`` samples and ``batch_size`` rows of ``X`` at a time.
+    """
+    names, shapes = la._param_names, la._param_shapes
+    chunk = la.sample_chunk_size
+    return torch.cat(
+        [
+            torch.cat(
+                [
+                    batched_outputs(la.model, names, shapes, thetas[i : i + chunk], rows)
+                    for rows in _row_chunks(X, batch_size)
+                ],
+                dim=1,
+            )
+            for i in range(0, thetas.shape[0], chunk)
+        ]
+    )
 
 
 def _gaussian_nll(y: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> float:
@@ -315,9 +376,10 @@ def _sampled_rows(
     n_samples: int,
     generator: torch.Generator | None,
     include_noise: bool,
+    batch_size: int | None,
 ) -> list[CoverageRow]:
     """Coverage from predictive samples that share one draw of ``z``."""
-    names, shapes, theta = la._param_names, la._param_shapes, la.mean.detach()
+    theta = la.mean.detach()
     k_max = U.shape[1]
     z = _standard_normal((n_samples, k_max), la, generator)
     e = None
@@ -326,7 +388,7 @@ def _sampled_rows(
     classification = la.likelihood == "classification"
     f0, JU = (None, None)
     if pred_type == "glm":
-        f0, JU = jvp_directions(la.model, names, shapes, theta, X, U, la.jvp_chunk_size)
+        f0, JU = _linearised(la, X, U, batch_size)
     noise = None
     if include_noise and not classification:
         noise = la.sigma_noise * _standard_normal((n_samples, *y.shape), la, generator)
@@ -344,20 +406,13 @@ def _sampled_rows(
         if pred_type == "glm":
             fs = f0 + torch.einsum("...k,sk->s...", JU[..., :k], coeffs)
             if complement is not None:
-                _, Je = jvp_directions(la.model, names, shapes, theta, X, complement.T)
+                _, Je = _linearised(la, X, complement.T, batch_size)
                 fs = fs + Je.movedim(-1, 0)
         else:
             thetas = theta + coeffs @ U[:, :k].T
             if complement is not None:
                 thetas = thetas + complement
-            fs = torch.cat(
-                [
-                    batched_outputs(
-                        la.model, names, shapes, thetas[i : i + la.sample_chunk_size], X
-                    )
-                    for i in range(0, n_samples, la.sample_chunk_size)
-                ]
-            )
+            fs = _sampled_outputs(la, thetas, X, batch_size)
         if classification:
             if fs.shape[1:-1] != y.shape:
                 raise ValueError(
@@ -404,7 +459,7 @@ def select_dimension(
     coverage: float = 0.9,
     ks: Sequence[int] | None = None,
     prior_precisions: Iterable[float] | None = None,
-    pred_type: str = "nn",
+    pred_type: str = "glm",
     n_samples: int = 200,
     generator: torch.Generator | None = None,
     include_noise: bool = False,
@@ -425,8 +480,11 @@ def select_dimension(
     prior_precisions : iterable of float, optional
         Grid of prior precisions (default: the posterior's current one). The
         empirical-Bayes optimum at each ``k`` is added when ``empirical_bayes``.
-    pred_type : {'nn', 'glm'}, default='nn'
-        Sampling or linearised predictive.
+    pred_type : {'glm', 'nn'}, default='glm'
+        Linearised or sampling predictive (the default agrees with ``coverage``,
+        ``interval_width`` and the posterior's ``__call__``). 'glm' pushes ``J U``
+        through once for all candidates (regression: closed form, no sampling);
+        'nn' evaluates the network at shared samples once per ``(k, tau)``.
     n_samples : int, default=200
         Samples for 'nn' (and for 'glm' in classification).
     generator : torch.Generator, optional
@@ -444,9 +502,11 @@ def select_dimension(
 
     """
     ks = _validate_ks(la, ks)
-    X, y = _gather(la, calib_loader)
+    X, y, batch_size = _gather(la, calib_loader)
     pairs = _candidates(la, ks, prior_precisions, empirical_bayes)
-    rows = coverage_table(la, X, y, pairs, coverage, pred_type, n_samples, generator, include_noise)
+    rows = coverage_table(
+        la, X, y, pairs, coverage, pred_type, n_samples, generator, include_noise, batch_size
+    )
     reaching = [r for r in rows if r.coverage >= coverage]
     if reaching:
         k_min = min(r.k for r in reaching)
@@ -494,9 +554,12 @@ def _current_row(
     include_noise: bool,
 ) -> CoverageRow:
     la._check_H_init()
-    X, y = _gather(la, loader)
+    X, y, batch_size = _gather(la, loader)
     pairs = [(la.n_components, float(la._tau), False)]
-    return coverage_table(la, X, y, pairs, level, pred_type, n_samples, generator, include_noise)[0]
+    rows = coverage_table(
+        la, X, y, pairs, level, pred_type, n_samples, generator, include_noise, batch_size
+    )
+    return rows[0]
 
 
 def coverage(

@@ -176,9 +176,13 @@ class ActiveSubspaceLaplace(ParametricLaplace):
     rank_threshold : float, optional
         Eigenvalues below ``rank_threshold * lambda_1`` are treated as zero (default
         ``100 * eps`` of the model's dtype); a warning names how many.
-    jvp_chunk_size : int, optional
+    jvp_chunk_size : int or None, default=8
         Number of Jacobian-vector products vectorised at once in the 'glm'
-        predictive (default: all ``k``).
+        predictive and the calibration sweeps; ``None`` pushes all ``k`` at once.
+        Memory grows with it (each direction carries a weight-sized tangent through
+        every layer), speed hardly does: on the 1.6M-weight SMILES LSTM with k = 20,
+        100 sequences, 'glm' took 18.0 s and +3.7 GB with all 20 at once, 11.8 s and
+        +1.3 GB with 8.
     sample_chunk_size : int, default=32
         Number of weight samples pushed through the network at once ('nn').
     ignore_index : int, default=-100
@@ -241,7 +245,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         generator: torch.Generator | None = None,
         subsample_size: int | None = None,
         rank_threshold: float | None = None,
-        jvp_chunk_size: int | None = None,
+        jvp_chunk_size: int | None = 8,
         sample_chunk_size: int = 32,
         ignore_index: int = -100,
         loss_fn: nn.Module | None = None,
@@ -276,8 +280,16 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             not isinstance(subsample_size, int) or subsample_size < 1
         ):
             raise ValueError(f"subsample_size must be a positive int, got {subsample_size!r}.")
-        if sample_chunk_size < 1:
-            raise ValueError("sample_chunk_size must be >= 1.")
+        if not isinstance(sample_chunk_size, int) or sample_chunk_size < 1:
+            raise ValueError(
+                f"sample_chunk_size must be a positive int, got {sample_chunk_size!r}."
+            )
+        if jvp_chunk_size is not None and (
+            not isinstance(jvp_chunk_size, int) or jvp_chunk_size < 1
+        ):
+            raise ValueError(
+                f"jvp_chunk_size must be a positive int or None, got {jvp_chunk_size!r}."
+            )
         _validate_loss_fn(loss_fn, ignore_index if likelihood == "classification" else None)
 
         super().__init__(
@@ -1138,7 +1150,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         coverage: float = 0.9,
         ks: list[int] | None = None,
         prior_precisions: list[float] | None = None,
-        pred_type: str = "nn",
+        pred_type: str = "glm",
         n_samples: int = 200,
         generator: torch.Generator | None = None,
         include_noise: bool = False,

@@ -285,3 +285,73 @@ def test_selection_beyond_numerical_rank_is_flagged():
         sel = select_dimension(la, loader(Xc, yc), 0.9, pred_type="glm", empirical_bayes=False)
     assert sel.numerical_rank == 3 and sel.k > 3 and sel.beyond_rank
     assert "* k beyond the numerical rank (3)" in str(sel)
+
+
+class _RowCounter:
+    """Forward pre-hook recording the largest number of input rows the model saw."""
+
+    def __init__(self, model: nn.Module):
+        self.largest = 0
+        self.handle = model.register_forward_pre_hook(self)
+
+    def __call__(self, module, args):
+        self.largest = max(self.largest, args[0].shape[0])
+
+
+@pytest.mark.parametrize("pred_type", ["glm", "nn"])
+@pytest.mark.parametrize(
+    "likelihood, complement",
+    [("regression", "zero"), ("regression", "prior"), ("classification", "zero")],
+)
+def test_sweep_runs_in_loader_batches_with_the_same_result(
+    toy_regression, toy_classification, likelihood, complement, pred_type
+):
+    """The network sees one loader batch at a time (memory of one batch, not of the
+    whole calibration set), and the rows equal those of a single-batch sweep."""
+    model, X, y = toy_regression if likelihood == "regression" else toy_classification
+    la = fit_glas(model, X, y, likelihood, n_components=6, complement=complement)
+    la.jvp_chunk_size = 4  # 6 directions: one full and one partial chunk
+    rows = {}
+    for batch_size in (len(X), 7):
+        counter = _RowCounter(model)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", CoverageNotReachedWarning)
+                sel = select_dimension(
+                    la,
+                    loader(X, y, batch_size),
+                    0.9,
+                    ks=[1, 4, 6],
+                    pred_type=pred_type,
+                    n_samples=30,
+                    generator=torch.Generator().manual_seed(3),
+                )
+        finally:
+            counter.handle.remove()
+        assert counter.largest == batch_size
+        rows[batch_size] = sel.rows
+    for whole, batched in zip(rows[len(X)], rows[7]):
+        assert (whole.k, whole.prior_precision) == (batched.k, batched.prior_precision)
+        assert whole.coverage == pytest.approx(batched.coverage, abs=1e-12)
+        assert whole.mean_width == pytest.approx(batched.mean_width, rel=1e-5)
+        assert whole.nll == pytest.approx(batched.nll, rel=1e-5)
+
+
+def test_coverage_table_rejects_bad_batch_size(fitted):
+    from laplace_glas.calibration import coverage_table
+
+    la, _, Xc, yc = fitted
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        coverage_table(la, Xc, yc, [(1, 1.0, False)], batch_size=0)
+
+
+def test_defaults_use_the_same_predictive_as_coverage(fitted):
+    """calibrate/select_dimension and coverage/interval_width default to 'glm', the
+    posterior's own default predictive, so a calibrated k is checked with the
+    predictive it was chosen by."""
+    la, calib, *_ = fitted
+    sel = select_dimension(la, calib, 0.9, ks=[2], empirical_bayes=False)
+    assert sel.pred_type == "glm"
+    la.n_components = 2
+    assert coverage(la, calib, 0.9) == pytest.approx(sel.rows[0].coverage, abs=1e-12)
+    la.n_components = 10

@@ -176,7 +176,10 @@ def test_ggn_backend_is_accepted_and_changes_nothing(reg_data):
     [
         ({"subsample_size": 0}, r"subsample_size must be a positive int"),
         ({"subsample_size": 2.5}, r"subsample_size must be a positive int"),
-        ({"sample_chunk_size": 0}, r"sample_chunk_size must be >= 1"),
+        ({"sample_chunk_size": 0}, r"sample_chunk_size must be a positive int"),
+        ({"sample_chunk_size": 2.0}, r"sample_chunk_size must be a positive int"),
+        ({"jvp_chunk_size": 0}, r"jvp_chunk_size must be a positive int or None"),
+        ({"jvp_chunk_size": 1.5}, r"jvp_chunk_size must be a positive int or None"),
     ],
 )
 def test_other_invalid_settings(kwargs, match):
