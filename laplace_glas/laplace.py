@@ -1,7 +1,8 @@
 """ActiveSubspaceLaplace: the GLAS posterior behind laplace-torch's interface.
 
-The class is thin: the eigen-solve lives in :mod:`laplace_glas.subspace`, the closed
-forms in :mod:`laplace_glas.posterior` and the forward-mode predictive in
+The class is thin: the eigen-solve lives in :mod:`laplace_glas.subspace`, the data
+pass of ``fit`` and the choice of the GGN's loss in :mod:`laplace_glas.fitting`, the
+closed forms in :mod:`laplace_glas.posterior` and the forward-mode predictive in
 :mod:`laplace_glas.predictive`. What is here is the laplace-torch contract: the
 ``Laplace(model, likelihood, 'all', 'glas')`` registration, ``fit``, the evidence,
 prior tuning, sampling, predictives and (de)serialisation.
@@ -37,18 +38,18 @@ from laplace.utils.enums import LinkApprox, PredType, PriorStructure, TuningMeth
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, RandomSampler
-from tqdm.auto import tqdm
 
-from laplace_glas.batches import (
-    XYBatches,
-    batch_size,
-    check_finite,
-    split_batch,
-    subsample_loader,
-)
+from laplace_glas.batches import XYBatches, batch_size, split_batch, subsample_loader
 from laplace_glas.calibration import DimensionSelection, select_dimension
+from laplace_glas.fitting import (
+    MapLoss,
+    count_terms,
+    curvature_loss,
+    loss_at_map,
+    loss_fn_name,
+    validate_loss_fn,
+)
 from laplace_glas.links import gaussian_samples, laplace_bridge
-from laplace_glas.losses import TokenCrossEntropy, count_targets
 from laplace_glas.posterior import (
     SubspaceOperator,
     log_det_ratio,
@@ -82,38 +83,6 @@ class NotFittedError(ValueError, AttributeError):
 
     Also an ``AttributeError``: ``hasattr(la, 'eigenvalues')`` is False before ``fit``.
     """
-
-
-def _loss_fn_name(loss_fn: nn.Module | None) -> str:
-    """A marker of ``loss_fn`` for the saved state (``''`` for the likelihood's loss)."""
-    return "" if loss_fn is None else type(loss_fn).__qualname__
-
-
-def _validate_loss_fn(loss_fn: Any, ignore_index: int | None) -> None:
-    """``loss_fn`` must be a summed loss module (curvlinops calls it functionally) that
-    leaves out the same targets as GLAS's count N.
-    """
-    if loss_fn is None:
-        return
-    if not isinstance(loss_fn, nn.Module):
-        raise TypeError(
-            "loss_fn must be a torch.nn.Module (curvlinops evaluates it functionally), "
-            f"got {type(loss_fn).__name__}."
-        )
-    reduction = getattr(loss_fn, "reduction", None)
-    if reduction != "sum":
-        raise ValueError(
-            f"loss_fn must sum over the targets (reduction='sum'), got reduction="
-            f"{reduction!r}: GLAS divides by the number N of likelihood terms itself, "
-            "e.g. pass nn.CrossEntropyLoss(reduction='sum')."
-        )
-    own = getattr(loss_fn, "ignore_index", None)
-    if ignore_index is not None and own is not None and own != ignore_index:
-        raise ValueError(
-            f"loss_fn ignores targets equal to {own} but GLAS's ignore_index is "
-            f"{ignore_index}: the GGN and the count N would disagree on which targets "
-            "are padding. Give both the same value."
-        )
 
 
 class ActiveSubspaceLaplace(ParametricLaplace):
@@ -290,7 +259,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             raise ValueError(
                 f"jvp_chunk_size must be a positive int or None, got {jvp_chunk_size!r}."
             )
-        _validate_loss_fn(loss_fn, ignore_index if likelihood == "classification" else None)
+        validate_loss_fn(loss_fn, ignore_index if likelihood == "classification" else None)
 
         super().__init__(
             model,
@@ -351,15 +320,6 @@ class ActiveSubspaceLaplace(ParametricLaplace):
                 "This ActiveSubspaceLaplace is not fitted yet: call fit(train_loader) "
                 "(or load_state_dict) first."
             )
-
-    def _loss_function(self, reduction: str) -> nn.Module:
-        """MSE for regression; cross-entropy over the last output axis, without
-        ``ignore_index`` targets, for classification (outputs ``(batch, C)`` or
-        ``(batch, seq_len, C)``).
-        """
-        if self.likelihood == "regression":
-            return nn.MSELoss(reduction=reduction)
-        return TokenCrossEntropy(reduction=reduction, ignore_index=self.ignore_index)
 
     def _to_device(self, X: Any) -> Any:
         return X.to(self._device) if isinstance(X, torch.Tensor) else X
@@ -563,96 +523,20 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         self._n_components = eig.k
         self.H = (eig.vectors, n_data * eig.values)
 
-    @torch.no_grad()
-    def _loss_at_map(self, loader: Any, show: bool) -> tuple[torch.Tensor, int, torch.Size]:
-        """One pass: validate the data and sum laplace-torch's loss at the MAP.
-
-        Returns laplace-torch's ``loss`` (``0.5 * SSE`` for regression, summed
-        cross-entropy for classification), the number N of likelihood terms (data
-        points; for sequence outputs, the targets that are not ``ignore_index``) and
-        the per-point output shape.
-        """
-        lossfunc = self._loss_function("sum")
-        factor = 0.5 if self.likelihood == "regression" else 1.0
-        total = torch.zeros((), device=self._device, dtype=self._dtype)
-        n_terms, n_points, out_shape = 0, 0, None
-        for i, data in enumerate(tqdm(loader, desc="[GLAS] loss at MAP", disable=not show)):
-            X, y = split_batch(data, self.dict_key_y)
-            X, y = self._to_device(X), y.to(self._device)
-            check_finite("The training inputs", X, i)
-            check_finite("The training targets", y, i)
-            with autodiff_friendly(self.model):
-                out = self.model(X)
-            check_finite("The model output", out, i)
-            if i == 0 and self.loss_fn is not None:
-                self._check_loss_fn(out, y)
-            if self.likelihood == "regression":
-                if y.shape != out.shape:
-                    raise ValueError(
-                        f"Regression targets of shape {tuple(y.shape)} do not match the "
-                        f"model output of shape {tuple(out.shape)} (batch {i})."
-                    )
-                n_terms += batch_size(X, self.dict_key_x)
-            else:
-                n_terms += self._check_labels(out, y, i)
-            total += factor * lossfunc(out, y).to(self._dtype)
-            n_points += batch_size(X, self.dict_key_x)
-            out_shape = out.shape[1:]
-        if n_points == 0:
-            raise ValueError("The training loader is empty: there is no data to fit.")
-        if n_terms == 0:
-            raise ValueError("Every training target equals ignore_index: nothing to fit.")
-        return total, n_terms, out_shape
-
-    def _loss_fn_on_device(self) -> nn.Module:
-        """A copy of ``loss_fn`` with its buffers on the model's device and dtype (the
-        user's module is left untouched).
-        """
-        return copy.deepcopy(self.loss_fn).to(self._device, self._dtype)
-
-    def _check_loss_fn(self, out: torch.Tensor, y: torch.Tensor) -> None:
-        """``loss_fn`` evaluates to a scalar on the first batch (clear error if not)."""
-        loss_fn = self._loss_fn_on_device()
-        try:
-            value = loss_fn(out, y)
-        except Exception as err:
-            raise ValueError(
-                f"loss_fn failed on the first training batch (model outputs "
-                f"{tuple(out.shape)}, targets {tuple(y.shape)}): {err}"
-            ) from err
-        if not isinstance(value, torch.Tensor) or value.numel() != 1:
-            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
-            raise ValueError(f"loss_fn must return a scalar (the summed loss), got {shape}.")
-
-    def _check_labels(self, out: torch.Tensor, y: torch.Tensor, i: int) -> int:
-        """Validate class labels against the outputs; return the number of targets."""
-        if out.ndim not in (2, 3):
-            raise ValueError(
-                "Classification needs model outputs of shape (batch, classes) or "
-                f"(batch, seq_len, classes); got {tuple(out.shape)}."
-            )
-        if y.shape != out.shape[:-1] or y.is_floating_point():
-            raise ValueError(
-                "Classification targets must be integer class labels of shape (batch,) "
-                "for outputs (batch, classes), or (batch, seq_len) for outputs "
-                f"(batch, seq_len, classes); expected {tuple(out.shape[:-1])}, got "
-                f"{tuple(y.shape)} of dtype {y.dtype} (batch {i})."
-            )
-        valid = y[y != self.ignore_index]
-        if valid.numel() and (valid.min() < 0 or valid.max() >= out.shape[-1]):
-            raise ValueError(f"Class labels must lie in [0, {out.shape[-1] - 1}] (batch {i}).")
-        return int(valid.numel())
-
-    def _count_terms(self, loader: Any) -> int:
-        """Likelihood terms in ``loader`` (targets only, no forward pass)."""
-        n = 0
-        for data in loader:
-            X, y = split_batch(data, self.dict_key_y)
-            if self.likelihood == "regression":
-                n += batch_size(X, self.dict_key_x)
-            else:
-                n += count_targets(y, self.ignore_index)
-        return n
+    def _loss_at_map(self, loader: Any, show: bool) -> MapLoss:
+        """:func:`laplace_glas.fitting.loss_at_map` with this posterior's settings."""
+        return loss_at_map(
+            self.model,
+            loader,
+            self.likelihood,
+            ignore_index=self.ignore_index,
+            dict_key_x=self.dict_key_x,
+            dict_key_y=self.dict_key_y,
+            device=self._device,
+            dtype=self._dtype,
+            loss_fn=self.loss_fn,
+            progress_bar=show,
+        )
 
     def compute_eigenpairs(
         self,
@@ -695,7 +579,9 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         eigen_loader, eigen_n = train_loader, _n_data
         if subsample_size is not None:
             eigen_loader = subsample_loader(train_loader, subsample_size, generator)
-            eigen_n = self._count_terms(eigen_loader)
+            eigen_n = count_terms(
+                eigen_loader, self.likelihood, self.ignore_index, self.dict_key_x, self.dict_key_y
+            )
 
         batch_size_fn = None
         first_X = split_batch(next(iter(train_loader)), self.dict_key_y)[0]
@@ -705,22 +591,15 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             def batch_size_fn(X: MutableMapping) -> int:
                 return batch_size(X, key_x)
 
-        if self.loss_fn is not None:
-            # the user's summed loss over the N terms, scaled by 1/N
-            loss_func = self._loss_fn_on_device()
-            scale, num_data = 1.0 / eigen_n, eigen_n
-        elif self.likelihood == "regression":
-            # MSELoss(reduction='mean') also averages over the C outputs and drops the
-            # factor 1/2: its GGN is 2/(N C) sum J^T J. Rescale to the unit-noise
-            # Gaussian GGN (1/N) sum J^T J.
-            loss_func = self._loss_function("mean")
-            scale = _out_shape.numel() / 2.0
-            num_data = subsample_size if subsample_size is not None else eigen_n
-        else:
-            # summed cross-entropy over the N targets (tokens), scaled by 1/N
-            loss_func = self._loss_function("sum")
-            scale = 1.0 / eigen_n
-            num_data = eigen_n  # not used by curvlinops for reduction="sum"
+        loss_func, scale, num_data = curvature_loss(
+            self.likelihood,
+            eigen_n,
+            _out_shape,
+            ignore_index=self.ignore_index,
+            loss_fn=self.loss_fn,
+            device=self._device,
+            dtype=self._dtype,
+        )
         operator = mean_ggn_operator(
             self.model,
             loss_func,
@@ -1194,7 +1073,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         state["complement"] = self.complement
         state["n_components"] = self._n_components
         state["eigenpairs"] = self._eigenpairs.to_dict()
-        state["loss_fn"] = _loss_fn_name(self.loss_fn)
+        state["loss_fn"] = loss_fn_name(self.loss_fn)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1215,10 +1094,10 @@ class ActiveSubspaceLaplace(ParametricLaplace):
                 stacklevel=2,
             )
         saved_loss = state_dict.get("loss_fn", "")
-        if saved_loss != _loss_fn_name(self.loss_fn):
+        if saved_loss != loss_fn_name(self.loss_fn):
             warnings.warn(
                 f"The saved eigenpairs are those of loss_fn {saved_loss or None!r}; this "
-                f"object has {_loss_fn_name(self.loss_fn) or None!r}. The loaded curvature "
+                f"object has {loss_fn_name(self.loss_fn) or None!r}. The loaded curvature "
                 "is used as saved.",
                 stacklevel=2,
             )
