@@ -85,11 +85,12 @@ def cumulative_activity(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
         raise ValueError("scores must be a non-empty 1-D tensor.")
     if (scores < 0).any():
         raise ValueError("Activity scores are non-negative; got negative entries.")
-    total = scores.sum()
+    ordered = scores.sort(descending=True).values.double()
+    cumulative = torch.cumsum(ordered, 0)
+    total = cumulative[-1]  # the same float64 sum, so the last share is exactly 1
     if total <= 0:
         raise ValueError("All activity scores are zero.")
-    ordered = scores.sort(descending=True).values
-    share = torch.cumsum(ordered.double(), 0) / total.double()
+    share = cumulative / total
     n_weights = torch.arange(1, scores.numel() + 1)
     return n_weights, share
 

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from laplace_glas.batches import split_batch
+from laplace_glas.fitting import check_labels
 from laplace_glas.posterior import optimal_prior_precision
 from laplace_glas.predictive import (
     autodiff_friendly,
@@ -181,8 +182,8 @@ def _gather(la: Any, loader: Iterable) -> tuple[torch.Tensor, torch.Tensor, int]
         # earlier outputs, and padded targets are not scored)
         length = max(y.shape[1] for y in ys)
         pad = getattr(la, "ignore_index", -100)
-        Xs = [torch.nn.functional.pad(X, (0, length - X.shape[1]), value=0) for X in Xs]
-        ys = [torch.nn.functional.pad(y, (0, length - y.shape[1]), value=pad) for y in ys]
+        Xs = [_pad_time_axis(X, length, 0) for X in Xs]
+        ys = [_pad_time_axis(y, length, pad) for y in ys]
     X = torch.cat(Xs).to(la._device)
     y = torch.cat(ys).to(la._device)
     if X.is_floating_point() and not torch.isfinite(X).all():
@@ -192,10 +193,17 @@ def _gather(la: Any, loader: Iterable) -> tuple[torch.Tensor, torch.Tensor, int]
     return X, y, max(len(X_batch) for X_batch in Xs)
 
 
+def _pad_time_axis(t: torch.Tensor, length: int, value: float) -> torch.Tensor:
+    """Right-pad axis 1 of ``(batch, seq_len, ...)`` to ``length``."""
+    padding = [0, 0] * (t.ndim - 2) + [0, length - t.shape[1]]
+    return torch.nn.functional.pad(t, padding, value=value)
+
+
 def _candidates(
     la: Any, ks: Sequence[int], prior_precisions: Iterable[float] | None, empirical_bayes: bool
 ) -> list[tuple[int, float, bool]]:
-    curvature = la.subspace_curvature.detach()
+    # every candidate k, also those above the posterior's current n_components
+    curvature = la._curvature_up_to(max(ks)).detach()
     square_norm = float((la.mean - la.prior_mean).detach().square().sum())
     grid = [float(la._tau)] if prior_precisions is None else [float(t) for t in prior_precisions]
     if any(not (t > 0 and math.isfinite(t)) for t in grid):
@@ -386,6 +394,7 @@ def _sampled_rows(
     if la.complement == "prior":
         e = _standard_normal((n_samples, theta.numel()), la, generator)
     classification = la.likelihood == "classification"
+    ignore_index = getattr(la, "ignore_index", -100)
     f0, JU = (None, None)
     if pred_type == "glm":
         f0, JU = _linearised(la, X, U, batch_size)
@@ -419,11 +428,16 @@ def _sampled_rows(
                     f"Calibration labels of shape {tuple(y.shape)} do not match the model "
                     f"output of shape {tuple(fs.shape[1:])}."
                 )
+            if check_labels(fs[0], y, ignore_index, 0) == 0:
+                raise ValueError(
+                    "Every calibration target equals ignore_index: there is nothing to "
+                    "measure coverage on."
+                )
             # one credible set per target: tokens of sequence outputs are flattened,
             # padding (ignore_index) is left out
             probs = torch.softmax(fs, dim=-1).mean(0).reshape(-1, fs.shape[-1])
             labels = y.reshape(-1)
-            keep = labels != getattr(la, "ignore_index", -100)
+            keep = labels != ignore_index
             probs, labels = probs[keep], labels[keep]
             covered, size = _credible_sets(probs, labels, level)
             nll = float(-torch.log(probs.gather(1, labels.reshape(-1, 1)).clamp(min=1e-12)).mean())

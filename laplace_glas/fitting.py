@@ -106,6 +106,12 @@ def loss_at_map(
         if i == 0 and loss_fn is not None:
             check_loss_fn(loss_fn_on(loss_fn, device, dtype), out, y)
         if likelihood == "regression":
+            if out.ndim != 2:
+                raise ValueError(
+                    "Regression needs model outputs of shape (batch, outputs), got "
+                    f"{tuple(out.shape)} (batch {i}): return (batch, 1) for a scalar "
+                    "target, and flatten sequence or image outputs in the model."
+                )
             if y.shape != out.shape:
                 raise ValueError(
                     f"Regression targets of shape {tuple(y.shape)} do not match the "

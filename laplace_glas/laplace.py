@@ -832,6 +832,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             raise ValueError(f"Unsupported link approximation {link_approx}.")
         if pred_type == PredType.NN and link_approx != LinkApprox.MC:
             raise ValueError("Only mc link approximation is supported for nn prediction type.")
+        self._check_bridge(pred_type, link_approx)
         self._check_generator(generator)
         self._check_inputs(x)
         x = self._to_device(x)
@@ -866,6 +867,28 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         else:
             probs = laplace_bridge(f_mu, f_var, normalize=link_approx == LinkApprox.BRIDGE_NORM)
         return probs.reshape(*lead, C)
+
+    def _check_bridge(self, pred_type: PredType | str, link_approx: LinkApprox | str) -> None:
+        """The Laplace bridge needs a logit covariance of full rank ``C``.
+
+        It conditions ``N(f_mu, f_var)`` on ``sum(f) = 0`` and reads the per-class
+        variances off the result. The restricted posterior's ``(J U) diag(v) (J U)^T``
+        has rank at most ``k``; for ``k < C`` the conditioned variances are round-off
+        (rank ``k - 1``), and the bridge returns arbitrary or invalid probabilities.
+        """
+        if (
+            pred_type == PredType.GLM
+            and link_approx in (LinkApprox.BRIDGE, LinkApprox.BRIDGE_NORM)
+            and self.likelihood == "classification"
+            and self.complement == "zero"
+            and self._n_components < self.n_outputs
+        ):
+            raise ValueError(
+                f"link_approx={str(getattr(link_approx, 'value', link_approx))!r} needs a "
+                f"logit covariance of full rank C = {self.n_outputs}, but the restricted "
+                f"GLAS posterior's has rank at most k = {self._n_components}. Use "
+                "link_approx='probit' or 'mc', n_components >= C, or complement='prior'."
+            )
 
     def _glm_moments(
         self, X: torch.Tensor | MutableMapping[str, torch.Tensor | Any], joint: bool = False
@@ -903,13 +926,18 @@ class ActiveSubspaceLaplace(ParametricLaplace):
                 JU_flat = JU.reshape(-1, JU.shape[-1])
                 f_var = (JU_flat * weights) @ JU_flat.T
                 if self.complement == "prior":
-                    gram = jacobian_gram(self.model, names, shapes, theta, X, joint=True)
+                    gram = jacobian_gram(
+                        self.model, names, shapes, theta, X, joint=True, dict_key_x=self.dict_key_x
+                    )
                     f_var = f_var + gram / self._tau
                 f_mu = f_mu.flatten()
             else:
                 f_var = torch.einsum("nck,k,nlk->ncl", JU, weights, JU)
                 if self.complement == "prior":
-                    f_var = f_var + jacobian_gram(self.model, names, shapes, theta, X) / self._tau
+                    gram = jacobian_gram(
+                        self.model, names, shapes, theta, X, dict_key_x=self.dict_key_x
+                    )
+                    f_var = f_var + gram / self._tau
         if not self.enable_backprop:
             f_mu, f_var = f_mu.detach(), f_var.detach()
         return f_mu, f_var, lead
@@ -1108,5 +1136,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         self.mean = self.mean.to(self._device, self._dtype)
         self.loss_scaling = state_dict["loss_scaling"]
         self.complement = state_dict["complement"]
-        self._eigenpairs = Eigenpairs.from_dict(state_dict["eigenpairs"]).to(self._device)
+        self._eigenpairs = Eigenpairs.from_dict(state_dict["eigenpairs"]).to(
+            self._device, self._dtype
+        )
         self._n_components = int(state_dict["n_components"])

@@ -183,17 +183,20 @@ def jacobian_gram(
     names: Sequence[str],
     shapes: Sequence[torch.Size],
     theta: torch.Tensor,
-    x: torch.Tensor,
+    x: torch.Tensor | Mapping[str, Any],
     joint: bool = False,
     chunk_size: int = 32,
     model_kwargs: dict | None = None,
+    dict_key_x: str = "input_ids",
 ) -> torch.Tensor:
     """``J J^T`` at ``theta``: ``(batch, C, C)``, or ``(batch*C, batch*C)`` if ``joint``.
 
     For outputs ``(batch, ..., C)`` the leading axes are flattened: ``(batch * ..., C, C)``.
 
     Forms the Jacobian of at most ``chunk_size`` inputs at a time (``joint`` needs
-    all of them), so memory stays ``O(chunk_size * C * D)``.
+    all of them), so memory stays ``O(chunk_size * C * D)``. A mapping input is cut
+    into chunks along the batch axis of ``x[dict_key_x]`` (every tensor entry with that
+    leading size; other entries are passed whole).
     """
     kwargs = model_kwargs or {}
     primals = unflatten(theta, names, shapes)
@@ -213,7 +216,20 @@ def jacobian_gram(
         J = J.reshape(-1, J.shape[-1])
         return J @ J.T
     grams = []
-    for start in range(0, x.shape[0], chunk_size):
-        J = jac(x[start : start + chunk_size])
+    n_rows = x[dict_key_x].shape[0] if isinstance(x, Mapping) else x.shape[0]
+    for start in range(0, n_rows, chunk_size):
+        J = jac(_rows(x, n_rows, start, start + chunk_size))
         grams.append(J @ J.transpose(1, 2))
     return torch.cat(grams)
+
+
+def _rows(x: Any, n_rows: int, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` of a batch: a tensor, or each batch-sized tensor of a mapping."""
+    if not isinstance(x, Mapping):
+        return x[start:stop]
+    return {
+        key: value[start:stop]
+        if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == n_rows
+        else value
+        for key, value in x.items()
+    }

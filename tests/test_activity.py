@@ -106,3 +106,13 @@ def test_bad_arguments(setup):
         activity_scores(la, weighting="gradient")
     with pytest.raises(ValueError, match="k must lie"):
         activity_scores(la, k=7)
+
+
+def test_share_is_summed_in_float64_so_all_nonzero_weights_are_counted():
+    """float32 scores: the total was summed in float32, the cumulative share went past 1
+    and weights_for_share(…, 1.0) stopped ~10 weights short of the 50,000 non-zero ones."""
+    scores = torch.rand(100_000, generator=torch.Generator().manual_seed(0))
+    scores[50_000:] = 0
+    _, share = cumulative_activity(scores)
+    assert float(share.max()) <= 1.0
+    assert weights_for_share(scores, 1.0) == (50_000, 0.5)

@@ -355,3 +355,23 @@ def test_defaults_use_the_same_predictive_as_coverage(fitted):
     la.n_components = 2
     assert coverage(la, calib, 0.9) == pytest.approx(sel.rows[0].coverage, abs=1e-12)
     la.n_components = 10
+
+
+def test_empirical_bayes_candidates_use_each_k_even_above_n_components(fitted):
+    """After lowering n_components, the sweep over larger k (allowed up to the computed
+    eigenpairs) must use each k's own evidence optimum, not that of the current k."""
+    from laplace_glas.posterior import optimal_prior_precision
+
+    la, calib, *_ = fitted
+    la.n_components = 2
+    try:
+        sel = select_dimension(la, calib, 0.9, ks=[1, 2, 5, 10])
+    finally:
+        la.n_components = 10
+    square_norm = float((la.mean - la.prior_mean).square().sum())
+    curvature = la.subspace_curvature.detach()  # all 10 again
+    eb = {r.k: r.prior_precision for r in sel.rows if r.empirical_bayes}
+    assert set(eb) == {1, 2, 5, 10}
+    for k, tau in eb.items():
+        assert tau == pytest.approx(optimal_prior_precision(curvature[:k], square_norm), rel=1e-9)
+    assert len(set(eb.values())) == 4

@@ -124,3 +124,23 @@ def test_empty_loader_and_all_padding_are_refused():
     x = torch.randint(1, 5, (2, 3))
     with pytest.raises(ValueError, match="ignore_index"):
         loss_at_map(model, loader(x, torch.zeros_like(x)), "classification", ignore_index=PAD)
+
+
+@pytest.mark.parametrize("out_shape", [(8,), (8, 4, 2)])
+def test_regression_outputs_must_be_batch_by_outputs(out_shape):
+    """A (batch,) output or a sequence output (batch, T, C) in regression is refused by
+    name (the Gaussian normaliser counts batch * C terms; it was an IndexError or a
+    silently wrong evidence)."""
+
+    class Shaped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, int(torch.Size(out_shape[1:]).numel()) or 1)
+
+        def forward(self, x):
+            return self.lin(x).reshape(x.shape[0], *out_shape[1:])
+
+    X = torch.randn(*out_shape[:1], 3)
+    y = torch.randn(out_shape)
+    with pytest.raises(ValueError, match=r"Regression needs model outputs of shape \(batch"):
+        loss_at_map(Shaped(), loader(X, y), "regression")

@@ -262,3 +262,22 @@ def test_loading_a_full_laplace_state(toy_classification):
     la = ActiveSubspaceLaplace(model, "classification", n_components=K)
     with pytest.raises(ValueError, match=r"Not a GLAS state dict"):
         la.load_state_dict(full.state_dict())
+
+
+def test_load_into_another_dtype_converts_the_eigen_solve_record(reg_glas, tmp_path):
+    """A float32 posterior loaded from a float64 fit holds float32 eigenpairs in
+    lanczos_info too (the diagnostics multiply them with the model's products)."""
+    model64 = copy.deepcopy(reg_glas.model).double()
+    la64 = ActiveSubspaceLaplace(model64, "regression", n_components=K, sigma_noise=SIGMA)
+    X = torch.linspace(-2, 2, 40, dtype=torch.float64).reshape(-1, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la64.fit(loader(X, torch.sin(3 * X)))
+    state = save_and_load(la64, tmp_path / "glas64.pt")
+    la32 = restored(reg_glas, state)  # reg_glas's model: the same net in float32
+    assert la32._dtype == torch.float32
+    info = la32.lanczos_info
+    for tensor in (info.values, info.vectors, info.residuals, info.raw_values):
+        assert tensor.dtype == torch.float32
+    assert la32.eigenvectors.dtype == torch.float32
+    torch.testing.assert_close(info.values, la64.lanczos_info.values.float())

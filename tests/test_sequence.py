@@ -11,7 +11,7 @@ from torch import nn
 from torch.func import functional_call, jacrev
 from torch.utils.data import DataLoader, TensorDataset
 
-from laplace_glas import select_dimension
+from laplace_glas import coverage, select_dimension
 from laplace_glas.losses import TokenCrossEntropy
 from laplace_glas.predictive import autodiff_friendly
 from laplace_glas.subspace import compute_eigenpairs, mean_ggn_operator
@@ -133,10 +133,12 @@ def test_glas_fit_on_lstm_counts_tokens_and_matches_explicit(trained):
     torch.testing.assert_close(la.eigenvalues.double(), ref, rtol=1e-3, atol=0)
 
 
-@pytest.mark.parametrize("link", ["probit", "mc", "bridge"])
-def test_glm_predictive_per_token(trained, link):
+@pytest.mark.parametrize("link, k", [("probit", 4), ("mc", 4), ("bridge", VOCAB)])
+def test_glm_predictive_per_token(trained, link, k):
     model, x, y = trained
-    la = fit(model, x, y, n_components=4)  # k = 4 < 6 classes: rank-deficient output cov
+    # k = 4 < 6 classes: rank-deficient output covariance (probit and mc take it; the
+    # bridge needs k >= C, see test_bridge_refuses_a_rank_deficient_covariance)
+    la = fit(model, x, y, n_components=k)
     probs = la(
         x[:5],
         pred_type="glm",
@@ -260,3 +262,73 @@ def test_with_loss_scaling_shares_eigenpairs(trained):
     assert float(la.prior_precision) == 1.0
     with pytest.raises(ValueError, match="loss_scaling must be"):
         la.loss_scaling = "median"
+
+
+def test_bridge_refuses_a_rank_deficient_covariance(trained):
+    """With k < C the restricted posterior's logit covariance has rank <= k: the bridge's
+    conditioned per-class variances would be round-off (it returned rows of [1, 1, ...]
+    or flipped classes), so it is refused with the alternatives named."""
+    model, x, y = trained
+    la = fit(model, x, y, n_components=VOCAB - 1)
+    for link in ("bridge", "bridge_norm"):
+        with pytest.raises(ValueError, match=r"full rank C = 6.*k = 5.*probit"):
+            la(x[:2], link_approx=link)
+    la.complement = "prior"  # the prior's J J^T / tau makes it full rank
+    probs = la(x[:2], link_approx="bridge")
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, x.shape[1]), rtol=1e-5, atol=1e-5)
+
+
+def test_prior_complement_with_dict_inputs_matches_tensor_inputs(trained):
+    """The prior's J J^T term cuts mapping inputs into chunks along the batch axis."""
+    model, x, y = trained
+    la = fit(model, x, y, n_components=3, complement="prior")
+    tensor_probs = la(x[:40], link_approx="probit")
+    dict_probs = la({"input_ids": x[:40]}, link_approx="probit")  # 40 > 32 rows: 2 chunks
+    torch.testing.assert_close(dict_probs, tensor_probs, rtol=1e-6, atol=1e-7)
+    _, var_t = la._glm_predictive_distribution(x[:3], joint=True)
+    _, var_d = la._glm_predictive_distribution({"input_ids": x[:3]}, joint=True)
+    torch.testing.assert_close(var_d, var_t, rtol=1e-6, atol=1e-7)
+
+
+class FeatureTagger(nn.Module):
+    """Causal per-step model on float features ``(batch, seq_len, 3)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(3, 5, batch_first=True)
+        self.out = nn.Linear(5, VOCAB)
+
+    def forward(self, x):
+        return self.out(self.rnn(x)[0])
+
+
+def test_calibration_pads_the_time_axis_of_feature_inputs():
+    """Batches of (batch, seq_len, features) with different seq_len are padded along
+    the time axis (was: along the features, a crash)."""
+    torch.manual_seed(0)
+    model = FeatureTagger().eval()
+    x = torch.randn(30, 7, 3)
+    y = torch.randint(1, VOCAB, (30, 7))
+    la = fit(model, x, y, n_components=3)
+    short, full = (x[:10, :5], y[:10, :5]), (x[10:], y[10:])
+    padded_x = torch.cat([torch.nn.functional.pad(short[0], (0, 0, 0, 2)), full[0]])
+    padded_y = torch.cat([torch.nn.functional.pad(short[1], (0, 2), value=PAD), full[1]])
+    g = torch.Generator
+    got = coverage(la, [short, full], 0.9, n_samples=20, generator=g().manual_seed(0))
+    ref = coverage(la, [(padded_x, padded_y)], 0.9, n_samples=20, generator=g().manual_seed(0))
+    assert got == pytest.approx(ref, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "labels, match",
+    [
+        (lambda y: y.clamp(max=VOCAB - 1).index_fill(0, torch.tensor([0]), VOCAB), "lie in"),
+        (lambda y: y.float(), "integer class labels"),
+        (lambda y: torch.full_like(y, PAD), "Every calibration target equals ignore_index"),
+    ],
+)
+def test_calibration_checks_labels(trained, labels, match):
+    model, x, y = trained
+    la = fit(model, x, y, n_components=3)
+    with pytest.raises(ValueError, match=match):
+        coverage(la, [(x[:10], labels(y[:10]))], 0.9, n_samples=10)
