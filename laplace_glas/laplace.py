@@ -957,6 +957,54 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             f_var = torch.diagonal(f_var, dim1=-2, dim2=-1)
         return f_mu, f_var
 
+    def functional_samples(
+        self,
+        x: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
+        pred_type: PredType | str = PredType.GLM,
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """laplace-torch's ``functional_samples``: ``(n_samples, batch, ..., C)`` draws of
+        ``f(x)``; sequence outputs keep their ``(batch, seq_len)`` axes for 'glm' as
+        for 'nn' (laplace-torch's hook hands the 'glm' sampler one row per token).
+        """
+        return self._samples(x, pred_type, n_samples, diagonal_output, generator, link=False)
+
+    def predictive_samples(
+        self,
+        x: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
+        pred_type: PredType | str = PredType.GLM,
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """laplace-torch's ``predictive_samples`` (the inverse link applied to
+        :meth:`functional_samples`), with the same output axes.
+        """
+        return self._samples(x, pred_type, n_samples, diagonal_output, generator, link=True)
+
+    def _samples(
+        self,
+        x: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
+        pred_type: PredType | str,
+        n_samples: int,
+        diagonal_output: bool,
+        generator: torch.Generator | None,
+        link: bool,
+    ) -> torch.Tensor:
+        if pred_type not in [p.value for p in PredType] or pred_type == PredType.GP:
+            raise ValueError("Only glm and nn supported as prediction types.")
+        self._check_generator(generator)
+        if pred_type == PredType.NN:
+            if link:
+                return self._nn_predictive_samples(x, n_samples, generator)
+            return self._nn_functional_samples(x, n_samples, generator)
+        f_mu, f_var, lead = self._glm_moments(x)
+        sampler = self._glm_predictive_samples if link else self._glm_functional_samples
+        samples = sampler(f_mu, f_var, n_samples, diagonal_output, generator)
+        return samples.reshape(n_samples, *lead, samples.shape[-1])
+
     def _glm_functional_samples(
         self,
         f_mu: torch.Tensor,

@@ -174,7 +174,12 @@ def batched_outputs(
         try:
             return vmap(f, chunk_size=chunk_size, randomness="same")(thetas)
         except (RuntimeError, NotImplementedError):
-            _NO_BATCHING_RULE.add(model)  # later calls go straight to the loop
+            # the loop raises the caller's own errors (e.g. a wrong input shape); only
+            # when it works did vmap lack a batching rule, and later calls go straight
+            # to the loop
+            outputs = torch.stack([f(theta) for theta in thetas])
+            _NO_BATCHING_RULE.add(model)
+            return outputs
     return torch.stack([f(theta) for theta in thetas])
 
 

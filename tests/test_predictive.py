@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import mlp
 from test_subspace import explicit_jacobian
@@ -94,3 +95,17 @@ def test_jacobian_gram_matches_explicit():
     joint = jacobian_gram(model, names, shapes, theta, X, joint=True)
     Jf = J.reshape(10, -1)
     torch.testing.assert_close(joint, Jf @ Jf.T)
+
+
+def test_a_callers_error_does_not_mark_the_model_as_unbatchable():
+    """A wrong input makes vmap and the loop fail alike: the error reaches the caller and
+    the model keeps the vectorised path (it used to be sent to the loop for good)."""
+    from laplace_glas.predictive import _NO_BATCHING_RULE
+
+    model, names, shapes, theta, X = setup()
+    thetas = theta + torch.zeros(2, theta.numel(), dtype=theta.dtype)
+    with pytest.raises(RuntimeError):
+        batched_outputs(model, names, shapes, thetas, X[:, :1])  # wrong feature size
+    assert model not in _NO_BATCHING_RULE
+    batched_outputs(model, names, shapes, thetas, X)
+    assert model not in _NO_BATCHING_RULE

@@ -332,3 +332,20 @@ def test_calibration_checks_labels(trained, labels, match):
     la = fit(model, x, y, n_components=3)
     with pytest.raises(ValueError, match=match):
         coverage(la, [(x[:10], labels(y[:10]))], 0.9, n_samples=10)
+
+
+@pytest.mark.parametrize("pred_type", ["glm", "nn"])
+def test_samples_keep_the_sequence_axes(trained, pred_type):
+    """functional_samples / predictive_samples return (S, batch, seq_len, vocab) for both
+    predictives (the 'glm' ones came back as (S, batch * seq_len, vocab))."""
+    model, x, y = trained
+    la = fit(model, x, y, n_components=3)
+    draws = {}
+    for name in ("functional_samples", "predictive_samples"):
+        draws[name] = getattr(la, name)(
+            x[:4], pred_type=pred_type, n_samples=5, generator=torch.Generator().manual_seed(1)
+        )
+        assert draws[name].shape == (5, 4, x.shape[1], VOCAB)
+    torch.testing.assert_close(
+        draws["predictive_samples"], torch.softmax(draws["functional_samples"], -1)
+    )
