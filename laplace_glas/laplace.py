@@ -430,6 +430,22 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         return self._curvature_up_to(self._n_components)
 
     @property
+    def prior_precision(self) -> torch.Tensor:
+        """The scalar prior precision ``tau`` (laplace-torch's ``(1,)`` tensor)."""
+        return self._prior_precision
+
+    @prior_precision.setter
+    def prior_precision(self, prior_precision: float | torch.Tensor) -> None:
+        # refused before it is set, so that a failed call (e.g. log_marginal_likelihood
+        # with a per-layer prior) leaves the posterior as it was
+        if isinstance(prior_precision, torch.Tensor) and prior_precision.numel() != 1:
+            raise ValueError(
+                "GLAS's closed forms need a scalar (isotropic) prior precision; got one "
+                f"of shape {tuple(prior_precision.shape)}."
+            )
+        ParametricLaplace.prior_precision.fset(self, prior_precision)
+
+    @property
     def _tau(self) -> torch.Tensor:
         prior_precision = self.prior_precision
         if prior_precision.numel() != 1:
