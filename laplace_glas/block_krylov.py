@@ -41,6 +41,7 @@ class BlockKrylovResult:
     converged: torch.Tensor
 
 
+_FRESH_PASSES = 3  # passes a random block grows before the top k are compared again
 _ROWS = 1 << 15  # rows per chunk of the tall-skinny products: temporaries of ~MBs
 
 
@@ -104,6 +105,27 @@ def _orthonormalize(block: torch.Tensor, basis: torch.Tensor | None, drop: float
     return Q
 
 
+def _needs_fresh_block(
+    top: torch.Tensor, verified: torch.Tensor | None, p: int, tol: float, floor: torch.Tensor
+) -> bool:
+    """Whether converged Ritz values ``top`` call for one more pass with a random block.
+
+    Only with ``p < k`` and a repeated value among ``top`` (neighbours equal to ``tol``):
+    a block Krylov space of block size ``p`` holds at most ``p`` copies of an eigenvalue
+    in exact arithmetic, so with more copies some may be missing although every
+    residual is small. Not again once a random block has left ``top`` unchanged. Values
+    at or below ``floor`` (round-off of a rank-deficient operator) do not count.
+    """
+    if p >= top.numel():
+        return False
+    gaps = ((top[:-1] - top[1:]).abs() <= tol * top[:-1].abs()) & (top[1:] > floor)
+    if not bool(gaps.any()):
+        return False
+    if verified is None:
+        return True
+    return bool(((top - verified).abs() > tol * verified.abs()).any())
+
+
 def block_krylov_eigenpairs(
     matmat: Callable[[torch.Tensor], torch.Tensor],
     dim: int,
@@ -155,11 +177,18 @@ def block_krylov_eigenpairs(
     """
     if not 1 <= k < dim:
         raise ValueError(f"Need 1 <= k < dim = {dim}, got k = {k}.")
-    p = block_size or max(k, 8)
-    p = min(p, dim)
+    if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+        raise ValueError(f"block_size must be a positive int or None, got {block_size!r}.")
+    if not isinstance(max_passes, int) or max_passes < 1:
+        raise ValueError(f"max_passes must be a positive int, got {max_passes!r}.")
+    p = min(block_size or max(k, 8), dim)
+    if max_basis is not None and max_basis < min(dim, k + 2 * p):
+        # a thick restart keeps k + p Ritz vectors and then needs room for a new block
+        raise ValueError(
+            f"max_basis={max_basis} is too small for k={k} and block_size={p}: it must be "
+            f"at least k + 2 * block_size = {k + 2 * p} (or dim)."
+        )
     max_basis = min(dim, max_basis or max(2 * k + p, 3 * p))
-    if max_basis < k + p:
-        max_basis = min(dim, k + p)
     drop = 100 * torch.finfo(dtype).eps
 
     image_dtype = image_dtype or dtype
@@ -180,12 +209,17 @@ def block_krylov_eigenpairs(
         T[m : m + q, m : m + q] = (column[m:] + column[m:].T) / 2
         return m + q
 
-    start = torch.randn(dim, p, generator=generator, dtype=torch.float64).to(device, dtype)
-    Q = _orthonormalize(start, None, drop)
+    def random_block() -> torch.Tensor:
+        block = torch.randn(dim, p, generator=generator, dtype=torch.float64)
+        return block.to(device, dtype)
+
+    Q = _orthonormalize(random_block(), None, drop)
     m = append(Q, matmat(Q).to(image_dtype), 0)
     newest = Q.shape[1]
     n_products, n_passes = Q.shape[1], 1
     del Q
+    verified: torch.Tensor | None = None  # top-k Ritz values when a fresh block was added
+    fresh_at: int | None = None  # the pass that added it
     while True:
         theta, S = torch.linalg.eigh(T[:m, :m])
         theta, S = theta.flip(0), S.flip(1)
@@ -193,10 +227,23 @@ def block_krylov_eigenpairs(
         residual = _residual_norms(basis[:, :m], images[:, :m], S[:, :kk], theta[:kk])
         floor = rank_threshold * theta[0].clamp(min=0)
         converged = residual <= torch.maximum(tol * theta[:kk].abs(), floor)
-        if (kk == k and bool(converged.all())) or n_passes >= max_passes:
+        if n_passes >= max_passes:
             break
-        # next block: the images of the newest block, orthogonalised against the basis
-        new = _orthonormalize(images[:, m - newest : m].to(dtype, copy=True), basis[:, :m], drop)
+        fresh = False
+        if kk == k and bool(converged.all()):
+            settling = fresh_at is not None and n_passes - fresh_at < _FRESH_PASSES
+            if not settling:
+                if not _needs_fresh_block(theta[:k], verified, p, tol, floor):
+                    break
+                # a repeated eigenvalue: a block Krylov space holds at most p copies of
+                # it (in exact arithmetic), so missing copies would pass every residual
+                # test. Add a random block and grow it for a few passes; if the top k
+                # change, iterate on (and check again).
+                verified, fresh, fresh_at = theta[:k].clone(), True, n_passes
+        # next block: the images of the newest block (or a random one), orthogonalised
+        # against the basis
+        seed_block = random_block() if fresh else images[:, m - newest : m].to(dtype, copy=True)
+        new = _orthonormalize(seed_block, basis[:, :m], drop)
         if new.shape[1] == 0:  # Krylov space exhausted (invariant subspace found)
             break
         if m + new.shape[1] > max_basis:  # thick restart from the leading Ritz vectors
@@ -206,6 +253,8 @@ def block_krylov_eigenpairs(
             m = keep
             T[:m, :m] = _cross(basis[:, :m], images[:, :m], dtype)
             T[:m, :m] = (T[:m, :m] + T[:m, :m].T) / 2
+            # the basis now holds the Ritz vectors themselves
+            theta, S = theta[:m], torch.eye(m, dtype=dtype, device=device)
             new = _orthonormalize(new, basis[:, :m], drop)
             if new.shape[1] == 0:
                 break

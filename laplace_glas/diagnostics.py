@@ -137,7 +137,7 @@ def replica_check(
     n_replicas: int = 3,
     subsample: int | None = None,
     threshold: float = 0.9,
-    seed: int = 1,
+    seed: int | None = None,
 ) -> ReplicaCheck:
     """Recompute the eigenpairs ``n_replicas`` times and match them with the fit.
 
@@ -154,8 +154,10 @@ def replica_check(
     threshold : float, default=0.9
         A fitted vector needs a partner with ``|u_j^T u_i| >= threshold`` in every
         replica.
-    seed : int, default=1
-        Seed of replica ``r`` is ``seed + r``.
+    seed : int, optional
+        Seed of replica ``r`` is ``seed + r`` (default: ``la.seed + 1``, so that no
+        replica repeats the fit's own start vector and subsample). A seed range that
+        contains ``la.seed`` is refused when the fit used that seed (no ``generator``).
 
     """
     la._check_H_init()
@@ -163,6 +165,14 @@ def replica_check(
         raise ValueError("n_replicas must be >= 1.")
     if not 0 < threshold <= 1:
         raise ValueError("threshold must lie in (0, 1].")
+    fit_seed = getattr(la, "seed", 0) if getattr(la, "generator", None) is None else None
+    if seed is None:
+        seed = (fit_seed if fit_seed is not None else 0) + 1
+    if fit_seed is not None and seed <= fit_seed < seed + n_replicas:
+        raise ValueError(
+            f"Replica seeds {seed}..{seed + n_replicas - 1} include the fit's seed {fit_seed}: "
+            "that replica would repeat the fit exactly. Pass another seed."
+        )
     U_fit = la.lanczos_info.vectors
     k = U_fit.shape[1]
     overlaps, eigenvalues = [], []

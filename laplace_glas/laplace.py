@@ -249,6 +249,13 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             not isinstance(subsample_size, int) or subsample_size < 1
         ):
             raise ValueError(f"subsample_size must be a positive int, got {subsample_size!r}.")
+        for name, value in (("block_size", block_size), ("maxiter", maxiter), ("ncv", ncv)):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
+        if not isinstance(tol, (int, float)) or not 0 <= tol < 1:
+            raise ValueError(f"tol must be a number in [0, 1), got {tol!r}.")
         if not isinstance(sample_chunk_size, int) or sample_chunk_size < 1:
             raise ValueError(
                 f"sample_chunk_size must be a positive int, got {sample_chunk_size!r}."

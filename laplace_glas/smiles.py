@@ -162,6 +162,8 @@ def load_smiles(path: str | Path, limit: int | None = None) -> list[str]:
         If ``path`` does not exist (the message names the MOSES source and licence).
 
     """
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be a positive int or None, got {limit!r}.")
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
@@ -354,6 +356,7 @@ def save_language_model(
                 "embed": model.embed_size,
                 "hidden": model.hidden,
                 "layers": model.layers,
+                "dropout": float(model.lstm.dropout),
             },
             "tokens": list(tokenizer.tokens),
             "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},

@@ -325,7 +325,7 @@ def _solve_block(
         k,
         block_size=block_size,
         tol=tol,
-        max_passes=maxiter or 50,
+        max_passes=50 if maxiter is None else maxiter,
         rank_threshold=rank_threshold,
         generator=generator,
         dtype=basis_dtype,
@@ -333,7 +333,15 @@ def _solve_block(
         device=device,
     )
     n_converged = int(result.converged.sum())
-    if n_converged < k:
+    if result.values.numel() < k:
+        warnings.warn(
+            f"The block solver found only {result.values.numel()} of the {k} requested "
+            f"eigenpairs in {result.n_passes} data passes ({result.n_products} GGN "
+            f"products; {n_converged} of them converged): raise maxiter or block_size.",
+            LanczosConvergenceWarning,
+            stacklevel=3,
+        )
+    elif n_converged < k:
         warnings.warn(
             f"The block solver did not converge for {k - n_converged} of the {k} "
             f"requested eigenpairs in {result.n_passes} data passes "

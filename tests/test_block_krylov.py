@@ -72,3 +72,44 @@ def test_in_place_product_may_overwrite_its_own_leading_columns(monkeypatch):
     B = torch.randn(50, 3, generator=g).float()
     C = torch.randn(50, 2, generator=g, dtype=torch.float64)
     torch.testing.assert_close(block_krylov._cross(B, C, torch.float64), B.double().T @ C)
+
+
+@pytest.mark.parametrize("block_size", [3, 5])
+def test_repeated_eigenvalue_with_more_copies_than_the_block(block_size):
+    """A block Krylov space of block size p holds at most p copies of an eigenvalue (in
+    exact arithmetic): with 10 copies and p = 3 it used to return 9 copies and a smaller
+    eigenvalue, all 'converged'. A random block then grown for a few passes finds them."""
+    values = torch.cat([torch.full((10,), 5.0), torch.linspace(1, 0.1, 50)]).double()
+    A = psd(values)
+    res = block_krylov_eigenpairs(
+        lambda V: A @ V, 60, 12, block_size=block_size, generator=torch.Generator().manual_seed(1)
+    )
+    torch.testing.assert_close(res.values, values[:12], rtol=1e-6, atol=0)
+    assert bool(res.converged.all())
+
+
+def test_distinct_spectrum_needs_no_extra_pass():
+    """The check only runs for repeated values: a spread spectrum costs what it did."""
+    values = 10 * torch.arange(1, 61, dtype=torch.float64) ** -1.0
+    A = psd(values)
+    kwargs = dict(block_size=3, generator=torch.Generator().manual_seed(1), tol=1e-8)
+    res = block_krylov_eigenpairs(lambda V: A @ V, 60, 6, **kwargs)
+    torch.testing.assert_close(res.values, values[:6], rtol=1e-7, atol=0)
+    assert not block_krylov._needs_fresh_block(
+        res.values, None, 3, 1e-8, torch.tensor(0.0, dtype=torch.float64)
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"block_size": 3, "max_basis": 8}, r"max_basis=8 is too small.*at least .* = 11"),
+        ({"block_size": -1}, r"block_size must be a positive int"),
+        ({"block_size": 0}, r"block_size must be a positive int"),
+        ({"max_passes": 0}, r"max_passes must be a positive int"),
+    ],
+)
+def test_bad_settings_are_refused(kwargs, match):
+    A = torch.diag(torch.linspace(10, 1, 60, dtype=torch.float64))
+    with pytest.raises(ValueError, match=match):
+        block_krylov_eigenpairs(lambda V: A @ V, 60, 5, **kwargs)

@@ -89,3 +89,13 @@ def test_subspace_overlap_of_a_converged_replica_is_one(toy_regression):
     la, dl = fit(toy_regression)
     check = replica_check(la, dl, n_replicas=1)
     assert float(check.subspace_overlap()) > 1 - 1e-4
+
+
+def test_replicas_never_repeat_the_fits_own_seed(toy_regression):
+    """With seed=1 in the fit, replica seeds used to start at 1 as well: replica 0
+    repeated the fit bit for bit and the check passed trivially."""
+    la, dl = fit(toy_regression, seed=1, subsample_size=60)
+    check = replica_check(la, dl, n_replicas=1, subsample=60)
+    assert not torch.equal(check.replica_eigenvalues[0], la.lanczos_info.values)
+    with pytest.raises(ValueError, match="include the fit's seed 1"):
+        replica_check(la, dl, n_replicas=2, seed=0)

@@ -179,6 +179,10 @@ def test_ggn_backend_is_accepted_and_changes_nothing(reg_data):
         ({"sample_chunk_size": 0}, r"sample_chunk_size must be a positive int"),
         ({"sample_chunk_size": 2.0}, r"sample_chunk_size must be a positive int"),
         ({"jvp_chunk_size": 0}, r"jvp_chunk_size must be a positive int or None"),
+        ({"block_size": -1}, r"block_size must be a positive int or None"),
+        ({"maxiter": 0}, r"maxiter must be a positive int or None"),
+        ({"ncv": 0}, r"ncv must be a positive int or None"),
+        ({"tol": -1e-3}, r"tol must be a number in \[0, 1\)"),
         ({"jvp_chunk_size": 1.5}, r"jvp_chunk_size must be a positive int or None"),
     ],
 )

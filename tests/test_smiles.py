@@ -92,6 +92,9 @@ def test_load_smiles_errors_and_header(tmp_path):
     path.write_text("SMILES,SPLIT\nCCO,train\n\nc1ccccc1,train\nCCN,test\n")
     assert load_smiles(path) == ["CCO", "c1ccccc1", "CCN"]
     assert load_smiles(path, limit=2) == ["CCO", "c1ccccc1"]
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="limit must be a positive int"):
+            load_smiles(path, limit=bad)  # limit=0 used to return one SMILES
 
 
 def test_encode_batch_padding_and_targets():
@@ -332,3 +335,11 @@ def test_length_sorted_loader_sorts_and_trims():
         assert xb.shape == yb.shape and yb.shape[1] == int((yb != PAD).sum(1).max())
     total = sum(int((yb != PAD).sum()) for _, yb in batches)
     assert total == int((y != PAD).sum())  # no target lost by the trimming
+
+
+def test_checkpoint_keeps_the_dropout_setting(tmp_path):
+    tokenizer = fitted_tokenizer()
+    model = SmilesLSTM(tokenizer.vocab_size, 8, 8, 2, dropout=0.3)
+    save_language_model(tmp_path / "lm.pt", model, tokenizer)
+    loaded, _, _ = load_language_model(tmp_path / "lm.pt")
+    assert loaded.lstm.dropout == pytest.approx(0.3)

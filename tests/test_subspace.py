@@ -234,3 +234,17 @@ def test_block_solver_warns_when_passes_run_out():
     torch.testing.assert_close(
         eig.values[:3], torch.tensor([10.0, 9.0, 8.0], dtype=torch.float64), rtol=1e-6, atol=0
     )
+
+
+def test_block_solver_says_when_it_returns_fewer_pairs_than_asked():
+    """3 passes of 3 columns hold 9 vectors: the warning says 9 of 10 came back."""
+    from scipy.sparse.linalg import aslinearoperator
+
+    from laplace_glas.subspace import LanczosConvergenceWarning
+
+    A = np.diag(np.linspace(10, 1, 200))
+    with pytest.warns(LanczosConvergenceWarning, match="found only 9 of the 10"):
+        eig = compute_eigenpairs(
+            aslinearoperator(A), 10, dtype=torch.float64, solver="block", block_size=3, maxiter=3
+        )
+    assert eig.k == 9
