@@ -497,6 +497,8 @@ def generate(
     Starting from ``BOS``, each next token is drawn from the softmax of the model's
     logits (divided by ``temperature``) and fed back, until ``EOS`` or ``max_len``
     tokens. A sequence that hits ``max_len`` without ``EOS`` is returned as it stands.
+    ``PAD`` and ``BOS`` are excluded from the draw (the softmax is renormalised over the
+    other tokens): they never follow a token in the data, and ``decode`` would drop them.
 
     Parameters
     ----------
@@ -546,6 +548,12 @@ def generate(
     for t in range(max_len):
         logits, state = step(tokens, state)
         probs = torch.softmax(logits[:, -1].double() / temperature, dim=-1)
+        # PAD and BOS are never a next token in the data (PAD targets are ignored, BOS
+        # is never a target): a sampled one would be dropped by decode and hide a
+        # broken sequence, so they are left out of the draw (multinomial renormalises;
+        # a row with all its mass there ends the sequence)
+        probs[:, [PAD, BOS]] = 0.0
+        probs[probs.sum(-1) == 0, EOS] = 1.0
         nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
         nxt = torch.where(done, torch.full_like(nxt, PAD), nxt)
         out[:, t] = nxt

@@ -343,3 +343,16 @@ def test_checkpoint_keeps_the_dropout_setting(tmp_path):
     save_language_model(tmp_path / "lm.pt", model, tokenizer)
     loaded, _, _ = load_language_model(tmp_path / "lm.pt")
     assert loaded.lstm.dropout == pytest.approx(0.3)
+
+
+def test_generation_never_samples_pad_or_bos():
+    """Even a model that puts almost all its mass on PAD/BOS yields only real tokens."""
+    tok = fitted_tokenizer()
+    model = SmilesLSTM(tok.vocab_size, 8, 8, 1)
+    with torch.no_grad():
+        model.head.bias.zero_()
+        model.head.bias[PAD] = model.head.bias[BOS] = 30.0
+    out = generate(model, tok, 20, 15, torch.Generator().manual_seed(0))
+    lengths = [len(SmilesTokenizer.tokenize(s)) for s in out]
+    # had PAD/BOS been drawn (and dropped by decode), the strings would be ~empty
+    assert sum(lengths) > 100
