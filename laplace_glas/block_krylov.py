@@ -110,20 +110,24 @@ def _needs_fresh_block(
 ) -> bool:
     """Whether converged Ritz values ``top`` call for one more pass with a random block.
 
-    Only with ``p < k`` and a repeated value among ``top`` (neighbours equal to ``tol``):
-    a block Krylov space of block size ``p`` holds at most ``p`` copies of an eigenvalue
-    in exact arithmetic, so with more copies some may be missing although every
-    residual is small. Not again once a random block has left ``top`` unchanged. Values
-    at or below ``floor`` (round-off of a rank-deficient operator) do not count.
+    A block Krylov space of block size ``p`` holds at most ``p`` copies of an eigenvalue
+    in exact arithmetic (round-off lets a few more in, slowly), so an eigenvalue with
+    more copies than were found could be missing although every residual is small.
+    That is possible only if some value repeats (neighbours equal to ``tol``) at least
+    ``p`` times among ``top``; values at or below ``floor`` (round-off of a rank-deficient
+    operator) do not count. After a random block (``verified`` = the top values then),
+    another is needed only if the top values moved by more than ``tol * top[0]``.
     """
     if p >= top.numel():
         return False
-    gaps = ((top[:-1] - top[1:]).abs() <= tol * top[:-1].abs()) & (top[1:] > floor)
-    if not bool(gaps.any()):
-        return False
-    if verified is None:
-        return True
-    return bool(((top - verified).abs() > tol * verified.abs()).any())
+    if verified is not None:
+        return bool(((top - verified).abs() > tol * top[0].abs()).any())
+    repeats = ((top[:-1] - top[1:]).abs() <= tol * top[:-1].abs()) & (top[1:] > floor)
+    run = longest = 1
+    for same in repeats.tolist():
+        run = run + 1 if same else 1
+        longest = max(longest, run)
+    return longest >= p
 
 
 def block_krylov_eigenpairs(

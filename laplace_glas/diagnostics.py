@@ -155,9 +155,10 @@ def replica_check(
         A fitted vector needs a partner with ``|u_j^T u_i| >= threshold`` in every
         replica.
     seed : int, optional
-        Seed of replica ``r`` is ``seed + r`` (default: ``la.seed + 1``, so that no
-        replica repeats the fit's own start vector and subsample). A seed range that
-        contains ``la.seed`` is refused when the fit used that seed (no ``generator``).
+        Seed of replica ``r`` is ``seed + r`` (default: one above the fit's seed,
+        ``la.seed`` or its ``generator``'s initial seed, so that no replica repeats the
+        fit's own start vector and subsample). A range containing the fit's seed is
+        refused.
 
     """
     la._check_H_init()
@@ -165,10 +166,11 @@ def replica_check(
         raise ValueError("n_replicas must be >= 1.")
     if not 0 < threshold <= 1:
         raise ValueError("threshold must lie in (0, 1].")
-    fit_seed = getattr(la, "seed", 0) if getattr(la, "generator", None) is None else None
+    fit_generator = getattr(la, "generator", None)
+    fit_seed = getattr(la, "seed", 0) if fit_generator is None else fit_generator.initial_seed()
     if seed is None:
-        seed = (fit_seed if fit_seed is not None else 0) + 1
-    if fit_seed is not None and seed <= fit_seed < seed + n_replicas:
+        seed = fit_seed + 1
+    if seed <= fit_seed < seed + n_replicas:
         raise ValueError(
             f"Replica seeds {seed}..{seed + n_replicas - 1} include the fit's seed {fit_seed}: "
             "that replica would repeat the fit exactly. Pass another seed."

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import warnings
 from collections.abc import Callable, MutableMapping
 from typing import Any
@@ -83,6 +84,17 @@ class NotFittedError(ValueError, AttributeError):
 
     Also an ``AttributeError``: ``hasattr(la, 'eigenvalues')`` is False before ``fit``.
     """
+
+
+def _positive_int_or_none(name: str, value: Any) -> int | None:
+    """``value`` as an ``int`` (numpy integers included), or None; bools and values
+    below 1 are refused by name.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
+    return int(value)
 
 
 class ActiveSubspaceLaplace(ParametricLaplace):
@@ -245,27 +257,25 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             )
         if generator is not None and generator.device.type != "cpu":
             raise ValueError("The Lanczos/subsample generator must be a CPU torch.Generator.")
-        if subsample_size is not None and (
-            not isinstance(subsample_size, int) or subsample_size < 1
-        ):
-            raise ValueError(f"subsample_size must be a positive int, got {subsample_size!r}.")
-        for name, value in (("block_size", block_size), ("maxiter", maxiter), ("ncv", ncv)):
-            if value is not None and (
-                not isinstance(value, int) or isinstance(value, bool) or value < 1
-            ):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
-        if not isinstance(tol, (int, float)) or not 0 <= tol < 1:
-            raise ValueError(f"tol must be a number in [0, 1), got {tol!r}.")
-        if not isinstance(sample_chunk_size, int) or sample_chunk_size < 1:
-            raise ValueError(
-                f"sample_chunk_size must be a positive int, got {sample_chunk_size!r}."
+        block_size, maxiter, ncv, subsample_size, jvp_chunk_size = (
+            _positive_int_or_none(name, value)
+            for name, value in (
+                ("block_size", block_size),
+                ("maxiter", maxiter),
+                ("ncv", ncv),
+                ("subsample_size", subsample_size),
+                ("jvp_chunk_size", jvp_chunk_size),
             )
-        if jvp_chunk_size is not None and (
-            not isinstance(jvp_chunk_size, int) or jvp_chunk_size < 1
-        ):
-            raise ValueError(
-                f"jvp_chunk_size must be a positive int or None, got {jvp_chunk_size!r}."
-            )
+        )
+        sample_chunk_size = _positive_int_or_none("sample_chunk_size", sample_chunk_size)
+        if sample_chunk_size is None:
+            raise ValueError("sample_chunk_size must be a positive int, got None.")
+        try:
+            tol = float(tol)
+        except (TypeError, ValueError):
+            raise ValueError(f"tol must be a non-negative number, got {tol!r}.") from None
+        if not (tol >= 0 and math.isfinite(tol)):
+            raise ValueError(f"tol must be a non-negative number, got {tol!r}.")
         validate_loss_fn(loss_fn, ignore_index if likelihood == "classification" else None)
 
         super().__init__(

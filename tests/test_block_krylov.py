@@ -113,3 +113,24 @@ def test_bad_settings_are_refused(kwargs, match):
     A = torch.diag(torch.linspace(10, 1, 60, dtype=torch.float64))
     with pytest.raises(ValueError, match=match):
         block_krylov_eigenpairs(lambda V: A @ V, 60, 5, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        # pairs (multiplicity 2 < block 4) and exact zeros beyond the rank
+        torch.tensor([1.0, 1.0, 0.5, 0.3, 0.2, 0.1] + [0.0] * 394),
+        # tiny real eigenvalues whose relative round-off exceeds tol
+        torch.tensor([1, 1, 0.5, 0.2, 0.1, 1e-3, 1e-6, 1e-9, 1e-11, 3e-12, 1e-12] + [0.0] * 389),
+    ],
+)
+def test_repeats_within_the_block_and_zeros_cost_no_extra_passes(values, monkeypatch):
+    """The repeated-eigenvalue check ran to max_passes on these (a random block every
+    3 passes: tiny values 'moved' on every pass); it must leave them alone."""
+    A = psd(values.double())
+    kwargs = dict(block_size=4, generator=torch.Generator().manual_seed(1), tol=1e-8)
+    res = block_krylov_eigenpairs(lambda V: A @ V, 400, 10, **kwargs)
+    monkeypatch.setattr(block_krylov, "_needs_fresh_block", lambda *args: False)
+    plain = block_krylov_eigenpairs(lambda V: A @ V, 400, 10, **kwargs)
+    assert res.n_passes == plain.n_passes < 10
+    torch.testing.assert_close(res.values[:5], values[:5].double(), rtol=1e-7, atol=1e-12)

@@ -99,3 +99,11 @@ def test_replicas_never_repeat_the_fits_own_seed(toy_regression):
     assert not torch.equal(check.replica_eigenvalues[0], la.lanczos_info.values)
     with pytest.raises(ValueError, match="include the fit's seed 1"):
         replica_check(la, dl, n_replicas=2, seed=0)
+
+
+def test_replicas_avoid_the_seed_of_the_fits_generator(toy_regression):
+    la, dl = fit(toy_regression, generator=torch.Generator().manual_seed(1))
+    check = replica_check(la, dl, n_replicas=1)
+    assert not torch.equal(check.replica_eigenvalues[0], la.lanczos_info.values)
+    with pytest.raises(ValueError, match="include the fit's seed 1"):
+        replica_check(la, dl, n_replicas=1, seed=1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import loader, mlp, regression_data
@@ -182,7 +183,9 @@ def test_ggn_backend_is_accepted_and_changes_nothing(reg_data):
         ({"block_size": -1}, r"block_size must be a positive int or None"),
         ({"maxiter": 0}, r"maxiter must be a positive int or None"),
         ({"ncv": 0}, r"ncv must be a positive int or None"),
-        ({"tol": -1e-3}, r"tol must be a number in \[0, 1\)"),
+        ({"tol": -1e-3}, r"tol must be a non-negative number"),
+        ({"tol": "small"}, r"tol must be a non-negative number"),
+        ({"jvp_chunk_size": True}, r"jvp_chunk_size must be a positive int or None"),
         ({"jvp_chunk_size": 1.5}, r"jvp_chunk_size must be a positive int or None"),
     ],
 )
@@ -424,3 +427,18 @@ def test_n_components_setter_before_fit_sets_the_request(reg_data):
     la.n_components = 5
     la.fit(loader(X, y))
     assert la.eigenvalues.shape == (5,)
+
+
+def test_numpy_and_tensor_settings_are_accepted():
+    """numpy integers and a numpy / 0-d tensor tol, as laplace-torch users pass them."""
+    la = glas(
+        solver="block",
+        block_size=np.int64(4),
+        maxiter=np.int64(20),
+        sample_chunk_size=np.int32(8),
+        jvp_chunk_size=np.int64(2),
+        tol=torch.tensor(1e-6),
+    )
+    assert (la.block_size, la.maxiter, la.sample_chunk_size, la.jvp_chunk_size) == (4, 20, 8, 2)
+    assert type(la.block_size) is int and la.tol == pytest.approx(1e-6)
+    assert glas(ncv=np.int64(9), tol=np.float32(1e-3)).ncv == 9
