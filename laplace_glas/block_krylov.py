@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from laplace_glas.validation import positive_int
+
 __all__ = ["BlockKrylovResult", "block_krylov_eigenpairs"]
 
 
@@ -181,10 +183,8 @@ def block_krylov_eigenpairs(
     """
     if not 1 <= k < dim:
         raise ValueError(f"Need 1 <= k < dim = {dim}, got k = {k}.")
-    if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
-        raise ValueError(f"block_size must be a positive int or None, got {block_size!r}.")
-    if not isinstance(max_passes, int) or max_passes < 1:
-        raise ValueError(f"max_passes must be a positive int, got {max_passes!r}.")
+    block_size = positive_int("block_size", block_size)
+    max_passes = positive_int("max_passes", max_passes, allow_none=False)
     p = min(block_size or max(k, 8), dim)
     if max_basis is not None and max_basis < min(dim, k + 2 * p):
         # a thick restart keeps k + p Ritz vectors and then needs room for a new block

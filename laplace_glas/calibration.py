@@ -43,7 +43,9 @@ from laplace_glas.predictive import (
     batched_outputs,
     jacobian_gram,
     jvp_directions,
+    row_chunks,
 )
+from laplace_glas.validation import positive_int
 
 __all__ = [
     "CoverageNotReachedWarning",
@@ -262,8 +264,7 @@ def coverage_table(
         raise ValueError(f"pred_type must be 'nn' or 'glm', got {pred_type!r}.")
     if n_samples < 2:
         raise ValueError("n_samples must be >= 2.")
-    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
-        raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}.")
+    batch_size = positive_int("batch_size", batch_size)
     k_max = max(k for k, _, _ in pairs)
     U = la.H[0][:, :k_max]
     a = la._curvature_up_to(k_max).detach()
@@ -325,11 +326,6 @@ def coverage_table(
     return sorted(rows, key=lambda r: order[(r.k, r.prior_precision)])
 
 
-def _row_chunks(X: torch.Tensor, batch_size: int | None) -> list[torch.Tensor]:
-    step = X.shape[0] if batch_size is None else batch_size
-    return [X[start : start + step] for start in range(0, X.shape[0], step)]
-
-
 def _linearised(
     la: Any, X: torch.Tensor, directions: torch.Tensor, batch_size: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,7 +335,7 @@ def _linearised(
     names, shapes, theta = la._param_names, la._param_shapes, la.mean.detach()
     parts = [
         jvp_directions(la.model, names, shapes, theta, rows, directions, la.jvp_chunk_size)
-        for rows in _row_chunks(X, batch_size)
+        for rows in row_chunks(X, batch_size)
     ]
     return torch.cat([f for f, _ in parts]), torch.cat([JV for _, JV in parts])
 
@@ -357,7 +353,7 @@ def _sampled_outputs(
             torch.cat(
                 [
                     batched_outputs(la.model, names, shapes, thetas[i : i + chunk], rows)
-                    for rows in _row_chunks(X, batch_size)
+                    for rows in row_chunks(X, batch_size)
                 ],
                 dim=1,
             )
@@ -403,6 +399,12 @@ def _sampled_rows(
         noise = la.sigma_noise * _standard_normal((n_samples, *y.shape), la, generator)
     sigma2 = float(la.sigma_noise.square()) if not classification else 0.0
     alpha = 1.0 - level
+    if classification:
+        # one credible set per target: tokens of sequence outputs are flattened,
+        # padding (ignore_index) is left out
+        labels = y.reshape(-1)
+        keep = labels != ignore_index
+        labels = labels[keep]
 
     rows = []
     for k, tau, eb in pairs:
@@ -423,22 +425,9 @@ def _sampled_rows(
                 thetas = thetas + complement
             fs = _sampled_outputs(la, thetas, X, batch_size)
         if classification:
-            if fs.shape[1:-1] != y.shape:
-                raise ValueError(
-                    f"Calibration labels of shape {tuple(y.shape)} do not match the model "
-                    f"output of shape {tuple(fs.shape[1:])}."
-                )
-            if check_labels(fs[0], y, ignore_index, 0) == 0:
-                raise ValueError(
-                    "Every calibration target equals ignore_index: there is nothing to "
-                    "measure coverage on."
-                )
-            # one credible set per target: tokens of sequence outputs are flattened,
-            # padding (ignore_index) is left out
-            probs = torch.softmax(fs, dim=-1).mean(0).reshape(-1, fs.shape[-1])
-            labels = y.reshape(-1)
-            keep = labels != ignore_index
-            probs, labels = probs[keep], labels[keep]
+            if not rows:  # every candidate has the same output shape: check the labels once
+                _check_calibration_labels(fs, y, ignore_index)
+            probs = torch.softmax(fs, dim=-1).mean(0).reshape(-1, fs.shape[-1])[keep]
             covered, size = _credible_sets(probs, labels, level)
             nll = float(-torch.log(probs.gather(1, labels.reshape(-1, 1)).clamp(min=1e-12)).mean())
             rows.append(CoverageRow(k, tau, covered, size, nll, eb))
@@ -455,6 +444,19 @@ def _sampled_rows(
         nll = _gaussian_nll(y, fs.mean(0), fs.var(0) + sigma2)
         rows.append(CoverageRow(k, tau, float(covered), float((hi - lo).mean()), nll, eb))
     return rows
+
+
+def _check_calibration_labels(fs: torch.Tensor, y: torch.Tensor, ignore_index: int) -> None:
+    """Labels ``y`` fit the sampled outputs ``fs`` ``(S, batch, ..., C)``, as in ``fit``."""
+    if fs.shape[1:-1] != y.shape:
+        raise ValueError(
+            f"Calibration labels of shape {tuple(y.shape)} do not match the model "
+            f"output of shape {tuple(fs.shape[1:])}."
+        )
+    if check_labels(fs[0], y, ignore_index, 0) == 0:
+        raise ValueError(
+            "Every calibration target equals ignore_index: there is nothing to measure coverage on."
+        )
 
 
 def _credible_sets(probs: torch.Tensor, y: torch.Tensor, level: float) -> tuple[float, float]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import math
-import numbers
 import warnings
 from collections.abc import Callable, MutableMapping
 from typing import Any
@@ -71,6 +70,7 @@ from laplace_glas.subspace import (
     compute_eigenpairs,
     mean_ggn_operator,
 )
+from laplace_glas.validation import positive_int
 
 __all__ = ["ActiveSubspaceLaplace", "NotFittedError"]
 
@@ -86,15 +86,18 @@ class NotFittedError(ValueError, AttributeError):
     """
 
 
-def _positive_int_or_none(name: str, value: Any) -> int | None:
-    """``value`` as an ``int`` (numpy integers included), or None; bools and values
-    below 1 are refused by name.
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive int or None, got {value!r}.")
-    return int(value)
+def _require_scalar(prior_precision: Any) -> None:
+    """GLAS's closed forms take one prior precision ``tau`` for all weights."""
+    if isinstance(prior_precision, torch.Tensor) and prior_precision.numel() != 1:
+        raise ValueError(
+            "GLAS's closed forms need a scalar (isotropic) prior precision; got one "
+            f"of shape {tuple(prior_precision.shape)}."
+        )
+
+
+def _check_pred_type(pred_type: PredType | str) -> None:
+    if pred_type not in [p.value for p in PredType] or pred_type == PredType.GP:
+        raise ValueError("Only glm and nn supported as prediction types.")
 
 
 class ActiveSubspaceLaplace(ParametricLaplace):
@@ -258,7 +261,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         if generator is not None and generator.device.type != "cpu":
             raise ValueError("The Lanczos/subsample generator must be a CPU torch.Generator.")
         block_size, maxiter, ncv, subsample_size, jvp_chunk_size = (
-            _positive_int_or_none(name, value)
+            positive_int(name, value)
             for name, value in (
                 ("block_size", block_size),
                 ("maxiter", maxiter),
@@ -267,9 +270,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
                 ("jvp_chunk_size", jvp_chunk_size),
             )
         )
-        sample_chunk_size = _positive_int_or_none("sample_chunk_size", sample_chunk_size)
-        if sample_chunk_size is None:
-            raise ValueError("sample_chunk_size must be a positive int, got None.")
+        sample_chunk_size = positive_int("sample_chunk_size", sample_chunk_size, allow_none=False)
         try:
             tol = float(tol)
         except (TypeError, ValueError):
@@ -455,21 +456,13 @@ class ActiveSubspaceLaplace(ParametricLaplace):
     def prior_precision(self, prior_precision: float | torch.Tensor) -> None:
         # refused before it is set, so that a failed call (e.g. log_marginal_likelihood
         # with a per-layer prior) leaves the posterior as it was
-        if isinstance(prior_precision, torch.Tensor) and prior_precision.numel() != 1:
-            raise ValueError(
-                "GLAS's closed forms need a scalar (isotropic) prior precision; got one "
-                f"of shape {tuple(prior_precision.shape)}."
-            )
+        _require_scalar(prior_precision)
         ParametricLaplace.prior_precision.fset(self, prior_precision)
 
     @property
     def _tau(self) -> torch.Tensor:
         prior_precision = self.prior_precision
-        if prior_precision.numel() != 1:
-            raise ValueError(
-                "GLAS's closed forms need a scalar (isotropic) prior precision; got one "
-                f"of shape {tuple(prior_precision.shape)}."
-            )
+        _require_scalar(prior_precision)
         return prior_precision.reshape(())
 
     @property
@@ -866,8 +859,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         path (laplace-torch ignores it for 'nn' and 'mc').
         """
         self._check_H_init()
-        if pred_type not in [p.value for p in PredType] or pred_type == PredType.GP:
-            raise ValueError("Only glm and nn supported as prediction types.")
+        _check_pred_type(pred_type)
         if link_approx not in [la.value for la in LinkApprox]:
             raise ValueError(f"Unsupported link approximation {link_approx}.")
         if pred_type == PredType.NN and link_approx != LinkApprox.MC:
@@ -1033,8 +1025,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         generator: torch.Generator | None,
         link: bool,
     ) -> torch.Tensor:
-        if pred_type not in [p.value for p in PredType] or pred_type == PredType.GP:
-            raise ValueError("Only glm and nn supported as prediction types.")
+        _check_pred_type(pred_type)
         self._check_generator(generator)
         if pred_type == PredType.NN:
             if link:

@@ -34,6 +34,7 @@ __all__ = [
     "jacobian_gram",
     "jvp_directions",
     "parameter_names",
+    "row_chunks",
     "unflatten",
 ]
 
@@ -221,20 +222,27 @@ def jacobian_gram(
         J = J.reshape(-1, J.shape[-1])
         return J @ J.T
     grams = []
-    n_rows = x[dict_key_x].shape[0] if isinstance(x, Mapping) else x.shape[0]
-    for start in range(0, n_rows, chunk_size):
-        J = jac(_rows(x, n_rows, start, start + chunk_size))
+    for rows in row_chunks(x, chunk_size, dict_key_x):
+        J = jac(rows)
         grams.append(J @ J.transpose(1, 2))
     return torch.cat(grams)
 
 
-def _rows(x: Any, n_rows: int, start: int, stop: int) -> Any:
-    """Rows ``start:stop`` of a batch: a tensor, or each batch-sized tensor of a mapping."""
-    if not isinstance(x, Mapping):
-        return x[start:stop]
-    return {
-        key: value[start:stop]
-        if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == n_rows
-        else value
-        for key, value in x.items()
-    }
+def row_chunks(x: Any, size: int | None, dict_key_x: str = "input_ids") -> Iterator[Any]:
+    """Consecutive slices of at most ``size`` rows of a batch (all rows if None).
+
+    ``x`` is a tensor, or a mapping whose batch axis is that of ``x[dict_key_x]``: every
+    tensor entry with that leading size is sliced, other entries are passed whole.
+    """
+    n_rows = x[dict_key_x].shape[0] if isinstance(x, Mapping) else x.shape[0]
+    step = size or max(n_rows, 1)
+    for start in range(0, n_rows, step):
+        if not isinstance(x, Mapping):
+            yield x[start : start + step]
+            continue
+        yield {
+            key: value[start : start + step]
+            if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == n_rows
+            else value
+            for key, value in x.items()
+        }

@@ -33,6 +33,7 @@ from torch.func import functional_call
 from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_glas.losses import TokenCrossEntropy
+from laplace_glas.validation import positive_int
 
 __all__ = [
     "BOS",
@@ -162,8 +163,7 @@ def load_smiles(path: str | Path, limit: int | None = None) -> list[str]:
         If ``path`` does not exist (the message names the MOSES source and licence).
 
     """
-    if limit is not None and (not isinstance(limit, int) or limit < 1):
-        raise ValueError(f"limit must be a positive int or None, got {limit!r}.")
+    limit = positive_int("limit", limit)
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
