@@ -1,7 +1,7 @@
 """GLAS vs laplace-torch's posteriors on UCI Concrete: one table, measured in one run.
 
 Trains an MLP on the standardised UCI Concrete data (70% train, 15% calibration, 15%
-test), then runs :func:`laplace_glas.compare.compare_structures`: GLAS with mean-loss
+test), then runs :func:`laplace_glas.applications.compare.compare_structures`: GLAS with mean-loss
 and summed-loss scaling (k chosen by 90% f-coverage on the calibration split), and
 laplace-torch's ('all', 'kron'), ('all', 'diag'), ('all', 'full') (if D <=
 --full-max-params), ('last_layer', 'kron'), ('last_layer', 'full') and ELLA, all built
@@ -35,8 +35,8 @@ from machine import machine_description  # benchmarks/machine.py
 from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_glas  # noqa: F401  (registers hessian_structure='glas')
-from laplace_glas.compare import compare_structures, default_structures, format_table
-from laplace_glas.data import concrete_splits, make_mlp, train_map
+from laplace_glas.applications.compare import compare_structures, default_structures, format_table
+from laplace_glas.applications.data import concrete_splits, make_mlp, train_map
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/concrete/Concrete_Data.csv"
 

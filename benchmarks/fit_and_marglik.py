@@ -24,7 +24,7 @@ from machine import machine_description  # benchmarks/machine.py
 from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_glas  # registers 'glas'
-from laplace_glas.data import known_noise_regression, make_mlp, train_map
+from laplace_glas.applications.data import known_noise_regression, make_mlp, train_map
 
 
 def main() -> None:

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine_description
 
 import laplace_glas
-from laplace_glas.smiles import (
+from laplace_glas.applications.smiles import (
     PAD,
     SmilesLSTM,
     SmilesTokenizer,

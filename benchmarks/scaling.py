@@ -66,8 +66,8 @@ from machine import machine_description  # benchmarks/machine.py
 from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_glas  # noqa: F401  (registers hessian_structure='glas')
-from laplace_glas.compare import PeakMemory
-from laplace_glas.data import make_mlp, train_map
+from laplace_glas.applications.compare import PeakMemory
+from laplace_glas.applications.data import make_mlp, train_map
 
 SIGMA = 0.1
 D_IN = 10

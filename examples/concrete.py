@@ -37,7 +37,7 @@ from laplace_glas import (
     select_dimension,
     weights_for_share,
 )
-from laplace_glas.data import concrete_splits, make_mlp, train_map
+from laplace_glas.applications.data import concrete_splits, make_mlp, train_map
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/concrete/Concrete_Data.csv"
 

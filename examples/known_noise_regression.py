@@ -33,7 +33,7 @@ from laplace import Laplace
 from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_glas  # noqa: F401  (registers hessian_structure='glas')
-from laplace_glas.data import known_noise_regression, make_mlp, train_map
+from laplace_glas.applications.data import known_noise_regression, make_mlp, train_map
 
 SIGMA = 0.1  # known observation noise
 PRIOR_PRECISION = 1.0

@@ -60,7 +60,7 @@ from laplace_glas import (
     NumericalRankWarning,
     select_dimension,
 )
-from laplace_glas.data import (
+from laplace_glas.applications.data import (
     concrete_splits,
     known_noise_regression,
     make_mlp,

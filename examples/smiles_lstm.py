@@ -49,8 +49,7 @@ from laplace_glas import (
     select_dimension,
     weights_for_share,
 )
-from laplace_glas.losses import TokenCrossEntropy
-from laplace_glas.smiles import (
+from laplace_glas.applications.smiles import (
     PAD,
     SmilesLSTM,
     SmilesTokenizer,
@@ -65,6 +64,7 @@ from laplace_glas.smiles import (
     train_lm,
     validity,
 )
+from laplace_glas.curvature.losses import TokenCrossEntropy
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/smiles/moses_train_20k.smi"
 GEN_KS = (1, 5, 20)

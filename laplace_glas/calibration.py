@@ -35,11 +35,11 @@ from typing import Any
 
 import torch
 
-from laplace_glas.batches import split_batch
-from laplace_glas.fitting import check_labels
+from laplace_glas.autodiff import autodiff_friendly
+from laplace_glas.curvature.batches import split_batch
+from laplace_glas.curvature.fitting import check_labels
 from laplace_glas.posterior import optimal_prior_precision
 from laplace_glas.predictive import (
-    autodiff_friendly,
     batched_outputs,
     jacobian_gram,
     jvp_directions,

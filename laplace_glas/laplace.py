@@ -1,7 +1,7 @@
 """ActiveSubspaceLaplace: the GLAS posterior behind laplace-torch's interface.
 
-The class is thin: the eigen-solve lives in :mod:`laplace_glas.subspace`, the data
-pass of ``fit`` and the choice of the GGN's loss in :mod:`laplace_glas.fitting`, the
+The class is thin: the eigen-solve lives in :mod:`laplace_glas.curvature.subspace`, the data
+pass of ``fit`` and the choice of the GGN's loss in :mod:`laplace_glas.curvature.fitting`, the
 closed forms in :mod:`laplace_glas.posterior` and the forward-mode predictive in
 :mod:`laplace_glas.predictive`. What is here is the laplace-torch contract: the
 ``Laplace(model, likelihood, 'all', 'glas')`` registration, ``fit``, the evidence,
@@ -39,15 +39,22 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, RandomSampler
 
-from laplace_glas.batches import XYBatches, batch_size, split_batch, subsample_loader
+from laplace_glas.autodiff import autodiff_friendly
 from laplace_glas.calibration import DimensionSelection, select_dimension
-from laplace_glas.fitting import (
+from laplace_glas.curvature.batches import XYBatches, batch_size, split_batch, subsample_loader
+from laplace_glas.curvature.fitting import (
     MapLoss,
     count_terms,
     curvature_loss,
     loss_at_map,
     loss_fn_name,
     validate_loss_fn,
+)
+from laplace_glas.curvature.subspace import (
+    Eigenpairs,
+    NumericalRankWarning,
+    compute_eigenpairs,
+    mean_ggn_operator,
 )
 from laplace_glas.links import gaussian_samples, laplace_bridge
 from laplace_glas.posterior import (
@@ -58,17 +65,10 @@ from laplace_glas.posterior import (
     sample_subspace,
 )
 from laplace_glas.predictive import (
-    autodiff_friendly,
     batched_outputs,
     jacobian_gram,
     jvp_directions,
     parameter_names,
-)
-from laplace_glas.subspace import (
-    Eigenpairs,
-    NumericalRankWarning,
-    compute_eigenpairs,
-    mean_ggn_operator,
 )
 from laplace_glas.validation import positive_int
 
@@ -550,7 +550,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         self.H = (eig.vectors, n_data * eig.values)
 
     def _loss_at_map(self, loader: Any, show: bool) -> MapLoss:
-        """:func:`laplace_glas.fitting.loss_at_map` with this posterior's settings."""
+        """:func:`laplace_glas.curvature.fitting.loss_at_map` with this posterior's settings."""
         return loss_at_map(
             self.model,
             loader,

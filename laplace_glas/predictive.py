@@ -16,8 +16,6 @@ restricted to the parameters under inference).
 
 from __future__ import annotations
 
-import contextlib
-import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -26,10 +24,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev, jvp, vmap
 
-from laplace_glas.rnn import elementary_rnns
-
 __all__ = [
-    "autodiff_friendly",
     "batched_outputs",
     "jacobian_gram",
     "jvp_directions",
@@ -37,31 +32,6 @@ __all__ = [
     "row_chunks",
     "unflatten",
 ]
-
-
-@contextlib.contextmanager
-def autodiff_friendly(model: nn.Module) -> Iterator[None]:
-    """Run ``model``'s recurrent layers without fused kernels while the block runs.
-
-    The fused RNN kernels have no forward-mode derivative (``torch.func.jvp`` raises
-    ``NotImplementedError: ... mkldnn_rnn_layer`` on the CPU, and ``...
-    _thnn_fused_lstm_cell`` on a GPU even with cuDNN off), and the GGN products and the
-    'glm' predictive are forward mode. On the CPU, switching oneDNN off is enough;
-    LSTM/GRU/RNN layers on any other device run through
-    :func:`laplace_glas.rnn.elementary_rnn_forward`. Only models that contain an
-    ``nn.RNNBase`` are affected; for the others this is a no-op.
-    """
-    if not any(isinstance(m, nn.RNNBase) for m in model.modules()):
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*TF32 acceleration on top of oneDNN.*")
-        with (
-            torch.backends.mkldnn.flags(enabled=False),
-            torch.backends.cudnn.flags(enabled=False),
-            elementary_rnns(model),
-        ):
-            yield
 
 
 def parameter_names(model: nn.Module, params: Sequence[torch.Tensor]) -> list[str]:

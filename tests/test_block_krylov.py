@@ -1,12 +1,12 @@
-"""Block Krylov solver (laplace_glas.block_krylov) against dense eigen-decompositions."""
+"""Block Krylov solver (laplace_glas.curvature.block_krylov) against dense eigen-decompositions."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from laplace_glas import block_krylov
-from laplace_glas.block_krylov import block_krylov_eigenpairs
+from laplace_glas.curvature import block_krylov
+from laplace_glas.curvature.block_krylov import block_krylov_eigenpairs
 
 
 def psd(values: torch.Tensor, seed: int = 0) -> torch.Tensor:

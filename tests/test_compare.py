@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import loader, mlp, regression_data, train
 
-from laplace_glas.compare import (
+from laplace_glas.applications.compare import (
     ComparisonRow,
     PeakMemory,
     Structure,

@@ -1,4 +1,4 @@
-"""The example data loaders and training helpers in laplace_glas.data."""
+"""The example data loaders and training helpers in laplace_glas.applications.data."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from laplace_glas.data import (
+from laplace_glas.applications.data import (
     concrete_splits,
     known_noise_regression,
     load_concrete,

@@ -95,7 +95,7 @@ def test_predictives_after_a_lanczos_fit_stay_on_device(toy_regression):
 
 
 def test_sequence_glm_predictive_stays_on_device():
-    from laplace_glas.smiles import PAD, SmilesLSTM
+    from laplace_glas.applications.smiles import PAD, SmilesLSTM
 
     torch.manual_seed(0)
     model = SmilesLSTM(7, 6, 5, 1).eval()
@@ -147,7 +147,7 @@ def test_cuda_fit_and_predict_match_cpu(toy_regression, solver):
 @cuda
 def test_cuda_lstm_fit_and_glm_match_cpu():
     """On a GPU the LSTM runs through laplace_glas.rnn (fused cells have no JVP)."""
-    from laplace_glas.smiles import PAD, SmilesLSTM
+    from laplace_glas.applications.smiles import PAD, SmilesLSTM
 
     torch.manual_seed(0)
     model = SmilesLSTM(7, 6, 5, 2).double().eval()

@@ -1,4 +1,4 @@
-"""The data side of fit (``laplace_glas.fitting``), checked directly.
+"""The data side of fit (``laplace_glas.curvature.fitting``), checked directly.
 
 ``curvature_loss`` must return a loss and a factor ``c`` such that ``c`` times
 curvlinops' GGN of that loss is the unit-noise mean-loss GGN
@@ -14,9 +14,9 @@ from conftest import loader
 from test_custom_loss import explicit_loss_ggn
 from torch import nn
 
-from laplace_glas.batches import XYBatches
-from laplace_glas.fitting import count_terms, curvature_loss, loss_at_map
-from laplace_glas.subspace import mean_ggn_operator
+from laplace_glas.curvature.batches import XYBatches
+from laplace_glas.curvature.fitting import count_terms, curvature_loss, loss_at_map
+from laplace_glas.curvature.subspace import mean_ggn_operator
 
 PAD = 0
 

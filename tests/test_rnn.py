@@ -17,7 +17,7 @@ from torch import nn
 from torch.func import functional_call, jvp
 
 import laplace_glas
-from laplace_glas.predictive import autodiff_friendly
+from laplace_glas.autodiff import autodiff_friendly
 from laplace_glas.rnn import elementary_rnn_forward, elementary_rnns
 
 CASES = {

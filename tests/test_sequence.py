@@ -12,9 +12,9 @@ from torch.func import functional_call, jacrev
 from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_glas import coverage, select_dimension
-from laplace_glas.losses import TokenCrossEntropy
-from laplace_glas.predictive import autodiff_friendly
-from laplace_glas.subspace import compute_eigenpairs, mean_ggn_operator
+from laplace_glas.autodiff import autodiff_friendly
+from laplace_glas.curvature.losses import TokenCrossEntropy
+from laplace_glas.curvature.subspace import compute_eigenpairs, mean_ggn_operator
 
 PAD, BOS, VOCAB = 0, 1, 6
 

@@ -1,4 +1,4 @@
-"""SMILES helpers (laplace_glas.smiles) and the examples/smiles_lstm.py --quick run."""
+"""SMILES helpers (laplace_glas.applications.smiles) and the examples/smiles_lstm.py --quick run."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from laplace import Laplace
 from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_glas  # noqa: F401  (registers 'glas')
-from laplace_glas.smiles import (
+from laplace_glas.applications.smiles import (
     BOS,
     EOS,
     PAD,

@@ -32,7 +32,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.data import DataLoader, TensorDataset
 
-from laplace_glas.losses import TokenCrossEntropy
+from laplace_glas.curvature.losses import TokenCrossEntropy
 from laplace_glas.validation import positive_int
 
 __all__ = [

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from laplace_glas.batches import batch_size, check_finite, split_batch
-from laplace_glas.losses import TokenCrossEntropy, count_targets
-from laplace_glas.predictive import autodiff_friendly
+from laplace_glas.autodiff import autodiff_friendly
+from laplace_glas.curvature.batches import batch_size, check_finite, split_batch
+from laplace_glas.curvature.losses import TokenCrossEntropy, count_targets
 
 __all__ = [
     "MapLoss",

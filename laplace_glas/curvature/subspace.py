@@ -27,7 +27,7 @@ from scipy.sparse.linalg import ArpackNoConvergence, LinearOperator, eigsh
 from torch import nn
 from tqdm.auto import tqdm
 
-from laplace_glas.block_krylov import block_krylov_eigenpairs
+from laplace_glas.curvature.block_krylov import block_krylov_eigenpairs
 
 __all__ = [
     "Eigenpairs",
@@ -410,7 +410,7 @@ def compute_eigenpairs(
     solver : {'lanczos', 'block'}
         ``'lanczos'``: ARPACK's implicitly restarted Lanczos (``eigsh``), one vector
         per product, the reference. ``'block'``: block Krylov with Rayleigh-Ritz
-        (:mod:`laplace_glas.block_krylov`), ``block_size`` vectors per data pass.
+        (:mod:`laplace_glas.curvature.block_krylov`), ``block_size`` vectors per data pass.
     block_size : int, optional
         Columns per pass of the block solver (default ``max(k, 8)``).
 

@@ -1,0 +1,26 @@
+"""The curvature GLAS is built from: the data pass at the MAP and the eigen-solve.
+
+* :mod:`~laplace_glas.curvature.batches`: ``(X, y)`` and dict batches, subsamples.
+* :mod:`~laplace_glas.curvature.losses`: per-token cross-entropy for sequence outputs.
+* :mod:`~laplace_glas.curvature.fitting`: loss at the MAP, the count ``N`` of
+  likelihood terms, and the loss whose GGN is taken.
+* :mod:`~laplace_glas.curvature.subspace`: the mean-loss GGN operator and its top-k
+  eigenpairs (Lanczos or block Krylov).
+* :mod:`~laplace_glas.curvature.block_krylov`: the block Krylov solver.
+"""
+
+from laplace_glas.curvature.subspace import (
+    Eigenpairs,
+    LanczosConvergenceWarning,
+    NumericalRankWarning,
+    compute_eigenpairs,
+    mean_ggn_operator,
+)
+
+__all__ = [
+    "Eigenpairs",
+    "LanczosConvergenceWarning",
+    "NumericalRankWarning",
+    "compute_eigenpairs",
+    "mean_ggn_operator",
+]
