@@ -44,7 +44,7 @@ from laplace_glas.curvature.subspace import (
     mean_ggn_operator,
 )
 from laplace_glas.diagnostics import ReplicaCheck, ResidualReport, replica_check, residual_report
-from laplace_glas.laplace import ActiveSubspaceLaplace, NotFittedError
+from laplace_glas.laplace import ActiveSubspaceLaplace, FittedWeightsChangedWarning, NotFittedError
 from laplace_glas.posterior import SubspaceOperator, optimal_prior_precision
 
 __version__ = "0.1.0"
@@ -71,6 +71,7 @@ __all__ = [
     "CoverageRow",
     "DimensionSelection",
     "Eigenpairs",
+    "FittedWeightsChangedWarning",
     "LanczosConvergenceWarning",
     "NotFittedError",
     "NumericalRankWarning",

@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
+import numpy as np
 import torch
 import torchmetrics
 from laplace.baselaplace import ParametricLaplace
@@ -57,6 +58,7 @@ from laplace_glas.curvature.subspace import (
     mean_ggn_operator,
 )
 from laplace_glas.links import gaussian_samples, laplace_bridge
+from laplace_glas.persistence import check_state
 from laplace_glas.posterior import (
     SubspaceOperator,
     log_det_ratio,
@@ -70,13 +72,26 @@ from laplace_glas.predictive import (
     jvp_directions,
     parameter_names,
 )
-from laplace_glas.validation import positive_int
+from laplace_glas.validation import (
+    finite_number,
+    integer,
+    parameter_dtype,
+    positive_int,
+    positive_scalar,
+    reiterable,
+    scalar_value,
+)
+from laplace_glas.validation import seed as valid_seed
 
-__all__ = ["ActiveSubspaceLaplace", "NotFittedError"]
+__all__ = ["ActiveSubspaceLaplace", "FittedWeightsChangedWarning", "NotFittedError"]
 
 _LOSS_SCALINGS = ("mean", "sum")
 _COMPLEMENTS = ("zero", "prior")
 _GGN_BACKENDS = (CurvlinopsGGN, BackPackGGN, AsdlGGN)
+
+
+class FittedWeightsChangedWarning(UserWarning):
+    """The model's weights changed after ``fit``: predictions use the fitted ones."""
 
 
 class NotFittedError(ValueError, AttributeError):
@@ -86,13 +101,43 @@ class NotFittedError(ValueError, AttributeError):
     """
 
 
-def _require_scalar(prior_precision: Any) -> None:
-    """GLAS's closed forms take one prior precision ``tau`` for all weights."""
+def _require_scalar(prior_precision: Any, dtype: torch.dtype | None = None) -> None:
+    """GLAS's closed forms take one prior precision ``tau >= 0`` for all weights.
+
+    ``tau = 0`` (a flat prior) is accepted here; the computations that need a proper
+    prior (the complement's variance, the evidence, directions without curvature)
+    refuse it where they are asked for.
+    """
     if isinstance(prior_precision, torch.Tensor) and prior_precision.numel() != 1:
         raise ValueError(
-            "GLAS's closed forms need a scalar (isotropic) prior precision; got one "
-            f"of shape {tuple(prior_precision.shape)}."
+            "prior_precision must be one number: GLAS's closed forms need a scalar "
+            f"(isotropic) prior precision; got one of shape {tuple(prior_precision.shape)}."
         )
+    positive_scalar("prior_precision", prior_precision, allow_zero=True, dtype=dtype)
+
+
+def _check_sigma_noise(sigma_noise: Any, dtype: torch.dtype | None = None) -> None:
+    """One homoscedastic observation noise ``sigma > 0``."""
+    if isinstance(sigma_noise, torch.Tensor) and sigma_noise.numel() > 1:
+        raise ValueError(
+            "sigma_noise must be one scalar (homoscedastic noise, as in laplace-torch); "
+            f"got a tensor of shape {tuple(sigma_noise.shape)}. For outputs of different "
+            "scales, standardise the targets."
+        )
+    positive_scalar("sigma_noise", sigma_noise, dtype=dtype, power=2)
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}.")
+    return bool(value)
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...], meaning: str = "") -> str:
+    if not isinstance(value, str) or value not in allowed:
+        options = " or ".join(repr(a) for a in allowed)
+        raise ValueError(f"{name} must be {options}{meaning}, got {value!r}.")
+    return value
 
 
 def _check_pred_type(pred_type: PredType | str) -> None:
@@ -237,29 +282,33 @@ class ActiveSubspaceLaplace(ParametricLaplace):
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-        n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        n_params = sum(p.numel() for p in trainable)
         if n_params == 0:
             raise ValueError(
                 "The model has no parameters that require grad: there is nothing to "
                 "put a posterior on."
             )
-        if likelihood not in ("regression", "classification"):
-            raise ValueError(
-                f"GLAS supports likelihood 'regression' or 'classification', got {likelihood!r}."
-            )
+        dtype = parameter_dtype(trainable)
+        likelihood = _choice("likelihood", likelihood, ("regression", "classification"))
         self.loss_scaling = loss_scaling  # validated by the property
-        if complement not in _COMPLEMENTS:
-            raise ValueError(f"complement must be 'zero' or 'prior', got {complement!r}.")
-        if solver not in ("lanczos", "block"):
-            raise ValueError(f"solver must be 'lanczos' or 'block', got {solver!r}.")
-        self._validate_n_components(n_components, n_params)
-        if backend is not None and not issubclass(backend, _GGN_BACKENDS):
+        complement = _choice(
+            "complement", complement, _COMPLEMENTS, " (no variance / the prior's outside span(U))"
+        )
+        solver = _choice("solver", solver, ("lanczos", "block"))
+        n_components = self._validate_n_components(n_components, n_params)
+        if backend is not None and not (
+            isinstance(backend, type) and issubclass(backend, _GGN_BACKENDS)
+        ):
+            name = getattr(backend, "__name__", repr(backend))
             raise ValueError(
                 f"GLAS always uses the exact GGN (matrix-free, via curvlinops); the "
-                f"curvature backend {backend.__name__} would ask for another matrix."
+                f"curvature backend {name} would ask for another matrix."
             )
-        if generator is not None and generator.device.type != "cpu":
-            raise ValueError("The Lanczos/subsample generator must be a CPU torch.Generator.")
+        if generator is not None and (
+            not isinstance(generator, torch.Generator) or generator.device.type != "cpu"
+        ):
+            raise ValueError(f"generator must be a CPU torch.Generator or None, got {generator!r}.")
         block_size, maxiter, ncv, subsample_size, jvp_chunk_size = (
             positive_int(name, value)
             for name, value in (
@@ -270,6 +319,11 @@ class ActiveSubspaceLaplace(ParametricLaplace):
                 ("jvp_chunk_size", jvp_chunk_size),
             )
         )
+        if ncv is not None and not n_components < ncv <= n_params:
+            raise ValueError(
+                f"ncv (the Lanczos basis size) must satisfy n_components < ncv <= D, i.e. "
+                f"{n_components} < ncv <= {n_params}; got ncv={ncv}."
+            )
         sample_chunk_size = positive_int("sample_chunk_size", sample_chunk_size, allow_none=False)
         try:
             tol = float(tol)
@@ -277,6 +331,23 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             raise ValueError(f"tol must be a non-negative number, got {tol!r}.") from None
         if not (tol >= 0 and math.isfinite(tol)):
             raise ValueError(f"tol must be a non-negative number, got {tol!r}.")
+        seed = valid_seed(seed)
+        if rank_threshold is not None:
+            rank_threshold = finite_number("rank_threshold", rank_threshold, 0.0, 1.0)
+        ignore_index = integer("ignore_index", ignore_index)
+        enable_backprop = _flag("enable_backprop", enable_backprop)
+        progress_bar = _flag("progress_bar", progress_bar)
+        for name, key in (("dict_key_x", dict_key_x), ("dict_key_y", dict_key_y)):
+            if not isinstance(key, str):
+                raise TypeError(f"{name} must be a str, got {key!r}.")
+        _check_sigma_noise(sigma_noise, dtype)
+        if likelihood == "classification" and scalar_value("sigma_noise", sigma_noise) != 1:
+            raise ValueError(
+                f"sigma_noise is for regression; classification needs sigma_noise=1, got "
+                f"{scalar_value('sigma_noise', sigma_noise)}."
+            )
+        _require_scalar(prior_precision, dtype)
+        positive_scalar("temperature", temperature, dtype=dtype)
         validate_loss_fn(loss_fn, ignore_index if likelihood == "classification" else None)
 
         super().__init__(
@@ -294,7 +365,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             asdl_fisher_kwargs=asdl_fisher_kwargs,
         )
         self.complement = complement
-        self._n_components = int(n_components)
+        self._n_components = n_components
         self.solver = solver
         self.block_size = block_size
         self.tol = tol
@@ -316,9 +387,10 @@ class ActiveSubspaceLaplace(ParametricLaplace):
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
-    def _validate_n_components(k: Any, n_params: int) -> None:
-        if not isinstance(k, int) or isinstance(k, bool):
+    def _validate_n_components(k: Any, n_params: int) -> int:
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
             raise TypeError(f"n_components must be an int, got {type(k).__name__}.")
+        k = int(k)
         if k < 1:
             raise ValueError(f"n_components must be >= 1, got {k}.")
         if k >= n_params:
@@ -328,6 +400,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
                 f"For a model this small, laplace-torch's FullLaplace "
                 f"(hessian_structure='full') is exact and cheap."
             )
+        return k
 
     def _init_H(self) -> None:
         self.H: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -341,6 +414,31 @@ class ActiveSubspaceLaplace(ParametricLaplace):
 
     def _to_device(self, X: Any) -> Any:
         return X.to(self._device) if isinstance(X, torch.Tensor) else X
+
+    def _check_fitted_weights(self) -> None:
+        """Warn when the model's weights are no longer the fitted MAP ``la.mean``.
+
+        Predictions linearise at, and sample around, ``la.mean``: after the weights
+        change (further training, ``load_state_dict`` of other weights) they describe
+        the fitted network, not the current one. The check compares the weights with
+        ``la.mean`` (one pass over ``D`` numbers, no copy).
+        """
+        offset = 0
+        for param in self.params:
+            n = param.numel()
+            fitted = self.mean[offset : offset + n]
+            offset += n
+            if fitted.device != param.device or not torch.equal(
+                param.detach().reshape(-1), fitted.detach()
+            ):
+                warnings.warn(
+                    "The model's weights differ from those GLAS was fitted at (la.mean): "
+                    "predictions use the fitted weights and their curvature, not the "
+                    "current ones. Call fit() again after changing the model.",
+                    FittedWeightsChangedWarning,
+                    stacklevel=3,
+                )
+                return
 
     def _check_inputs(self, X: Any) -> None:
         inputs = X[self.dict_key_x] if isinstance(X, MutableMapping) else X
@@ -362,7 +460,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
 
     @n_components.setter
     def n_components(self, k: int) -> None:
-        self._validate_n_components(k, self.n_params)
+        k = self._validate_n_components(k, self.n_params)
         if self._eigenpairs is not None and k > self._eigenpairs.k:
             raise ValueError(
                 f"Only {self._eigenpairs.k} eigenpairs were computed; n_components={k} "
@@ -379,12 +477,9 @@ class ActiveSubspaceLaplace(ParametricLaplace):
 
     @loss_scaling.setter
     def loss_scaling(self, value: str) -> None:
-        if value not in _LOSS_SCALINGS:
-            raise ValueError(
-                f"loss_scaling must be 'mean' (generalized, s = 1) or 'sum' "
-                f"(standard, s = N), got {value!r}."
-            )
-        self._loss_scaling = value
+        self._loss_scaling = _choice(
+            "loss_scaling", value, _LOSS_SCALINGS, " (generalized s = 1 / standard s = N)"
+        )
 
     def with_loss_scaling(self, loss_scaling: str) -> ActiveSubspaceLaplace:
         """A shallow copy with another loss scaling, sharing the eigenpairs (no refit).
@@ -455,9 +550,54 @@ class ActiveSubspaceLaplace(ParametricLaplace):
     @prior_precision.setter
     def prior_precision(self, prior_precision: float | torch.Tensor) -> None:
         # refused before it is set, so that a failed call (e.g. log_marginal_likelihood
-        # with a per-layer prior) leaves the posterior as it was
-        _require_scalar(prior_precision)
+        # with a per-layer prior) leaves the posterior as it was; a tensor is stored as
+        # given (it may carry gradients for the evidence)
+        _require_scalar(prior_precision, self._dtype)
+        if isinstance(prior_precision, torch.Tensor):
+            prior_precision = prior_precision.reshape(-1)
         ParametricLaplace.prior_precision.fset(self, prior_precision)
+
+    @property
+    def sigma_noise(self) -> torch.Tensor:
+        """The observation noise ``sigma > 0`` (regression; 1 for classification)."""
+        return self._sigma_noise
+
+    @sigma_noise.setter
+    def sigma_noise(self, sigma_noise: float | torch.Tensor) -> None:
+        _check_sigma_noise(sigma_noise, self._dtype)
+        if isinstance(sigma_noise, torch.Tensor):
+            sigma_noise = sigma_noise.reshape(())
+        ParametricLaplace.sigma_noise.fset(self, sigma_noise)
+
+    @property
+    def temperature(self) -> float | torch.Tensor:
+        """The likelihood's temperature ``T > 0`` (the curvature is divided by it)."""
+        return self._temperature
+
+    @temperature.setter
+    def temperature(self, temperature: float | torch.Tensor) -> None:
+        positive_scalar("temperature", temperature, dtype=self._dtype)
+        self._temperature = temperature
+
+    @property
+    def prior_mean(self) -> torch.Tensor:
+        """The prior mean ``mu_0``: a scalar or one value per weight (finite)."""
+        return self._prior_mean
+
+    @prior_mean.setter
+    def prior_mean(self, prior_mean: float | torch.Tensor) -> None:
+        if isinstance(prior_mean, torch.Tensor) and prior_mean.numel() not in (1, self.n_params):
+            raise ValueError(
+                f"prior_mean must be a scalar or have D={self.n_params} entries, got shape "
+                f"{tuple(prior_mean.shape)}."
+            )
+        if isinstance(prior_mean, torch.Tensor):
+            finite = bool(torch.isfinite(prior_mean).all())
+        else:
+            finite = math.isfinite(scalar_value("prior_mean", prior_mean))
+        if not finite:
+            raise ValueError("prior_mean must be finite (no NaN or inf).")
+        ParametricLaplace.prior_mean.fset(self, prior_mean)
 
     @property
     def _tau(self) -> torch.Tensor:
@@ -465,15 +605,37 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         _require_scalar(prior_precision)
         return prior_precision.reshape(())
 
+    def _proper_tau(self, what: str) -> torch.Tensor:
+        """``tau``, refused where ``what`` needs a proper prior (``tau > 0``)."""
+        tau = self._tau
+        if tau == 0:
+            raise ValueError(
+                f"{what} needs a proper prior: prior_precision is 0. Set a positive "
+                "prior_precision (e.g. with optimize_prior_precision())."
+            )
+        return tau
+
     @property
     def posterior_variances(self) -> torch.Tensor:
-        """``v_j = 1 / (s lambda_j / T + tau)``: ``(k,)`` variances of ``z``."""
-        return posterior_variances(self.subspace_curvature, self._tau)
+        """``v_j = 1 / (s lambda_j / T + tau)``: ``(k,)`` variances of ``z``.
+
+        With ``prior_precision = 0`` every kept direction needs curvature ``a_j > 0``
+        (else its variance is infinite and this raises ``ValueError``).
+        """
+        curvature, tau = self.subspace_curvature, self._tau
+        if tau == 0 and bool((curvature <= 0).any()):
+            raise ValueError(
+                "With prior_precision = 0 the posterior is improper: "
+                f"{int((curvature <= 0).sum())} of the {curvature.numel()} kept directions "
+                "have zero curvature (infinite variance). Set a positive prior_precision "
+                "or use fewer components."
+            )
+        return posterior_variances(curvature, tau)
 
     @property
     def _complement_variance(self) -> torch.Tensor:
         if self.complement == "prior":
-            return 1.0 / self._tau
+            return 1.0 / self._proper_tau("complement='prior' (the prior's variance off U)")
         return torch.zeros((), device=self._device, dtype=self._dtype)
 
     # ------------------------------------------------------------------ fit
@@ -511,18 +673,11 @@ class ActiveSubspaceLaplace(ParametricLaplace):
                 "A shuffled DataLoader with drop_last=True changes the data between "
                 "GGN products; use drop_last=False."
             )
-        self.H = None
-        self._eigenpairs = None
+        reiterable("train_loader", train_loader)
         self.model.eval()
-        self.mean = parameters_to_vector(self.params).detach()
-
+        # nothing is assigned until the solve has succeeded: a failed fit leaves the
+        # previous posterior (or the unfitted state) as it was
         loss, n_data, out_shape = self._loss_at_map(train_loader, show)
-        self.loss = loss
-        self.n_data = n_data  # likelihood terms: data points, or tokens for sequences
-        self.n_outputs = out_shape[-1]
-        self._out_shape = out_shape
-        self.model.output_size = self.n_outputs
-
         generator = self.generator
         if generator is None:
             generator = torch.Generator().manual_seed(self.seed)
@@ -545,6 +700,12 @@ class ActiveSubspaceLaplace(ParametricLaplace):
                 NumericalRankWarning,
                 stacklevel=2,
             )
+        self.mean = parameters_to_vector(self.params).detach()
+        self.loss = loss
+        self.n_data = n_data  # likelihood terms: data points, or tokens for sequences
+        self.n_outputs = out_shape[-1]
+        self._out_shape = out_shape
+        self.model.output_size = self.n_outputs
         self._eigenpairs = eig
         self._n_components = eig.k
         self.H = (eig.vectors, n_data * eig.values)
@@ -583,8 +744,9 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         The solve ``fit`` uses, exposed so that it can be repeated with other random
         starts or data subsamples (see :func:`laplace_glas.diagnostics.replica_check`)
         without touching this object's posterior. Lanczos settings default to the
-        constructor's. After ``fit``, ``train_loader`` must be the fitted data set
-        (its size and output shape are reused, saving a pass over the data).
+        constructor's. After ``fit``, ``train_loader`` should hold data of the fitted
+        kind (the output shape per point is reused; its number of terms ``N`` is counted, so the
+        eigenvalues are those of this loader's mean GGN even when its size differs).
 
         Returns
         -------
@@ -595,11 +757,24 @@ class ActiveSubspaceLaplace(ParametricLaplace):
 
         """
         k = self._n_components if n_components is None else n_components
-        self._validate_n_components(k, self.n_params)
+        k = self._validate_n_components(k, self.n_params)
+        reiterable("train_loader", train_loader)
+        ncv = self.ncv if ncv is None else positive_int("ncv", ncv)
+        if ncv is not None and not k < ncv <= self.n_params:
+            raise ValueError(
+                f"ncv (the Lanczos basis size) must satisfy n_components < ncv <= D, i.e. "
+                f"{k} < ncv <= {self.n_params}; got ncv={ncv}."
+            )
         if generator is None:
             generator = torch.Generator().manual_seed(self.seed)
-        if (_out_shape is None or _n_data is None) and getattr(self, "_out_shape", None):
-            _out_shape, _n_data = self._out_shape, self.n_data  # the fitted data set
+        if _out_shape is None and getattr(self, "_out_shape", None):
+            # after fit: the output shape per point is the model's; N is this loader's
+            _out_shape = self._out_shape
+            _n_data = count_terms(
+                train_loader, self.likelihood, self.ignore_index, self.dict_key_x, self.dict_key_y
+            )
+            if _n_data == 0:
+                raise ValueError("The loader is empty (or all its targets are ignore_index).")
         if _out_shape is None or _n_data is None:
             _, _n_data, _out_shape = self._loss_at_map(train_loader, False)
         eigen_loader, eigen_n = train_loader, _n_data
@@ -643,7 +818,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
                 device=self._device,
                 tol=self.tol if tol is None else tol,
                 maxiter=self.maxiter if maxiter is None else maxiter,
-                ncv=self.ncv if ncv is None else ncv,
+                ncv=ncv,
                 generator=generator,
                 rank_threshold=self.rank_threshold,
                 n_data=eigen_n,
@@ -703,19 +878,21 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         the log-determinant that makes ``log_det_ratio`` the subspace Occam term
         ``sum_j log(1 + a_j / tau)``.
         """
-        tau = self._tau
+        tau = self._proper_tau("log_det_posterior_precision")
         k = self._n_components
         return torch.log(self.subspace_curvature + tau).sum() + (self.n_params - k) * tau.log()
 
     @property
     def log_det_prior_precision(self) -> torch.Tensor:
-        """``D log tau``."""
-        return self.n_params * self._tau.log()
+        """``D log tau`` (needs ``tau > 0``)."""
+        return self.n_params * self._proper_tau("log_det_prior_precision").log()
 
     @property
     def log_det_ratio(self) -> torch.Tensor:
-        """``log det P - log det P_0 = sum_j log(1 + s lambda_j / (T tau))``."""
-        return log_det_ratio(self.subspace_curvature, self._tau)
+        """``log det P - log det P_0 = sum_j log(1 + s lambda_j / (T tau))`` (the
+        evidence's Occam term; needs ``tau > 0``).
+        """
+        return log_det_ratio(self.subspace_curvature, self._proper_tau("The evidence"))
 
     def square_norm(self, value: torch.Tensor) -> torch.Tensor:
         """``(theta - theta*)^T P (theta - theta*)``.
@@ -723,6 +900,8 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         For ``complement='zero'`` only the component in ``span(U)`` counts (the
         posterior is a density on the affine subspace ``theta* + span(U)``).
         """
+        self._check_H_init()
+        self._check_weight_vectors(value)
         delta = value - self.mean
         z = delta @ self.eigenvectors
         inside = (z.square() * (self.subspace_curvature + self._tau)).sum(-1)
@@ -745,7 +924,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             dim, log_det = self.n_params, self.log_det_posterior_precision
         else:
             dim = self._n_components
-            log_det = torch.log(self.subspace_curvature + self._tau).sum()
+            log_det = -torch.log(self.posterior_variances).sum()
         return -dim / 2 * math.log(2 * math.pi) + log_det / 2 - square_norm / 2
 
     def sample(
@@ -753,6 +932,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
     ) -> torch.Tensor:
         """Draw ``(n_samples, D)`` weight vectors ``theta* + U z (+ complement)``."""
         self._check_H_init()
+        n_samples = positive_int("n_samples", n_samples, allow_none=False)
         self._check_generator(generator)
         draws = sample_subspace(
             self.eigenvectors,
@@ -762,6 +942,20 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             generator,
         )
         return self.mean.reshape(1, -1) + draws
+
+    def _check_weight_vectors(self, value: Any) -> None:
+        """``value`` must be ``(D,)`` or ``(n, D)`` floating weight vectors."""
+        if (
+            not isinstance(value, torch.Tensor)
+            or not value.is_floating_point()
+            or value.ndim not in (1, 2)
+            or value.shape[-1] != self.n_params
+        ):
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(
+                f"Expected weight vectors of shape (D,) or (n, D) with D={self.n_params} "
+                f"(floating point), got {shape}."
+            )
 
     def _check_generator(self, generator: torch.Generator | None) -> None:
         if generator is not None and (
@@ -866,6 +1060,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             raise ValueError("Only mc link approximation is supported for nn prediction type.")
         self._check_bridge(pred_type, link_approx)
         self._check_generator(generator)
+        n_samples = positive_int("n_samples", n_samples, allow_none=False)
         self._check_inputs(x)
         x = self._to_device(x)
 
@@ -934,6 +1129,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         """
         self._check_H_init()
         self._check_inputs(X)
+        self._check_fitted_weights()
         X = self._to_device(X)
         U = self.eigenvectors
         v = self.posterior_variances
@@ -953,7 +1149,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             JU = JU.reshape(*f_mu.shape, JU.shape[-1])
             weights = v
             if self.complement == "prior":
-                weights = v - 1.0 / self._tau
+                weights = v - self._complement_variance
             if joint:
                 JU_flat = JU.reshape(-1, JU.shape[-1])
                 f_var = (JU_flat * weights) @ JU_flat.T
@@ -961,7 +1157,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
                     gram = jacobian_gram(
                         self.model, names, shapes, theta, X, joint=True, dict_key_x=self.dict_key_x
                     )
-                    f_var = f_var + gram / self._tau
+                    f_var = f_var + gram * self._complement_variance
                 f_mu = f_mu.flatten()
             else:
                 f_var = torch.einsum("nck,k,nlk->ncl", JU, weights, JU)
@@ -969,7 +1165,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
                     gram = jacobian_gram(
                         self.model, names, shapes, theta, X, dict_key_x=self.dict_key_x
                     )
-                    f_var = f_var + gram / self._tau
+                    f_var = f_var + gram * self._complement_variance
         if not self.enable_backprop:
             f_mu, f_var = f_mu.detach(), f_var.detach()
         return f_mu, f_var, lead
@@ -1027,6 +1223,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
     ) -> torch.Tensor:
         _check_pred_type(pred_type)
         self._check_generator(generator)
+        n_samples = positive_int("n_samples", n_samples, allow_none=False)
         if pred_type == PredType.NN:
             if link:
                 return self._nn_predictive_samples(x, n_samples, generator)
@@ -1060,9 +1257,9 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         JU = Js @ self.eigenvectors
         if self.complement == "zero":
             return torch.einsum("nck,k,nlk->ncl", JU, self.posterior_variances, JU)
-        tau = self._tau
-        weights = self.posterior_variances - 1.0 / tau
-        prior = torch.einsum("ncp,nkp->nck", Js, Js) / tau
+        c = self._complement_variance
+        weights = self.posterior_variances - c
+        prior = torch.einsum("ncp,nkp->nck", Js, Js) * c
         return prior + torch.einsum("nck,k,nlk->ncl", JU, weights, JU)
 
     def functional_covariance(self, Js: torch.Tensor) -> torch.Tensor:
@@ -1073,9 +1270,9 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         JU = Js @ self.eigenvectors
         if self.complement == "zero":
             return (JU * self.posterior_variances) @ JU.T
-        tau = self._tau
-        weights = self.posterior_variances - 1.0 / tau
-        return Js @ Js.T / tau + (JU * weights) @ JU.T
+        c = self._complement_variance
+        weights = self.posterior_variances - c
+        return Js @ Js.T * c + (JU * weights) @ JU.T
 
     def _nn_functional_samples(
         self,
@@ -1086,9 +1283,9 @@ class ActiveSubspaceLaplace(ParametricLaplace):
     ) -> torch.Tensor:
         """``(n_samples, batch, C)`` network outputs at posterior weight samples."""
         self._check_H_init()
-        if n_samples < 1:
-            raise ValueError(f"n_samples must be >= 1, got {n_samples}.")
+        n_samples = positive_int("n_samples", n_samples, allow_none=False)
         self._check_inputs(X)
+        self._check_fitted_weights()
         X = self._to_device(X)
         outputs = []
         with torch.set_grad_enabled(self.enable_backprop), autodiff_friendly(self.model):
@@ -1184,10 +1381,20 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a fitted posterior saved by :meth:`state_dict` (no refit)."""
-        for key in ("eigenpairs", "loss_scaling", "complement", "n_components"):
-            if key not in state_dict:
-                raise ValueError(f"Not a GLAS state dict: the key {key!r} is missing.")
+        """Restore a fitted posterior saved by :meth:`state_dict` (no refit).
+
+        The whole state is validated first (:func:`laplace_glas.persistence.check_state`):
+        a refused state raises ``ValueError`` naming the entry and leaves this object
+        unchanged.
+        """
+        check_state(
+            state_dict,
+            cls_name=type(self).__name__,
+            n_params=self.n_params,
+            likelihood=str(getattr(self.likelihood, "value", self.likelihood)),
+            loss_scalings=_LOSS_SCALINGS,
+            complements=_COMPLEMENTS,
+        )
         if self.loss_scaling != state_dict["loss_scaling"]:
             warnings.warn(
                 f"loss_scaling {self.loss_scaling!r} is replaced by the saved "
@@ -1208,6 +1415,12 @@ class ActiveSubspaceLaplace(ParametricLaplace):
                 "is used as saved.",
                 stacklevel=2,
             )
+        try:
+            eigenpairs = Eigenpairs.from_dict(state_dict["eigenpairs"])
+        except TypeError as err:
+            raise ValueError(
+                f"state_dict['eigenpairs'] is not an eigen-solve record: {err}"
+            ) from None
         super().load_state_dict(state_dict)
         self.loss = torch.as_tensor(self.loss).to(self._device, self._dtype)
         U, h = state_dict["H"]
@@ -1215,7 +1428,5 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         self.mean = self.mean.to(self._device, self._dtype)
         self.loss_scaling = state_dict["loss_scaling"]
         self.complement = state_dict["complement"]
-        self._eigenpairs = Eigenpairs.from_dict(state_dict["eigenpairs"]).to(
-            self._device, self._dtype
-        )
+        self._eigenpairs = eigenpairs.to(self._device, self._dtype)
         self._n_components = int(state_dict["n_components"])

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev, jvp, vmap
 
+from laplace_glas.validation import check_model_output
+
 __all__ = [
     "batched_outputs",
     "jacobian_gram",
@@ -61,7 +63,7 @@ def unflatten(
 def _call(
     model: nn.Module, params: Mapping[str, torch.Tensor], x: Any, kwargs: dict
 ) -> torch.Tensor:
-    return functional_call(model, dict(params), (x,), kwargs or None)
+    return check_model_output(functional_call(model, dict(params), (x,), kwargs or None))
 
 
 # Models whose forward failed under vmap (e.g. nn.LSTM: no batching rule for aten::lstm),

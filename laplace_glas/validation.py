@@ -1,11 +1,37 @@
-"""Argument checks shared by the modules: one message for one kind of mistake."""
+"""Argument checks shared by the modules: one message for one kind of mistake.
+
+Every check refuses a value the library cannot use where it enters (constructor,
+setter, ``load_state_dict``, method argument) with a ``ValueError`` or ``TypeError``
+that names the argument and the accepted range, and returns the value in the form
+the library stores.
+"""
 
 from __future__ import annotations
 
+import math
 import numbers
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["positive_int"]
+import torch
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "check_model_output",
+    "finite_number",
+    "integer",
+    "parameter_dtype",
+    "positive_int",
+    "positive_scalar",
+    "reiterable",
+    "scalar_value",
+    "seed",
+]
+
+SUPPORTED_DTYPES = (torch.float32, torch.float64)
+"""Parameter dtypes the eigen-solve and the closed forms run in."""
+
+_SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 def positive_int(name: str, value: Any, *, allow_none: bool = True) -> int | None:
@@ -20,3 +46,132 @@ def positive_int(name: str, value: Any, *, allow_none: bool = True) -> int | Non
         wanted = "a positive int or None" if allow_none else "a positive int"
         raise ValueError(f"{name} must be {wanted}, got {value!r}.")
     return int(value)
+
+
+def integer(name: str, value: Any, low: int | None = None, high: int | None = None) -> int:
+    """``value`` as an ``int`` in ``[low, high]`` (numpy integers included, bools not)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r}).")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ValueError(f"{name} must lie in [{low}, {high}], got {value}.")
+    return int(value)
+
+
+def seed(value: Any) -> int:
+    """A seed ``torch.Generator.manual_seed`` accepts."""
+    return integer("seed", value, *_SEED_RANGE)
+
+
+def scalar_value(name: str, value: Any) -> float:
+    """A real number given as a Python/numpy number or a one-element tensor/array.
+
+    Raises ``TypeError`` for anything else (strings, bools, complex numbers, tensors
+    of more than one element: the message names their shape).
+    """
+    if isinstance(value, bool) or isinstance(value, str):
+        raise TypeError(f"{name} must be a real number, got {value!r}.")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}.")
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be a real number, got a {value.dtype} tensor.")
+        return float(value.detach().reshape(()).item())
+    if isinstance(value, numbers.Real):
+        return float(value)
+    shape = getattr(value, "shape", None)
+    if shape is not None and getattr(value, "size", None) == 1:  # numpy array
+        return scalar_value(name, value.reshape(()).item())
+    raise TypeError(f"{name} must be a real number, got {type(value).__name__} ({value!r}).")
+
+
+def finite_number(name: str, value: Any, low: float = -math.inf, high: float = math.inf) -> float:
+    """A finite real ``value`` in ``[low, high]`` (see :func:`scalar_value`)."""
+    number = scalar_value(name, value)
+    if not (math.isfinite(number) and low <= number <= high):
+        raise ValueError(f"{name} must be a finite number in [{low}, {high}], got {number}.")
+    return number
+
+
+def positive_scalar(
+    name: str,
+    value: Any,
+    *,
+    allow_zero: bool = False,
+    dtype: torch.dtype | None = None,
+    power: int = 1,
+) -> float:
+    """A finite real ``value > 0`` (``>= 0`` with ``allow_zero``).
+
+    Used for ``sigma_noise``, ``temperature`` and the scalar prior precision, where
+    zero, negative, NaN or infinite values give NaN or negative variances. With a
+    ``dtype``, a nonzero ``value ** power`` and its reciprocal must also be finite and
+    nonzero in that dtype (``sigma ** 2``, ``1 / tau`` and ``1 / T`` are computed in
+    the model's precision: 1e-300 would become 0, 1e30 squared inf in float32).
+    """
+    number = scalar_value(name, value)
+    if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
+        wanted = "a finite number >= 0" if allow_zero else "a finite number > 0"
+        raise ValueError(f"{name} must be {wanted}, got {number}.")
+    if dtype is not None and number > 0:
+        info = torch.finfo(dtype)
+        low, high = math.log(info.tiny) / power, math.log(info.max) / power
+        if not low < math.log(number) < high:
+            raise ValueError(
+                f"{name}={number:g} is out of the range {math.exp(low):.1e}..{math.exp(high):.1e} "
+                f"that {str(dtype).replace('torch.', '')} computations with it can represent."
+            )
+    return number
+
+
+def parameter_dtype(params: Iterable[torch.Tensor]) -> torch.dtype:
+    """The common dtype of ``params``: float32 or float64.
+
+    Half precision is refused: the eigen-solve (ARPACK, Rayleigh-Ritz) and the closed
+    forms lose all accuracy in 16 bits, and SciPy has no bfloat16.
+    """
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        names = ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
+        raise TypeError(
+            f"The parameters under inference mix dtypes ({names}); convert the model "
+            "to one of float32 or float64, e.g. model.float()."
+        )
+    (dtype,) = dtypes
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"GLAS needs float32 or float64 parameters, got {str(dtype).replace('torch.', '')}"
+            ": the eigen-solve and the closed-form posterior lose their accuracy in 16-bit "
+            "floats. Fit a float32 copy (model.float()) and cast back for inference if needed."
+        )
+    return dtype
+
+
+def check_model_output(out: Any) -> torch.Tensor:
+    """The model's output must be one tensor ``(batch, ..., outputs)``."""
+    if isinstance(out, torch.Tensor):
+        return out
+    kind = type(out).__name__
+    hint = ""
+    if isinstance(out, (tuple, list)):
+        hint = " (e.g. `return self.net(x)[0]`)"
+    elif hasattr(out, "keys"):
+        keys = ", ".join(repr(k) for k in list(out.keys())[:5])
+        hint = f" (e.g. `return self.net(x)['logits']`; the output has keys {keys})"
+    raise TypeError(
+        f"The model returned a {kind}, but GLAS (like laplace-torch) needs one tensor of "
+        "shape (batch, outputs) or (batch, seq_len, classes). Wrap the model in an "
+        f"nn.Module whose forward returns that tensor{hint}."
+    )
+
+
+def reiterable(name: str, loader: Any) -> Any:
+    """``loader`` must yield its batches again on every ``iter()`` (a ``DataLoader``,
+    a list of batches): the fit passes over the data many times.
+    """
+    if isinstance(loader, Iterator) or not isinstance(loader, Iterable):
+        what = "a one-shot iterator" if isinstance(loader, Iterator) else type(loader).__name__
+        raise TypeError(
+            f"{name} must be re-iterable (a DataLoader or a list of batches), got {what}: "
+            "the eigen-solve passes over the data once per GGN product."
+        )
+    return loader

@@ -354,7 +354,10 @@ def test_empty_prediction_batch(fitted):
         ({"pred_type": "gp"}, r"Only glm and nn"),
         ({"pred_type": "nn", "link_approx": "probit"}, r"Only mc link approximation"),
         ({"link_approx": "laplace_bridge"}, r"Unsupported link approximation"),
-        ({"pred_type": "nn", "link_approx": "mc", "n_samples": 0}, r"n_samples must be >= 1"),
+        (
+            {"pred_type": "nn", "link_approx": "mc", "n_samples": 0},
+            r"n_samples must be a positive int",
+        ),
         ({"pred_type": "nn", "link_approx": "mc", "joint": True}, r"joint=True"),
         ({"generator": 123}, r"Invalid random generator"),
     ],

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from laplace_glas.autodiff import autodiff_friendly
 from laplace_glas.curvature.batches import batch_size, check_finite, split_batch
 from laplace_glas.curvature.losses import TokenCrossEntropy, count_targets
+from laplace_glas.validation import check_model_output
 
 __all__ = [
     "MapLoss",
@@ -101,11 +102,17 @@ def loss_at_map(
         check_finite("The training inputs", X, i)
         check_finite("The training targets", y, i)
         with autodiff_friendly(model):
-            out = model(X)
+            out = check_model_output(model(X))
         check_finite("The model output", out, i)
         if i == 0 and loss_fn is not None:
             check_loss_fn(loss_fn_on(loss_fn, device, dtype), out, y)
         if likelihood == "regression":
+            if not y.is_floating_point():
+                raise TypeError(
+                    f"Regression targets must be floating point, got {y.dtype} (batch {i}): "
+                    "convert them with y.float() (or use likelihood='classification' for "
+                    "class labels)."
+                )
             if out.ndim != 2:
                 raise ValueError(
                     "Regression needs model outputs of shape (batch, outputs), got "

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 from curvlinops import GGNLinearOperator
-from scipy.sparse.linalg import ArpackNoConvergence, LinearOperator, eigsh
+from scipy.sparse.linalg import ArpackError, ArpackNoConvergence, LinearOperator, eigsh
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -41,7 +41,16 @@ _TORCH_TO_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 class LanczosConvergenceWarning(UserWarning):
-    """Lanczos (ARPACK) stopped before all requested eigenpairs converged."""
+    """The eigen-solve stopped before all requested eigenpairs converged, or its final
+    residuals exceed the tolerance (e.g. a loader whose data changes between passes).
+    """
+
+
+_ZERO_GGN = (
+    "The GGN is zero at these weights: the model's outputs do not depend on the "
+    "parameters under inference (or all their gradients vanish, e.g. saturated or dead "
+    "units). There is no curvature to build a posterior from."
+)
 
 
 class NumericalRankWarning(UserWarning):
@@ -178,6 +187,7 @@ class _CountingOperator(LinearOperator):
         self._on_product = on_product
         self.n_products = 0
         self.n_calls = 0
+        self.all_zero = True  # every product so far was exactly zero
 
     def _record(self, result: np.ndarray, n_columns: int) -> np.ndarray:
         self.n_products += n_columns
@@ -189,6 +199,7 @@ class _CountingOperator(LinearOperator):
                 "A GGN-vector product returned NaN or inf. Check the model's outputs "
                 "and the training data for non-finite values."
             )
+        self.all_zero = self.all_zero and not np.any(result)
         return self._scale * result
 
     def _matvec(self, x: np.ndarray) -> np.ndarray:
@@ -271,6 +282,10 @@ def _solve_lanczos(
             LanczosConvergenceWarning,
             stacklevel=3,
         )
+    except ArpackError as err:
+        if counting.all_zero:
+            raise ValueError(_ZERO_GGN) from None
+        raise RuntimeError(f"ARPACK failed on the GGN operator: {err}") from err
     order = np.argsort(values)[::-1]
     values = np.ascontiguousarray(values[order])
     vectors = np.ascontiguousarray(vectors[:, order])
@@ -357,6 +372,34 @@ def _solve_block(
         n_converged,
         result.n_passes,
     )
+
+
+def _warn_large_residuals(
+    residuals: torch.Tensor, below: torch.Tensor, tol: float, dtype: torch.dtype
+) -> None:
+    """Warn when pairs the solver called converged have ``||G u - lambda u|| / lambda_1``
+    above ``max(tol, sqrt(eps))``.
+
+    Measured against ``lambda_1`` so that round-off of small eigenvalues (relative
+    error ``eps * lambda_1 / lambda_j``) does not trigger it; a converged solve of a
+    fixed operator stays orders of magnitude below. Large residuals mean the operator
+    changed between products: a loader that reshuffles with ``drop_last``, draws
+    random augmentations, or a model with randomness in eval mode.
+    """
+    limit = max(tol, float(torch.finfo(dtype).eps) ** 0.5)
+    worst = torch.where(below, torch.zeros_like(residuals), residuals)
+    if bool((worst > limit).any()):
+        j = int(worst.argmax())
+        warnings.warn(
+            f"The eigen-solve's final residuals ||G u_j - lambda_j u_j|| / lambda_1 reach "
+            f"{float(worst[j]):.2g} (pair {j + 1}), above the tolerance {limit:.1g}, although "
+            "the solver reported convergence: the GGN products were not reproducible. "
+            "Check that the loader yields the same data on every pass (no random "
+            "augmentation or reshuffling with drop_last) and that the model is "
+            "deterministic in eval mode.",
+            LanczosConvergenceWarning,
+            stacklevel=3,
+        )
 
 
 def compute_eigenpairs(
@@ -467,12 +510,16 @@ def compute_eigenpairs(
     # Lanczos results arrive on the host (ARPACK); the block solver's stay on ``device``
     raw, U, GU = (t.to(device) for t in (raw, U, GU))
 
+    if not raw[0] > 0:
+        raise ValueError(_ZERO_GGN)
     residual_norms = torch.linalg.vector_norm(GU - U * raw, dim=0)
     residuals = residual_norms / raw.abs()
     residuals = torch.where(raw.abs() > 0, residuals, torch.full_like(raw, float("inf")))
     top = raw[0].clamp(min=0)
     below = raw <= rank_threshold * top
     cleaned = torch.where(below, torch.zeros_like(raw), raw)
+    if n_converged == k:
+        _warn_large_residuals(residual_norms / top, below, tol, dtype)
     return Eigenpairs(
         values=cleaned,
         vectors=U,
