@@ -28,6 +28,11 @@ bytes at most (float32 factors), and the ``(D, k)`` eigenvectors;
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 from scipy.linalg import blas
@@ -48,6 +53,50 @@ GRAM_MIN_BUDGET = 768 * 2**20
 _CHUNK_ELEMENTS = 2**25
 _ARPACK_MAX_K = 16  # above, block Krylov on K (k columns per read of K) is faster
 _NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+@functools.cache
+def _openblas_thread_controls() -> tuple:
+    """``(get, set)`` thread-count functions of every OpenBLAS loaded in this process
+    (found as threadpoolctl finds them; none off Linux).
+    """
+    controls = []
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
+    except OSError:
+        return ()
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix in ("scipy_openblas_", "openblas_"):
+            for suffix in ("", "64_"):
+                get = getattr(lib, f"{prefix}get_num_threads{suffix}", None)
+                put = getattr(lib, f"{prefix}set_num_threads{suffix}", None)
+                if get is not None and put is not None:
+                    controls.append((get, put))
+    return tuple(controls)
+
+
+@contextlib.contextmanager
+def _single_threaded_openblas() -> Iterator[None]:
+    """SciPy's OpenBLAS on one thread while the block runs.
+
+    Its worker threads spin between calls and compete with torch's for the cores: on
+    2 cores the ``symv`` products of the Gram eigen-solve took 25x longer with two
+    OpenBLAS threads than with one (and ``syrk`` 1.6x), next to torch's own pool.
+    """
+    controls = _openblas_thread_controls()
+    before = [get() for get, _ in controls]
+    try:
+        for _, put in controls:
+            put(1)
+        yield
+    finally:
+        for (_, put), n in zip(controls, before):
+            put(n)
 
 
 def _itemsize(op: FactoredGGN) -> int:
@@ -275,15 +324,16 @@ def dual_eigenpairs(
             f"The dual solve finds at most {M - 1} eigenpairs (N R = {M} Jacobian rows); "
             f"k={k} was asked for: use solver='lanczos'."
         )
-    K = gram_matrix(op)
-    values, W, n_converged = _top_eigenpairs(K, k, tol, generator, rank_threshold)
-    order = np.argsort(values)[::-1]
-    values, W = values[order], np.ascontiguousarray(W[:, order])
+    with _single_threaded_openblas():
+        K = gram_matrix(op)
+        values, W, n_converged = _top_eigenpairs(K, k, tol, generator, rank_threshold)
+        order = np.argsort(values)[::-1]
+        values, W = values[order], np.ascontiguousarray(W[:, order])
+        E = K.matmat(W) - W * values
+        res_sq = np.maximum((E * K.matmat(E)).sum(0), 0.0)
     top = max(values[0], 0.0)
     good = values > max(rank_threshold * top, np.finfo(np.float64).tiny)
 
-    E = K.matmat(W) - W * values
-    res_sq = np.maximum((E * K.matmat(E)).sum(0), 0.0)
     residual_norms = torch.from_numpy(
         np.where(good, np.sqrt(res_sq / np.where(good, values, 1.0)), np.inf)
     )
