@@ -26,7 +26,8 @@ softmax cross-entropy (``S^T S = diag(p) - p p^T``), one block per position of a
 sequence output, zero for ``ignore_index`` targets.
 
 Supported parameters: the weight and bias of ``nn.Linear`` (any leading dimensions),
-``nn.Conv1d`` / ``nn.Conv2d`` (``groups=1``, zero padding; patches via ``unfold``), the
+``nn.Conv1d`` / ``nn.Conv2d`` (``groups=1``, zero padding; patches via ``unfold``; the
+bias is the weight of a constant input 1, so it adds no factor of its own), the
 elementwise affine parameters of ``nn.LayerNorm`` and of ``nn.BatchNorm1d/2d`` in eval
 mode with running statistics (their Jacobians are stored explicitly, ``N R d`` numbers),
 and ``nn.Embedding`` (one-hot input side: gather / ``index_add``). A model with any
@@ -178,8 +179,8 @@ class EmbeddingFactor:
 
 @dataclass
 class ExplicitFactor:
-    """Parameters with explicit per-example Jacobian rows ``J (N, R, d)`` (biases,
-    normalisation affines); column ``j`` belongs to ``D``-position ``index[j]``.
+    """Parameters with explicit per-example Jacobian rows ``J (N, R, d)`` (normalisation
+    affines, a bias whose weight is frozen); column ``j`` belongs to ``D``-position ``index[j]``.
     """
 
     index: torch.Tensor
