@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from laplace_glas.autodiff import autodiff_friendly
 from laplace_glas.calibration import DimensionSelection, select_dimension
 from laplace_glas.curvature.batches import XYBatches, batch_size, split_batch, subsample_loader
+from laplace_glas.curvature.dispatch import SOLVERS, select_operator
 from laplace_glas.curvature.fitting import (
     MapLoss,
     count_terms,
@@ -135,7 +136,8 @@ def _flag(name: str, value: Any) -> bool:
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...], meaning: str = "") -> str:
     if not isinstance(value, str) or value not in allowed:
-        options = " or ".join(repr(a) for a in allowed)
+        names = [repr(a) for a in allowed]
+        options = " or ".join(names) if len(names) == 2 else "one of " + ", ".join(names)
         raise ValueError(f"{name} must be {options}{meaning}, got {value!r}.")
     return value
 
@@ -181,10 +183,19 @@ class ActiveSubspaceLaplace(ParametricLaplace):
     complement : {'zero', 'prior'}, default='zero'
         Variance outside ``span(U)``: none (GLAS), or the prior's ``1/tau`` (the
         posterior of laplace-torch's ``LowRankLaplace``).
-    solver : {'lanczos', 'block'}, default='lanczos'
-        Eigen-solver: ARPACK's Lanczos (``scipy.sparse.linalg.eigsh``, one GGN
-        product per data pass, the reference) or block Krylov with Rayleigh-Ritz
-        (``block_size`` products per data pass; fewer passes over the data).
+    solver : {'auto', 'dual', 'factored', 'lanczos', 'block'}, default='auto'
+        Eigen-solver. ``'auto'``: where every trainable parameter sits in an
+        ``nn.Linear``, ``nn.Conv1d/2d``, ``nn.LayerNorm``, ``nn.BatchNorm1d/2d`` (eval)
+        or ``nn.Embedding`` and there is no ``loss_fn``, the GGN is factored from one
+        forward and one batched backward pass (:mod:`laplace_glas.curvature.factored`)
+        and eigen-solved through the ``NR x NR`` Gram matrix (``'dual'``) when it fits
+        ``max(768 MiB, k D itemsize)`` and is cheaper, else by Lanczos on the
+        factored products (``'factored'``); any other model falls back to
+        curvlinops + Lanczos (recorded in ``lanczos_info.operator``). The factors
+        take at most ``max(2 GiB, 4 k D itemsize)``. ``'lanczos'``: ARPACK's Lanczos
+        (``scipy.sparse.linalg.eigsh``) on curvlinops' operator, one GGN product per
+        data pass, the reference. ``'block'``: block Krylov with Rayleigh-Ritz on
+        curvlinops' operator (``block_size`` products per data pass).
     block_size : int, optional
         Columns per data pass of the block solver (default ``max(k, 8)``).
     tol : float, default=0.0
@@ -265,7 +276,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         n_components: int = 20,
         loss_scaling: str = "mean",
         complement: str = "zero",
-        solver: str = "lanczos",
+        solver: str = "auto",
         block_size: int | None = None,
         tol: float = 0.0,
         maxiter: int | None = None,
@@ -295,7 +306,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         complement = _choice(
             "complement", complement, _COMPLEMENTS, " (no variance / the prior's outside span(U))"
         )
-        solver = _choice("solver", solver, ("lanczos", "block"))
+        solver = _choice("solver", solver, SOLVERS)
         n_components = self._validate_n_components(n_components, n_params)
         if backend is not None and not (
             isinstance(backend, type) and issubclass(backend, _GGN_BACKENDS)
@@ -810,6 +821,24 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             batch_size_fn=batch_size_fn,
         )
         with autodiff_friendly(self.model):
+            operator, scale, solver, operator_name = select_operator(
+                operator,
+                scale,
+                self.solver,
+                model=self.model,
+                params=self.params,
+                loader=eigen_loader,
+                likelihood=self.likelihood,
+                n_terms=eigen_n,
+                k=k,
+                loss_fn=self.loss_fn,
+                ignore_index=self.ignore_index,
+                dict_key_x=self.dict_key_x,
+                dict_key_y=self.dict_key_y,
+                device=self._device,
+                dtype=self._dtype,
+                progress_bar=progress_bar,
+            )
             return compute_eigenpairs(
                 operator,
                 k,
@@ -823,8 +852,9 @@ class ActiveSubspaceLaplace(ParametricLaplace):
                 rank_threshold=self.rank_threshold,
                 n_data=eigen_n,
                 progress_bar=progress_bar,
-                solver=self.solver,
+                solver=solver,
                 block_size=self.block_size,
+                operator_name=operator_name,
             )
 
     # ------------------------------------------------------------------ posterior

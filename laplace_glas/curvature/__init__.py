@@ -7,6 +7,10 @@
 * :mod:`~laplace_glas.curvature.subspace`: the mean-loss GGN operator and its top-k
   eigenpairs (Lanczos or block Krylov).
 * :mod:`~laplace_glas.curvature.block_krylov`: the block Krylov solver.
+* :mod:`~laplace_glas.curvature.factored`: the GGN from per-layer Jacobian factors
+  (one forward and one batched backward pass), products without network passes.
+* :mod:`~laplace_glas.curvature.gram`: the dual eigen-solve through ``K = S S^T``.
+* :mod:`~laplace_glas.curvature.dispatch`: which operator and solver a fit uses.
 """
 
 from laplace_glas.curvature.subspace import (

@@ -28,6 +28,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from laplace_glas.curvature.block_krylov import block_krylov_eigenpairs
+from laplace_glas.curvature.dispatch import choose_solver
+from laplace_glas.curvature.factored import FactoredGGN
+from laplace_glas.curvature.gram import dual_eigenpairs
 
 __all__ = [
     "Eigenpairs",
@@ -94,10 +97,13 @@ class Eigenpairs:
     rank_threshold : float
         Relative threshold used for ``below_threshold``.
     solver : str
-        Name of the solver (``'lanczos'`` or ``'block'``).
+        Name of the solver (``'lanczos'``, ``'block'`` or ``'dual'``, the Gram solve).
     n_passes : int
         Operator calls, i.e. passes over the data (a ``matmat`` with many columns is
-        one pass), including the residual check.
+        one pass), including the residual check. The factored operator needs one
+        data pass in all, to build its factors; its calls are counted all the same.
+    operator : str
+        ``'curvlinops'``, ``'factored'``, or ``'curvlinops (not factored: why)'``.
 
     """
 
@@ -114,6 +120,7 @@ class Eigenpairs:
     rank_threshold: float
     solver: str = "lanczos"
     n_passes: int = 0
+    operator: str = "curvlinops"
 
     @property
     def k(self) -> int:
@@ -162,6 +169,7 @@ class Eigenpairs:
             "rank_threshold": float(self.rank_threshold),
             "solver": str(self.solver),
             "n_passes": int(self.n_passes),
+            "operator": str(self.operator),
         }
 
     @classmethod
@@ -418,14 +426,16 @@ def compute_eigenpairs(
     progress_bar: bool = False,
     solver: str = "lanczos",
     block_size: int | None = None,
+    operator_name: str | None = None,
 ) -> Eigenpairs:
     """Top-``k`` eigenpairs of ``scale * operator``.
 
     Parameters
     ----------
-    operator : GGNLinearOperator or scipy.sparse.linalg.LinearOperator
+    operator : GGNLinearOperator, FactoredGGN or scipy.sparse.linalg.LinearOperator
         Symmetric PSD operator of size ``D``; a curvlinops operator is converted with
-        ``to_scipy(dtype)`` so that ARPACK runs in the model's precision.
+        ``to_scipy(dtype)`` so that ARPACK runs in the model's precision. A
+        :class:`~laplace_glas.curvature.factored.FactoredGGN` also serves the dual solve.
     k : int
         Number of eigenpairs, ``1 <= k < D`` (ARPACK's limit).
     scale : float
@@ -450,12 +460,18 @@ def compute_eigenpairs(
         Recorded in the result (the number of points the operator averages over).
     progress_bar : bool
         Show a ``tqdm`` counter of operator products.
-    solver : {'lanczos', 'block'}
+    solver : {'lanczos', 'block', 'dual', 'auto'}
         ``'lanczos'``: ARPACK's implicitly restarted Lanczos (``eigsh``), one vector
         per product, the reference. ``'block'``: block Krylov with Rayleigh-Ritz
         (:mod:`laplace_glas.curvature.block_krylov`), ``block_size`` vectors per data pass.
+        ``'dual'``: eigen-solve of the Gram matrix ``K = S S^T`` of a factored
+        operator (:mod:`laplace_glas.curvature.gram`). ``'auto'``: dual or Lanczos
+        by :func:`laplace_glas.curvature.dispatch.choose_solver`.
     block_size : int, optional
         Columns per pass of the block solver (default ``max(k, 8)``).
+    operator_name : str, optional
+        Recorded as ``Eigenpairs.operator`` (default: ``'factored'`` or
+        ``'curvlinops'`` from the operator's type).
 
     Returns
     -------
@@ -479,14 +495,31 @@ def compute_eigenpairs(
             f"k={k} eigenpairs requested from a {D}-dimensional operator: Lanczos "
             f"(scipy eigsh) needs 1 <= k < D = {D}."
         )
-    if solver not in ("lanczos", "block"):
-        raise ValueError(f"solver must be 'lanczos' or 'block', got {solver!r}.")
+    if solver not in ("lanczos", "block", "dual", "auto"):
+        raise ValueError(f"solver must be 'lanczos', 'block', 'dual' or 'auto', got {solver!r}.")
+    if solver == "auto":
+        solver = choose_solver(operator, k)
+    if solver == "dual" and not isinstance(operator, FactoredGGN):
+        raise ValueError("solver='dual' needs a FactoredGGN operator.")
+    if operator_name is None:
+        operator_name = "factored" if isinstance(operator, FactoredGGN) else "curvlinops"
     if rank_threshold is None:
         rank_threshold = 100.0 * torch.finfo(dtype).eps
     pbar = tqdm(desc="[GLAS] GGN products", unit="prod", disable=not progress_bar)
     start = time.perf_counter()
     try:
-        if solver == "lanczos":
+        if solver == "dual":
+            raw, U, residual_norms, n_products, n_converged, n_passes = dual_eigenpairs(
+                operator,
+                k,
+                dtype=dtype,
+                device=device,
+                tol=tol,
+                generator=generator,
+                rank_threshold=rank_threshold,
+            )
+            pbar.update(n_products)
+        elif solver == "lanczos":
             raw, U, GU, n_products, n_converged, n_passes = _solve_lanczos(
                 operator, k, scale, dtype, tol, maxiter, ncv, generator, pbar
             )
@@ -507,12 +540,13 @@ def compute_eigenpairs(
     finally:
         pbar.close()
     wall_time = time.perf_counter() - start
-    # Lanczos results arrive on the host (ARPACK); the block solver's stay on ``device``
-    raw, U, GU = (t.to(device) for t in (raw, U, GU))
-
+    if solver != "dual":  # the dual solve returns its residuals (no D-space product)
+        # Lanczos results arrive on the host (ARPACK); the block solver's stay on ``device``
+        raw, U, GU = (t.to(device) for t in (raw, U, GU))
     if not raw[0] > 0:
         raise ValueError(_ZERO_GGN)
-    residual_norms = torch.linalg.vector_norm(GU - U * raw, dim=0)
+    if solver != "dual":
+        residual_norms = torch.linalg.vector_norm(GU - U * raw, dim=0)
     residuals = residual_norms / raw.abs()
     residuals = torch.where(raw.abs() > 0, residuals, torch.full_like(raw, float("inf")))
     top = raw[0].clamp(min=0)
@@ -534,4 +568,5 @@ def compute_eigenpairs(
         rank_threshold=float(rank_threshold),
         solver=solver,
         n_passes=int(n_passes),
+        operator=operator_name,
     )
