@@ -1,11 +1,14 @@
 """ActiveSubspaceLaplace: the GLAS posterior behind laplace-torch's interface.
 
-The class is thin: the eigen-solve lives in :mod:`laplace_glas.curvature.subspace`, the data
-pass of ``fit`` and the choice of the GGN's loss in :mod:`laplace_glas.curvature.fitting`, the
-closed forms in :mod:`laplace_glas.posterior` and the forward-mode predictive in
-:mod:`laplace_glas.predictive`. What is here is the laplace-torch contract: the
+The class is thin: the predictive methods live in the mixin
+:mod:`laplace_glas.posterior_predictive`, the eigen-solve in
+:mod:`laplace_glas.curvature.subspace`, the data pass of ``fit`` and the choice of the
+GGN's loss in :mod:`laplace_glas.curvature.fitting`, the closed forms in
+:mod:`laplace_glas.posterior`, the forward-mode JVPs in :mod:`laplace_glas.predictive`,
+the state-dict checks in :mod:`laplace_glas.persistence` and the argument checks in
+:mod:`laplace_glas.validation`. What is here is the laplace-torch contract: the
 ``Laplace(model, likelihood, 'all', 'glas')`` registration, ``fit``, the evidence,
-prior tuning, sampling, predictives and (de)serialisation.
+prior tuning, sampling and (de)serialisation.
 
 Conventions (laplace-torch's): ``H`` is the *summed*, unit-noise curvature; the
 observation noise and the temperature enter through ``_H_factor`` when ``H`` is read.
@@ -58,7 +61,6 @@ from laplace_glas.curvature.subspace import (
     compute_eigenpairs,
     mean_ggn_operator,
 )
-from laplace_glas.links import gaussian_samples, laplace_bridge
 from laplace_glas.persistence import check_state
 from laplace_glas.posterior import (
     SubspaceOperator,
@@ -67,19 +69,21 @@ from laplace_glas.posterior import (
     posterior_variances,
     sample_subspace,
 )
+from laplace_glas.posterior_predictive import FittedWeightsChangedWarning, SubspacePredictive
 from laplace_glas.predictive import (
-    batched_outputs,
-    jacobian_gram,
-    jvp_directions,
     parameter_names,
 )
 from laplace_glas.validation import (
+    choice,
     finite_number,
+    flag,
+    homoscedastic_noise,
     integer,
     parameter_dtype,
     positive_int,
     positive_scalar,
     reiterable,
+    scalar_prior_precision,
     scalar_value,
 )
 from laplace_glas.validation import seed as valid_seed
@@ -91,10 +95,6 @@ _COMPLEMENTS = ("zero", "prior")
 _GGN_BACKENDS = (CurvlinopsGGN, BackPackGGN, AsdlGGN)
 
 
-class FittedWeightsChangedWarning(UserWarning):
-    """The model's weights changed after ``fit``: predictions use the fitted ones."""
-
-
 class NotFittedError(ValueError, AttributeError):
     """A method that needs the posterior was called before ``fit``.
 
@@ -102,52 +102,7 @@ class NotFittedError(ValueError, AttributeError):
     """
 
 
-def _require_scalar(prior_precision: Any, dtype: torch.dtype | None = None) -> None:
-    """GLAS's closed forms take one prior precision ``tau >= 0`` for all weights.
-
-    ``tau = 0`` (a flat prior) is accepted here; the computations that need a proper
-    prior (the complement's variance, the evidence, directions without curvature)
-    refuse it where they are asked for.
-    """
-    if isinstance(prior_precision, torch.Tensor) and prior_precision.numel() != 1:
-        raise ValueError(
-            "prior_precision must be one number: GLAS's closed forms need a scalar "
-            f"(isotropic) prior precision; got one of shape {tuple(prior_precision.shape)}."
-        )
-    positive_scalar("prior_precision", prior_precision, allow_zero=True, dtype=dtype)
-
-
-def _check_sigma_noise(sigma_noise: Any, dtype: torch.dtype | None = None) -> None:
-    """One homoscedastic observation noise ``sigma > 0``."""
-    if isinstance(sigma_noise, torch.Tensor) and sigma_noise.numel() > 1:
-        raise ValueError(
-            "sigma_noise must be one scalar (homoscedastic noise, as in laplace-torch); "
-            f"got a tensor of shape {tuple(sigma_noise.shape)}. For outputs of different "
-            "scales, standardise the targets."
-        )
-    positive_scalar("sigma_noise", sigma_noise, dtype=dtype, power=2)
-
-
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {value!r}.")
-    return bool(value)
-
-
-def _choice(name: str, value: Any, allowed: tuple[str, ...], meaning: str = "") -> str:
-    if not isinstance(value, str) or value not in allowed:
-        names = [repr(a) for a in allowed]
-        options = " or ".join(names) if len(names) == 2 else "one of " + ", ".join(names)
-        raise ValueError(f"{name} must be {options}{meaning}, got {value!r}.")
-    return value
-
-
-def _check_pred_type(pred_type: PredType | str) -> None:
-    if pred_type not in [p.value for p in PredType] or pred_type == PredType.GP:
-        raise ValueError("Only glm and nn supported as prediction types.")
-
-
-class ActiveSubspaceLaplace(ParametricLaplace):
+class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
     """Generalized Laplace Active Subspace (GLAS) posterior over all weights.
 
     The posterior lives in the span of the top-k eigenvectors ``U`` of the GGN ``G``
@@ -301,12 +256,12 @@ class ActiveSubspaceLaplace(ParametricLaplace):
                 "put a posterior on."
             )
         dtype = parameter_dtype(trainable)
-        likelihood = _choice("likelihood", likelihood, ("regression", "classification"))
+        likelihood = choice("likelihood", likelihood, ("regression", "classification"))
         self.loss_scaling = loss_scaling  # validated by the property
-        complement = _choice(
+        complement = choice(
             "complement", complement, _COMPLEMENTS, " (no variance / the prior's outside span(U))"
         )
-        solver = _choice("solver", solver, SOLVERS)
+        solver = choice("solver", solver, SOLVERS)
         n_components = self._validate_n_components(n_components, n_params)
         if backend is not None and not (
             isinstance(backend, type) and issubclass(backend, _GGN_BACKENDS)
@@ -346,18 +301,18 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         if rank_threshold is not None:
             rank_threshold = finite_number("rank_threshold", rank_threshold, 0.0, 1.0)
         ignore_index = integer("ignore_index", ignore_index)
-        enable_backprop = _flag("enable_backprop", enable_backprop)
-        progress_bar = _flag("progress_bar", progress_bar)
+        enable_backprop = flag("enable_backprop", enable_backprop)
+        progress_bar = flag("progress_bar", progress_bar)
         for name, key in (("dict_key_x", dict_key_x), ("dict_key_y", dict_key_y)):
             if not isinstance(key, str):
                 raise TypeError(f"{name} must be a str, got {key!r}.")
-        _check_sigma_noise(sigma_noise, dtype)
+        homoscedastic_noise(sigma_noise, dtype)
         if likelihood == "classification" and scalar_value("sigma_noise", sigma_noise) != 1:
             raise ValueError(
                 f"sigma_noise is for regression; classification needs sigma_noise=1, got "
                 f"{scalar_value('sigma_noise', sigma_noise)}."
             )
-        _require_scalar(prior_precision, dtype)
+        scalar_prior_precision(prior_precision, dtype)
         positive_scalar("temperature", temperature, dtype=dtype)
         validate_loss_fn(loss_fn, ignore_index if likelihood == "classification" else None)
 
@@ -423,42 +378,6 @@ class ActiveSubspaceLaplace(ParametricLaplace):
                 "(or load_state_dict) first."
             )
 
-    def _to_device(self, X: Any) -> Any:
-        return X.to(self._device) if isinstance(X, torch.Tensor) else X
-
-    def _check_fitted_weights(self) -> None:
-        """Warn when the model's weights are no longer the fitted MAP ``la.mean``.
-
-        Predictions linearise at, and sample around, ``la.mean``: after the weights
-        change (further training, ``load_state_dict`` of other weights) they describe
-        the fitted network, not the current one. The check compares the weights with
-        ``la.mean`` (one pass over ``D`` numbers, no copy).
-        """
-        offset = 0
-        for param in self.params:
-            n = param.numel()
-            fitted = self.mean[offset : offset + n]
-            offset += n
-            if fitted.device != param.device or not torch.equal(
-                param.detach().reshape(-1), fitted.detach()
-            ):
-                warnings.warn(
-                    "The model's weights differ from those GLAS was fitted at (la.mean): "
-                    "predictions use the fitted weights and their curvature, not the "
-                    "current ones. Call fit() again after changing the model.",
-                    FittedWeightsChangedWarning,
-                    stacklevel=3,
-                )
-                return
-
-    def _check_inputs(self, X: Any) -> None:
-        inputs = X[self.dict_key_x] if isinstance(X, MutableMapping) else X
-        if isinstance(inputs, torch.Tensor):
-            if inputs.shape[0] == 0:
-                raise ValueError("The input batch is empty.")
-            if inputs.is_floating_point() and not torch.isfinite(inputs).all():
-                raise ValueError("The input contains NaN or inf.")
-
     # ------------------------------------------------------------------ state
     @property
     def n_components(self) -> int:
@@ -488,7 +407,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
 
     @loss_scaling.setter
     def loss_scaling(self, value: str) -> None:
-        self._loss_scaling = _choice(
+        self._loss_scaling = choice(
             "loss_scaling", value, _LOSS_SCALINGS, " (generalized s = 1 / standard s = N)"
         )
 
@@ -563,7 +482,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
         # refused before it is set, so that a failed call (e.g. log_marginal_likelihood
         # with a per-layer prior) leaves the posterior as it was; a tensor is stored as
         # given (it may carry gradients for the evidence)
-        _require_scalar(prior_precision, self._dtype)
+        scalar_prior_precision(prior_precision, self._dtype)
         if isinstance(prior_precision, torch.Tensor):
             prior_precision = prior_precision.reshape(-1)
         ParametricLaplace.prior_precision.fset(self, prior_precision)
@@ -575,7 +494,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
 
     @sigma_noise.setter
     def sigma_noise(self, sigma_noise: float | torch.Tensor) -> None:
-        _check_sigma_noise(sigma_noise, self._dtype)
+        homoscedastic_noise(sigma_noise, self._dtype)
         if isinstance(sigma_noise, torch.Tensor):
             sigma_noise = sigma_noise.reshape(())
         ParametricLaplace.sigma_noise.fset(self, sigma_noise)
@@ -613,7 +532,7 @@ class ActiveSubspaceLaplace(ParametricLaplace):
     @property
     def _tau(self) -> torch.Tensor:
         prior_precision = self.prior_precision
-        _require_scalar(prior_precision)
+        scalar_prior_precision(prior_precision)
         return prior_precision.reshape(())
 
     def _proper_tau(self, what: str) -> torch.Tensor:
@@ -987,12 +906,6 @@ class ActiveSubspaceLaplace(ParametricLaplace):
                 f"(floating point), got {shape}."
             )
 
-    def _check_generator(self, generator: torch.Generator | None) -> None:
-        if generator is not None and (
-            not isinstance(generator, torch.Generator) or generator.device.type != self._device.type
-        ):
-            raise ValueError("Invalid random generator (check type and device).")
-
     # ------------------------------------------------------------------ evidence
     def optimize_prior_precision(
         self,
@@ -1059,302 +972,6 @@ class ActiveSubspaceLaplace(ParametricLaplace):
             progress_bar,
             log_prior_prec_base,
         )
-
-    # ------------------------------------------------------------------ predictive
-    def __call__(
-        self,
-        x: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
-        pred_type: PredType | str = PredType.GLM,
-        joint: bool = False,
-        link_approx: LinkApprox | str = LinkApprox.PROBIT,
-        n_samples: int = 100,
-        diagonal_output: bool = False,
-        generator: torch.Generator | None = None,
-        fitting: bool = False,
-        **model_kwargs: dict[str, Any],
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Posterior predictive at ``x``; same arguments and return shapes as
-        laplace-torch's ``ParametricLaplace.__call__``.
-
-        'glm': ``f(x; theta*)`` and ``(J U) diag(v) (J U)^T`` from ``k`` forward-mode
-        JVPs (no Jacobian is formed unless ``complement='prior'``, whose prior term
-        needs ``J J^T``). 'nn': weight samples pushed through the network with
-        ``functional_call`` under ``vmap``. ``generator`` controls every sampling
-        path (laplace-torch ignores it for 'nn' and 'mc').
-        """
-        self._check_H_init()
-        _check_pred_type(pred_type)
-        if link_approx not in [la.value for la in LinkApprox]:
-            raise ValueError(f"Unsupported link approximation {link_approx}.")
-        if pred_type == PredType.NN and link_approx != LinkApprox.MC:
-            raise ValueError("Only mc link approximation is supported for nn prediction type.")
-        self._check_bridge(pred_type, link_approx)
-        self._check_generator(generator)
-        n_samples = positive_int("n_samples", n_samples, allow_none=False)
-        self._check_inputs(x)
-        x = self._to_device(x)
-
-        if pred_type == PredType.NN:
-            if joint:
-                raise ValueError("joint=True is only available for pred_type='glm'.")
-            if self.likelihood == "regression":
-                fs = self._nn_functional_samples(x, n_samples, generator, **model_kwargs)
-                return fs.mean(dim=0), fs.var(dim=0)
-            probs = self._nn_predictive_samples(x, n_samples, generator, **model_kwargs)
-            return probs.mean(dim=0)
-
-        if joint:
-            f_mu, f_var, _ = self._glm_moments(x, joint=True)
-            if self.likelihood == "regression":
-                return f_mu, f_var
-            raise ValueError("joint=True is only available for regression.")
-        f_mu, f_var, lead = self._glm_moments(x)
-        C = f_mu.shape[-1]
-        if self.likelihood == "regression":
-            if diagonal_output:
-                return f_mu.reshape(*lead, C), f_var.diagonal(dim1=-2, dim2=-1).reshape(*lead, C)
-            return f_mu.reshape(*lead, C), f_var.reshape(*lead, C, C)
-        if link_approx == LinkApprox.MC:
-            probs = self._glm_predictive_samples(
-                f_mu, f_var, n_samples, diagonal_output, generator
-            ).mean(dim=0)
-        elif link_approx == LinkApprox.PROBIT:
-            kappa = 1 / torch.sqrt(1.0 + math.pi / 8 * f_var.diagonal(dim1=1, dim2=2))
-            probs = torch.softmax(kappa * f_mu, dim=-1)
-        else:
-            probs = laplace_bridge(f_mu, f_var, normalize=link_approx == LinkApprox.BRIDGE_NORM)
-        return probs.reshape(*lead, C)
-
-    def _check_bridge(self, pred_type: PredType | str, link_approx: LinkApprox | str) -> None:
-        """The Laplace bridge needs a logit covariance of full rank ``C``.
-
-        It conditions ``N(f_mu, f_var)`` on ``sum(f) = 0`` and reads the per-class
-        variances off the result. The restricted posterior's ``(J U) diag(v) (J U)^T``
-        has rank at most ``k``; for ``k < C`` the conditioned variances are round-off
-        (rank ``k - 1``), and the bridge returns arbitrary or invalid probabilities.
-        """
-        if (
-            pred_type == PredType.GLM
-            and link_approx in (LinkApprox.BRIDGE, LinkApprox.BRIDGE_NORM)
-            and self.likelihood == "classification"
-            and self.complement == "zero"
-            and self._n_components < self.n_outputs
-        ):
-            raise ValueError(
-                f"link_approx={str(getattr(link_approx, 'value', link_approx))!r} needs a "
-                f"logit covariance of full rank C = {self.n_outputs}, but the restricted "
-                f"GLAS posterior's has rank at most k = {self._n_components}. Use "
-                "link_approx='probit' or 'mc', n_components >= C, or complement='prior'."
-            )
-
-    def _glm_moments(
-        self, X: torch.Tensor | MutableMapping[str, torch.Tensor | Any], joint: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Size]:
-        """Linearised predictive ``f(x; theta*)``, ``J Sigma J^T`` and the leading shape.
-
-        Outputs ``(batch, ..., C)`` are flattened to ``(n, C)`` with
-        ``n = batch * ...`` (one Gaussian per token for sequence models) and the
-        covariance is ``(n, C, C)``; with ``joint`` they are ``(n C,)`` and
-        ``(n C, n C)``.
-        """
-        self._check_H_init()
-        self._check_inputs(X)
-        self._check_fitted_weights()
-        X = self._to_device(X)
-        U = self.eigenvectors
-        v = self.posterior_variances
-        theta = self.mean if self.enable_backprop else self.mean.detach()
-        names, shapes = self._param_names, self._param_shapes
-        with torch.set_grad_enabled(self.enable_backprop), autodiff_friendly(self.model):
-            f_mu, JU = jvp_directions(
-                self.model, names, shapes, theta, X, U, chunk_size=self.jvp_chunk_size
-            )
-            if f_mu.ndim < 2:
-                raise ValueError(
-                    "The 'glm' predictive needs model outputs of shape (batch, ..., outputs); "
-                    f"got {tuple(f_mu.shape)}."
-                )
-            lead = f_mu.shape[:-1]
-            f_mu = f_mu.reshape(-1, f_mu.shape[-1])
-            JU = JU.reshape(*f_mu.shape, JU.shape[-1])
-            weights = v
-            if self.complement == "prior":
-                weights = v - self._complement_variance
-            if joint:
-                JU_flat = JU.reshape(-1, JU.shape[-1])
-                f_var = (JU_flat * weights) @ JU_flat.T
-                if self.complement == "prior":
-                    gram = jacobian_gram(
-                        self.model, names, shapes, theta, X, joint=True, dict_key_x=self.dict_key_x
-                    )
-                    f_var = f_var + gram * self._complement_variance
-                f_mu = f_mu.flatten()
-            else:
-                f_var = torch.einsum("nck,k,nlk->ncl", JU, weights, JU)
-                if self.complement == "prior":
-                    gram = jacobian_gram(
-                        self.model, names, shapes, theta, X, dict_key_x=self.dict_key_x
-                    )
-                    f_var = f_var + gram * self._complement_variance
-        if not self.enable_backprop:
-            f_mu, f_var = f_mu.detach(), f_var.detach()
-        return f_mu, f_var, lead
-
-    def _glm_predictive_distribution(
-        self,
-        X: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
-        joint: bool = False,
-        diagonal_output: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean ``f(x; theta*)`` ``(n, C)`` and covariance ``J Sigma J^T`` ``(n, C, C)``
-        of the linearised model (laplace-torch's hook; sequence outputs come
-        flattened to one row per token).
-        """
-        f_mu, f_var, _ = self._glm_moments(X, joint=joint)
-        if diagonal_output and not joint:
-            f_var = torch.diagonal(f_var, dim1=-2, dim2=-1)
-        return f_mu, f_var
-
-    def functional_samples(
-        self,
-        x: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
-        pred_type: PredType | str = PredType.GLM,
-        n_samples: int = 100,
-        diagonal_output: bool = False,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """laplace-torch's ``functional_samples``: ``(n_samples, batch, ..., C)`` draws of
-        ``f(x)``; sequence outputs keep their ``(batch, seq_len)`` axes for 'glm' as
-        for 'nn' (laplace-torch's hook hands the 'glm' sampler one row per token).
-        """
-        return self._samples(x, pred_type, n_samples, diagonal_output, generator, link=False)
-
-    def predictive_samples(
-        self,
-        x: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
-        pred_type: PredType | str = PredType.GLM,
-        n_samples: int = 100,
-        diagonal_output: bool = False,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """laplace-torch's ``predictive_samples`` (the inverse link applied to
-        :meth:`functional_samples`), with the same output axes.
-        """
-        return self._samples(x, pred_type, n_samples, diagonal_output, generator, link=True)
-
-    def _samples(
-        self,
-        x: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
-        pred_type: PredType | str,
-        n_samples: int,
-        diagonal_output: bool,
-        generator: torch.Generator | None,
-        link: bool,
-    ) -> torch.Tensor:
-        _check_pred_type(pred_type)
-        self._check_generator(generator)
-        n_samples = positive_int("n_samples", n_samples, allow_none=False)
-        if pred_type == PredType.NN:
-            if link:
-                return self._nn_predictive_samples(x, n_samples, generator)
-            return self._nn_functional_samples(x, n_samples, generator)
-        f_mu, f_var, lead = self._glm_moments(x)
-        sampler = self._glm_predictive_samples if link else self._glm_functional_samples
-        samples = sampler(f_mu, f_var, n_samples, diagonal_output, generator)
-        return samples.reshape(n_samples, *lead, samples.shape[-1])
-
-    def _glm_functional_samples(
-        self,
-        f_mu: torch.Tensor,
-        f_var: torch.Tensor,
-        n_samples: int,
-        diagonal_output: bool = False,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Draws ``(n_samples, n, C)`` from ``N(f_mu, f_var)`` per row.
-
-        The GLAS output covariance ``(J U) diag(v) (J U)^T`` has rank at most k, so
-        laplace-torch's Cholesky sampler fails whenever ``C > k``; the square root is
-        taken from an eigen-decomposition instead (negative round-off clamped to 0).
-        """
-        if diagonal_output and f_var.shape != f_mu.shape:
-            f_var = f_var.diagonal(dim1=-2, dim2=-1)
-        return gaussian_samples(f_mu, f_var, n_samples, generator)
-
-    def functional_variance(self, Js: torch.Tensor) -> torch.Tensor:
-        """``J Sigma J^T`` per input: ``(batch, C, C)`` from Jacobians ``(batch, C, D)``."""
-        self._check_jacobians(Js)
-        JU = Js @ self.eigenvectors
-        if self.complement == "zero":
-            return torch.einsum("nck,k,nlk->ncl", JU, self.posterior_variances, JU)
-        c = self._complement_variance
-        weights = self.posterior_variances - c
-        prior = torch.einsum("ncp,nkp->nck", Js, Js) * c
-        return prior + torch.einsum("nck,k,nlk->ncl", JU, weights, JU)
-
-    def functional_covariance(self, Js: torch.Tensor) -> torch.Tensor:
-        """Joint ``J Sigma J^T``: ``(batch*C, batch*C)`` from Jacobians ``(batch, C, D)``."""
-        self._check_jacobians(Js)
-        n_batch, n_outs, n_params = Js.shape
-        Js = Js.reshape(n_batch * n_outs, n_params)
-        JU = Js @ self.eigenvectors
-        if self.complement == "zero":
-            return (JU * self.posterior_variances) @ JU.T
-        c = self._complement_variance
-        weights = self.posterior_variances - c
-        return Js @ Js.T * c + (JU * weights) @ JU.T
-
-    def _nn_functional_samples(
-        self,
-        X: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
-        n_samples: int = 100,
-        generator: torch.Generator | None = None,
-        **model_kwargs: dict[str, Any],
-    ) -> torch.Tensor:
-        """``(n_samples, batch, C)`` network outputs at posterior weight samples."""
-        self._check_H_init()
-        n_samples = positive_int("n_samples", n_samples, allow_none=False)
-        self._check_inputs(X)
-        self._check_fitted_weights()
-        X = self._to_device(X)
-        outputs = []
-        with torch.set_grad_enabled(self.enable_backprop), autodiff_friendly(self.model):
-            for start in range(0, n_samples, self.sample_chunk_size):
-                n_chunk = min(self.sample_chunk_size, n_samples - start)
-                thetas = self.sample(n_chunk, generator)
-                outputs.append(
-                    batched_outputs(
-                        self.model,
-                        self._param_names,
-                        self._param_shapes,
-                        thetas,
-                        X,
-                        chunk_size=None,
-                        model_kwargs=model_kwargs,
-                    )
-                )
-        fs = torch.cat(outputs)
-        return fs if self.enable_backprop else fs.detach()
-
-    def _nn_predictive_samples(
-        self,
-        X: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
-        n_samples: int = 100,
-        generator: torch.Generator | None = None,
-        **model_kwargs: dict[str, Any],
-    ) -> torch.Tensor:
-        fs = self._nn_functional_samples(X, n_samples, generator, **model_kwargs)
-        if self.likelihood == "classification":
-            fs = torch.softmax(fs, dim=-1)
-        return fs
-
-    def _nn_predictive_classification(
-        self,
-        X: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
-        n_samples: int = 100,
-        **model_kwargs: dict[str, Any],
-    ) -> torch.Tensor:
-        return self._nn_predictive_samples(X, n_samples, None, **model_kwargs).mean(dim=0)
 
     # ------------------------------------------------------------------ calibration
     def calibrate(

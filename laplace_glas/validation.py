@@ -13,17 +13,22 @@ import numbers
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = [
     "SUPPORTED_DTYPES",
     "check_model_output",
+    "choice",
     "finite_number",
+    "flag",
+    "homoscedastic_noise",
     "integer",
     "parameter_dtype",
     "positive_int",
     "positive_scalar",
     "reiterable",
+    "scalar_prior_precision",
     "scalar_value",
     "seed",
 ]
@@ -175,3 +180,45 @@ def reiterable(name: str, loader: Any) -> Any:
             "the eigen-solve passes over the data once per GGN product."
         )
     return loader
+
+
+def scalar_prior_precision(prior_precision: Any, dtype: torch.dtype | None = None) -> None:
+    """GLAS's closed forms take one prior precision ``tau >= 0`` for all weights.
+
+    ``tau = 0`` (a flat prior) is accepted here; the computations that need a proper
+    prior (the complement's variance, the evidence, directions without curvature)
+    refuse it where they are asked for.
+    """
+    if isinstance(prior_precision, torch.Tensor) and prior_precision.numel() != 1:
+        raise ValueError(
+            "prior_precision must be one number: GLAS's closed forms need a scalar "
+            f"(isotropic) prior precision; got one of shape {tuple(prior_precision.shape)}."
+        )
+    positive_scalar("prior_precision", prior_precision, allow_zero=True, dtype=dtype)
+
+
+def homoscedastic_noise(sigma_noise: Any, dtype: torch.dtype | None = None) -> None:
+    """One homoscedastic observation noise ``sigma > 0``."""
+    if isinstance(sigma_noise, torch.Tensor) and sigma_noise.numel() > 1:
+        raise ValueError(
+            "sigma_noise must be one scalar (homoscedastic noise, as in laplace-torch); "
+            f"got a tensor of shape {tuple(sigma_noise.shape)}. For outputs of different "
+            "scales, standardise the targets."
+        )
+    positive_scalar("sigma_noise", sigma_noise, dtype=dtype, power=2)
+
+
+def flag(name: str, value: Any) -> bool:
+    """``value`` must be a bool (numpy bools included)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}.")
+    return bool(value)
+
+
+def choice(name: str, value: Any, allowed: tuple[str, ...], meaning: str = "") -> str:
+    """``value`` must be one of the strings ``allowed``."""
+    if not isinstance(value, str) or value not in allowed:
+        names = [repr(a) for a in allowed]
+        options = " or ".join(names) if len(names) == 2 else "one of " + ", ".join(names)
+        raise ValueError(f"{name} must be {options}{meaning}, got {value!r}.")
+    return value

@@ -1,0 +1,388 @@
+"""laplace-torch's predictive methods for a posterior on a weight subspace.
+
+:class:`SubspacePredictive` holds the predictive half of the laplace-torch contract of
+:class:`~laplace_glas.laplace.ActiveSubspaceLaplace`: ``__call__`` with the same
+arguments and return shapes as laplace-torch's ``ParametricLaplace.__call__``,
+``functional_samples``, ``predictive_samples``, ``functional_variance`` /
+``functional_covariance`` and the 'glm' / 'nn' hooks. For a posterior
+``theta = theta* + U z``, ``z ~ N(0, diag(v))`` (plus variance ``c`` off ``span(U)``):
+
+.. math::
+
+    \\mathrm{Cov}[f(x)] \approx (J U) \\,\\mathrm{diag}(v - c)\\, (J U)^\top + c\\, J J^\top,
+
+with ``J U`` from ``k`` forward-mode JVPs ('glm'; ``J J^T`` only when ``c > 0``), or
+network outputs at weight samples ('nn').
+
+The mixin reads the posterior through ``mean``, ``eigenvectors``,
+``posterior_variances``, ``_complement_variance`` and ``sample`` of the class it is
+mixed into; the model runs in eval mode inside (see
+:func:`laplace_glas.autodiff.autodiff_friendly`).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import MutableMapping
+from typing import Any
+
+import torch
+from laplace.utils.enums import LinkApprox, PredType
+
+from laplace_glas.autodiff import autodiff_friendly
+from laplace_glas.links import gaussian_samples, laplace_bridge
+from laplace_glas.predictive import batched_outputs, jacobian_gram, jvp_directions
+from laplace_glas.validation import positive_int
+
+__all__ = ["FittedWeightsChangedWarning", "SubspacePredictive"]
+
+
+class FittedWeightsChangedWarning(UserWarning):
+    """The model's weights changed after ``fit``: predictions use the fitted ones."""
+
+
+def _check_pred_type(pred_type: PredType | str) -> None:
+    if pred_type not in [p.value for p in PredType] or pred_type == PredType.GP:
+        raise ValueError("Only glm and nn supported as prediction types.")
+
+
+class SubspacePredictive:
+    """Predictive methods of a subspace Laplace posterior (a mixin; see the module)."""
+
+    def _to_device(self, X: Any) -> Any:
+        return X.to(self._device) if isinstance(X, torch.Tensor) else X
+
+    def _check_fitted_weights(self) -> None:
+        """Warn when the model's weights are no longer the fitted MAP ``la.mean``.
+
+        Predictions linearise at, and sample around, ``la.mean``: after the weights
+        change (further training, ``load_state_dict`` of other weights) they describe
+        the fitted network, not the current one. The check compares the weights with
+        ``la.mean`` (one pass over ``D`` numbers, no copy).
+        """
+        offset = 0
+        for param in self.params:
+            n = param.numel()
+            fitted = self.mean[offset : offset + n]
+            offset += n
+            if fitted.device != param.device or not torch.equal(
+                param.detach().reshape(-1), fitted.detach()
+            ):
+                warnings.warn(
+                    "The model's weights differ from those GLAS was fitted at (la.mean): "
+                    "predictions use the fitted weights and their curvature, not the "
+                    "current ones. Call fit() again after changing the model.",
+                    FittedWeightsChangedWarning,
+                    stacklevel=3,
+                )
+                return
+
+    def _check_inputs(self, X: Any) -> None:
+        inputs = X[self.dict_key_x] if isinstance(X, MutableMapping) else X
+        if isinstance(inputs, torch.Tensor):
+            if inputs.shape[0] == 0:
+                raise ValueError("The input batch is empty.")
+            if inputs.is_floating_point() and not torch.isfinite(inputs).all():
+                raise ValueError("The input contains NaN or inf.")
+
+    def _check_generator(self, generator: torch.Generator | None) -> None:
+        if generator is not None and (
+            not isinstance(generator, torch.Generator) or generator.device.type != self._device.type
+        ):
+            raise ValueError("Invalid random generator (check type and device).")
+
+    def __call__(
+        self,
+        x: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
+        pred_type: PredType | str = PredType.GLM,
+        joint: bool = False,
+        link_approx: LinkApprox | str = LinkApprox.PROBIT,
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+        fitting: bool = False,
+        **model_kwargs: dict[str, Any],
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Posterior predictive at ``x``; same arguments and return shapes as
+        laplace-torch's ``ParametricLaplace.__call__``.
+
+        'glm': ``f(x; theta*)`` and ``(J U) diag(v) (J U)^T`` from ``k`` forward-mode
+        JVPs (no Jacobian is formed unless ``complement='prior'``, whose prior term
+        needs ``J J^T``). 'nn': weight samples pushed through the network with
+        ``functional_call`` under ``vmap``. ``generator`` controls every sampling
+        path (laplace-torch ignores it for 'nn' and 'mc').
+        """
+        self._check_H_init()
+        _check_pred_type(pred_type)
+        if link_approx not in [la.value for la in LinkApprox]:
+            raise ValueError(f"Unsupported link approximation {link_approx}.")
+        if pred_type == PredType.NN and link_approx != LinkApprox.MC:
+            raise ValueError("Only mc link approximation is supported for nn prediction type.")
+        self._check_bridge(pred_type, link_approx)
+        self._check_generator(generator)
+        n_samples = positive_int("n_samples", n_samples, allow_none=False)
+        self._check_inputs(x)
+        x = self._to_device(x)
+
+        if pred_type == PredType.NN:
+            if joint:
+                raise ValueError("joint=True is only available for pred_type='glm'.")
+            if self.likelihood == "regression":
+                fs = self._nn_functional_samples(x, n_samples, generator, **model_kwargs)
+                return fs.mean(dim=0), fs.var(dim=0)
+            probs = self._nn_predictive_samples(x, n_samples, generator, **model_kwargs)
+            return probs.mean(dim=0)
+
+        if joint:
+            f_mu, f_var, _ = self._glm_moments(x, joint=True)
+            if self.likelihood == "regression":
+                return f_mu, f_var
+            raise ValueError("joint=True is only available for regression.")
+        f_mu, f_var, lead = self._glm_moments(x)
+        C = f_mu.shape[-1]
+        if self.likelihood == "regression":
+            if diagonal_output:
+                return f_mu.reshape(*lead, C), f_var.diagonal(dim1=-2, dim2=-1).reshape(*lead, C)
+            return f_mu.reshape(*lead, C), f_var.reshape(*lead, C, C)
+        if link_approx == LinkApprox.MC:
+            probs = self._glm_predictive_samples(
+                f_mu, f_var, n_samples, diagonal_output, generator
+            ).mean(dim=0)
+        elif link_approx == LinkApprox.PROBIT:
+            kappa = 1 / torch.sqrt(1.0 + math.pi / 8 * f_var.diagonal(dim1=1, dim2=2))
+            probs = torch.softmax(kappa * f_mu, dim=-1)
+        else:
+            probs = laplace_bridge(f_mu, f_var, normalize=link_approx == LinkApprox.BRIDGE_NORM)
+        return probs.reshape(*lead, C)
+
+    def _check_bridge(self, pred_type: PredType | str, link_approx: LinkApprox | str) -> None:
+        """The Laplace bridge needs a logit covariance of full rank ``C``.
+
+        It conditions ``N(f_mu, f_var)`` on ``sum(f) = 0`` and reads the per-class
+        variances off the result. The restricted posterior's ``(J U) diag(v) (J U)^T``
+        has rank at most ``k``; for ``k < C`` the conditioned variances are round-off
+        (rank ``k - 1``), and the bridge returns arbitrary or invalid probabilities.
+        """
+        if (
+            pred_type == PredType.GLM
+            and link_approx in (LinkApprox.BRIDGE, LinkApprox.BRIDGE_NORM)
+            and self.likelihood == "classification"
+            and self.complement == "zero"
+            and self._n_components < self.n_outputs
+        ):
+            raise ValueError(
+                f"link_approx={str(getattr(link_approx, 'value', link_approx))!r} needs a "
+                f"logit covariance of full rank C = {self.n_outputs}, but the restricted "
+                f"GLAS posterior's has rank at most k = {self._n_components}. Use "
+                "link_approx='probit' or 'mc', n_components >= C, or complement='prior'."
+            )
+
+    def _glm_moments(
+        self, X: torch.Tensor | MutableMapping[str, torch.Tensor | Any], joint: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Size]:
+        """Linearised predictive ``f(x; theta*)``, ``J Sigma J^T`` and the leading shape.
+
+        Outputs ``(batch, ..., C)`` are flattened to ``(n, C)`` with
+        ``n = batch * ...`` (one Gaussian per token for sequence models) and the
+        covariance is ``(n, C, C)``; with ``joint`` they are ``(n C,)`` and
+        ``(n C, n C)``.
+        """
+        self._check_H_init()
+        self._check_inputs(X)
+        self._check_fitted_weights()
+        X = self._to_device(X)
+        U = self.eigenvectors
+        v = self.posterior_variances
+        theta = self.mean if self.enable_backprop else self.mean.detach()
+        names, shapes = self._param_names, self._param_shapes
+        with torch.set_grad_enabled(self.enable_backprop), autodiff_friendly(self.model):
+            f_mu, JU = jvp_directions(
+                self.model, names, shapes, theta, X, U, chunk_size=self.jvp_chunk_size
+            )
+            if f_mu.ndim < 2:
+                raise ValueError(
+                    "The 'glm' predictive needs model outputs of shape (batch, ..., outputs); "
+                    f"got {tuple(f_mu.shape)}."
+                )
+            lead = f_mu.shape[:-1]
+            f_mu = f_mu.reshape(-1, f_mu.shape[-1])
+            JU = JU.reshape(*f_mu.shape, JU.shape[-1])
+            weights = v
+            if self.complement == "prior":
+                weights = v - self._complement_variance
+            if joint:
+                JU_flat = JU.reshape(-1, JU.shape[-1])
+                f_var = (JU_flat * weights) @ JU_flat.T
+                if self.complement == "prior":
+                    gram = jacobian_gram(
+                        self.model, names, shapes, theta, X, joint=True, dict_key_x=self.dict_key_x
+                    )
+                    f_var = f_var + gram * self._complement_variance
+                f_mu = f_mu.flatten()
+            else:
+                f_var = torch.einsum("nck,k,nlk->ncl", JU, weights, JU)
+                if self.complement == "prior":
+                    gram = jacobian_gram(
+                        self.model, names, shapes, theta, X, dict_key_x=self.dict_key_x
+                    )
+                    f_var = f_var + gram * self._complement_variance
+        if not self.enable_backprop:
+            f_mu, f_var = f_mu.detach(), f_var.detach()
+        return f_mu, f_var, lead
+
+    def _glm_predictive_distribution(
+        self,
+        X: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
+        joint: bool = False,
+        diagonal_output: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean ``f(x; theta*)`` ``(n, C)`` and covariance ``J Sigma J^T`` ``(n, C, C)``
+        of the linearised model (laplace-torch's hook; sequence outputs come
+        flattened to one row per token).
+        """
+        f_mu, f_var, _ = self._glm_moments(X, joint=joint)
+        if diagonal_output and not joint:
+            f_var = torch.diagonal(f_var, dim1=-2, dim2=-1)
+        return f_mu, f_var
+
+    def functional_samples(
+        self,
+        x: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
+        pred_type: PredType | str = PredType.GLM,
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """laplace-torch's ``functional_samples``: ``(n_samples, batch, ..., C)`` draws of
+        ``f(x)``; sequence outputs keep their ``(batch, seq_len)`` axes for 'glm' as
+        for 'nn' (laplace-torch's hook hands the 'glm' sampler one row per token).
+        """
+        return self._samples(x, pred_type, n_samples, diagonal_output, generator, link=False)
+
+    def predictive_samples(
+        self,
+        x: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
+        pred_type: PredType | str = PredType.GLM,
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """laplace-torch's ``predictive_samples`` (the inverse link applied to
+        :meth:`functional_samples`), with the same output axes.
+        """
+        return self._samples(x, pred_type, n_samples, diagonal_output, generator, link=True)
+
+    def _samples(
+        self,
+        x: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
+        pred_type: PredType | str,
+        n_samples: int,
+        diagonal_output: bool,
+        generator: torch.Generator | None,
+        link: bool,
+    ) -> torch.Tensor:
+        _check_pred_type(pred_type)
+        self._check_generator(generator)
+        n_samples = positive_int("n_samples", n_samples, allow_none=False)
+        if pred_type == PredType.NN:
+            if link:
+                return self._nn_predictive_samples(x, n_samples, generator)
+            return self._nn_functional_samples(x, n_samples, generator)
+        f_mu, f_var, lead = self._glm_moments(x)
+        sampler = self._glm_predictive_samples if link else self._glm_functional_samples
+        samples = sampler(f_mu, f_var, n_samples, diagonal_output, generator)
+        return samples.reshape(n_samples, *lead, samples.shape[-1])
+
+    def _glm_functional_samples(
+        self,
+        f_mu: torch.Tensor,
+        f_var: torch.Tensor,
+        n_samples: int,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Draws ``(n_samples, n, C)`` from ``N(f_mu, f_var)`` per row.
+
+        The GLAS output covariance ``(J U) diag(v) (J U)^T`` has rank at most k, so
+        laplace-torch's Cholesky sampler fails whenever ``C > k``; the square root is
+        taken from an eigen-decomposition instead (negative round-off clamped to 0).
+        """
+        if diagonal_output and f_var.shape != f_mu.shape:
+            f_var = f_var.diagonal(dim1=-2, dim2=-1)
+        return gaussian_samples(f_mu, f_var, n_samples, generator)
+
+    def functional_variance(self, Js: torch.Tensor) -> torch.Tensor:
+        """``J Sigma J^T`` per input: ``(batch, C, C)`` from Jacobians ``(batch, C, D)``."""
+        self._check_jacobians(Js)
+        JU = Js @ self.eigenvectors
+        if self.complement == "zero":
+            return torch.einsum("nck,k,nlk->ncl", JU, self.posterior_variances, JU)
+        c = self._complement_variance
+        weights = self.posterior_variances - c
+        prior = torch.einsum("ncp,nkp->nck", Js, Js) * c
+        return prior + torch.einsum("nck,k,nlk->ncl", JU, weights, JU)
+
+    def functional_covariance(self, Js: torch.Tensor) -> torch.Tensor:
+        """Joint ``J Sigma J^T``: ``(batch*C, batch*C)`` from Jacobians ``(batch, C, D)``."""
+        self._check_jacobians(Js)
+        n_batch, n_outs, n_params = Js.shape
+        Js = Js.reshape(n_batch * n_outs, n_params)
+        JU = Js @ self.eigenvectors
+        if self.complement == "zero":
+            return (JU * self.posterior_variances) @ JU.T
+        c = self._complement_variance
+        weights = self.posterior_variances - c
+        return Js @ Js.T * c + (JU * weights) @ JU.T
+
+    def _nn_functional_samples(
+        self,
+        X: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+        **model_kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """``(n_samples, batch, C)`` network outputs at posterior weight samples."""
+        self._check_H_init()
+        n_samples = positive_int("n_samples", n_samples, allow_none=False)
+        self._check_inputs(X)
+        self._check_fitted_weights()
+        X = self._to_device(X)
+        outputs = []
+        with torch.set_grad_enabled(self.enable_backprop), autodiff_friendly(self.model):
+            for start in range(0, n_samples, self.sample_chunk_size):
+                n_chunk = min(self.sample_chunk_size, n_samples - start)
+                thetas = self.sample(n_chunk, generator)
+                outputs.append(
+                    batched_outputs(
+                        self.model,
+                        self._param_names,
+                        self._param_shapes,
+                        thetas,
+                        X,
+                        chunk_size=None,
+                        model_kwargs=model_kwargs,
+                    )
+                )
+        fs = torch.cat(outputs)
+        return fs if self.enable_backprop else fs.detach()
+
+    def _nn_predictive_samples(
+        self,
+        X: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+        **model_kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        fs = self._nn_functional_samples(X, n_samples, generator, **model_kwargs)
+        if self.likelihood == "classification":
+            fs = torch.softmax(fs, dim=-1)
+        return fs
+
+    def _nn_predictive_classification(
+        self,
+        X: torch.Tensor | MutableMapping[str, torch.Tensor | Any],
+        n_samples: int = 100,
+        **model_kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        return self._nn_predictive_samples(X, n_samples, None, **model_kwargs).mean(dim=0)
