@@ -36,7 +36,9 @@ def on_files(files: Files, config) -> Files:
 # ``$$ ... $$`` for MathJax.
 
 _ROLE = re.compile(r":(?:mod|func|class|meth|attr|data|obj|exc):`(~?)([\w.]+)`")
-_MATH = re.compile(r"^([ \t]*)\.\. math::[ \t]*\n((?:[ \t]*\n|\1[ \t]+\S.*\n?)+)", re.MULTILINE)
+_MATH = re.compile(
+    r"(\n[ \t]*\n)?^([ \t]*)\.\. math::[ \t]*\n((?:[ \t]*\n|\2[ \t]+\S.*\n?)+)", re.MULTILINE
+)
 
 
 def _resolve(obj: griffe.Object, name: str) -> str | None:
@@ -66,9 +68,12 @@ def _roles_to_markdown(obj: griffe.Object, text: str) -> str:
 
 def _math_to_markdown(text: str) -> str:
     def replace(match: re.Match) -> str:
-        indent, body = match.groups()
+        before, indent, body = match.groups()
         lines = [line.strip() for line in body.splitlines() if line.strip()]
-        return f"{indent}$$\n" + "".join(f"{indent}{line}\n" for line in lines) + f"{indent}$$\n\n"
+        if indent:  # inside a list item: a blank line or a display block would end it
+            return f"\n{indent}\\(\\displaystyle {' '.join(lines)}\\)\n"
+        before = before or ""
+        return before + "$$\n" + "".join(f"{line}\n" for line in lines) + "$$\n\n"
 
     return _MATH.sub(replace, text)
 
