@@ -33,7 +33,7 @@ def on_files(files: Files, config) -> Files:
 # The package's docstrings are numpy-style with a few reST constructs (``:func:`name```
 # roles, ``.. math::`` blocks). SphinxToMarkdown turns roles into cross-references (links
 # where the target is documented here, code otherwise) and math blocks into
-# ``$$ ... $$`` for MathJax.
+# ``$$ ... $$`` for MathJax (inline ``\(\displaystyle ...\)`` inside list items).
 
 _ROLE = re.compile(r":(?:mod|func|class|meth|attr|data|obj|exc):`(~?)([\w.]+)`")
 _MATH = re.compile(
