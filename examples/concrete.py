@@ -37,6 +37,7 @@ from laplace_glas import (
     select_dimension,
     weights_for_share,
 )
+from laplace_glas.applications.cli import HelpFormatter
 from laplace_glas.applications.data import concrete_splits, make_mlp, train_map
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/concrete/Concrete_Data.csv"
@@ -45,14 +46,20 @@ DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/concrete/Concr
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="Concrete_Data.csv")
     parser.add_argument("--quick", action="store_true", help="small model, k <= 8 (seconds)")
-    parser.add_argument("--width", type=int, default=None, help="hidden width [100]")
+    parser.add_argument(
+        "--width", type=int, default=None, help="hidden width (default: 100; 16 with --quick)"
+    )
     parser.add_argument("--depth", type=int, default=2, help="number of hidden layers")
-    parser.add_argument("--k-max", type=int, default=None, help="largest k swept [50]")
-    parser.add_argument("--steps", type=int, default=None, help="Adam steps [3000]")
+    parser.add_argument(
+        "--k-max", type=int, default=None, help="largest k swept (default: 50; 8 with --quick)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="Adam steps (default: 3000; 300 with --quick)"
+    )
     parser.add_argument("--level", type=float, default=0.9, help="nominal coverage")
     parser.add_argument(
         "--pred-type", choices=("glm", "nn"), default="glm", help="predictive for coverage"
@@ -61,9 +68,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--sigma", choices=("calib", "train"), default="calib", help="plug-in noise estimate"
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
-    parser.add_argument("--out", type=Path, default=None, help="folder for the figures")
+    parser.add_argument("--seed", type=int, default=0, help="seed of data split, model and draws")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="folder for the figures (default: no figures)"
+    )
     args = parser.parse_args(argv)
     args.width = args.width or (16 if args.quick else 100)
     args.k_max = args.k_max or (8 if args.quick else 50)
@@ -182,9 +193,14 @@ def main(argv: list[str] | None = None) -> None:
             return
         args.out.mkdir(parents=True, exist_ok=True)
         try:
-            plot_coverage_vs_k(selections, path=args.out / "concrete_coverage_vs_k.png")
+            title = f"UCI Concrete, N = {len(Xtr)}, {len(Xc)} calibration points"
+            plot_coverage_vs_k(
+                selections, path=args.out / "concrete_coverage_vs_k.png", title=title
+            )
             plot_cumulative_activity(
-                {"mean scaling": scores}, path=args.out / "concrete_activity.png"
+                {"mean scaling": scores},
+                path=args.out / "concrete_activity.png",
+                title=f"UCI Concrete, MLP with D = {n_params:,} weights",
             )
         except ImportError as err:
             print(f"no figures: {err}")

@@ -33,6 +33,7 @@ from laplace import Laplace
 from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_glas  # noqa: F401  (registers hessian_structure='glas')
+from laplace_glas.applications.cli import HelpFormatter
 from laplace_glas.applications.data import known_noise_regression, make_mlp, train_map
 
 SIGMA = 0.1  # known observation noise
@@ -47,20 +48,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=(
             "GLAS on the paper's known-noise regression (1-50-50-1 tanh MLP, "
-            "y = sin(3x) + 0.1 eps): coverage of 90%% intervals vs the number of "
+            "y = sin(3x) + 0.1 eps): coverage of 90% intervals vs the number of "
             "directions k, for mean-loss and summed-loss scaling."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument(
-        "--quick", action="store_true", help="small, fast run (N=200, k up to 5; a few seconds)"
+        "--quick", action="store_true", help="small, fast run (N = 200, k up to 5; a few seconds)"
     )
-    parser.add_argument("--n-train", type=int, default=None, help="training points N [2000]")
+    parser.add_argument(
+        "--n-train",
+        type=int,
+        default=None,
+        help="training points N (default: 2000; 200 with --quick)",
+    )
     parser.add_argument(
         "--n-test",
         type=int,
         default=None,
-        help="held-out points for each of the calibration and the test set [1000]",
+        help="held-out points for each of the calibration and the test set "
+        "(default: 1000; 300 with --quick)",
     )
     parser.add_argument(
         "--k",
@@ -68,19 +75,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         default=None,
         help="numbers of directions to evaluate; GLAS is fitted once with the largest "
-        "[1 2 5 10 20]",
+        "(default: 1 2 5 10 20; 1 2 5 with --quick)",
     )
     parser.add_argument(
         "--table-k", type=int, default=2, help="k used for the table of intervals on a grid"
     )
     parser.add_argument(
-        "--steps", type=int, default=None, help="Adam steps of the MAP training [3000]"
+        "--steps",
+        type=int,
+        default=None,
+        help="Adam steps of the MAP training (default: 3000; 1500 with --quick)",
     )
     parser.add_argument(
         "--n-samples",
         type=int,
         default=None,
-        help="weight samples for the 'nn' predictive [1000]",
+        help="weight samples for the 'nn' predictive (default: 1000; 300 with --quick)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of every random draw")
     parser.add_argument(
@@ -94,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--out",
         type=Path,
         default=None,
-        help="folder for a PNG figure (needs matplotlib; skipped otherwise)",
+        help="folder for a PNG figure (needs matplotlib; default: no figure)",
     )
     args = parser.parse_args(argv)
     quick = args.quick

@@ -49,6 +49,7 @@ from laplace_glas import (
     select_dimension,
     weights_for_share,
 )
+from laplace_glas.applications.cli import HelpFormatter
 from laplace_glas.applications.smiles import (
     PAD,
     SmilesLSTM,
@@ -73,18 +74,36 @@ GEN_KS = (1, 5, 20)
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="SMILES file")
     parser.add_argument(
         "--quick", action="store_true", help="small model (1 x 32 LSTM), 500 SMILES, k <= 5"
     )
-    parser.add_argument("--n-train", type=int, default=None, help="training SMILES [19000]")
-    parser.add_argument("--n-heldout", type=int, default=None, help="held-out SMILES [200]")
-    parser.add_argument("--embed", type=int, default=None, help="embedding width [256]")
-    parser.add_argument("--hidden", type=int, default=None, help="LSTM hidden size [256]")
-    parser.add_argument("--layers", type=int, default=None, help="LSTM layers [3]")
-    parser.add_argument("--steps", type=int, default=None, help="Adam steps [300]")
+    parser.add_argument(
+        "--n-train",
+        type=int,
+        default=None,
+        help="training SMILES (default: 19000; 500 with --quick)",
+    )
+    parser.add_argument(
+        "--n-heldout",
+        type=int,
+        default=None,
+        help="held-out SMILES (default: 200; 60 with --quick)",
+    )
+    parser.add_argument(
+        "--embed", type=int, default=None, help="embedding width (default: 256; 32 with --quick)"
+    )
+    parser.add_argument(
+        "--hidden", type=int, default=None, help="LSTM hidden size (default: 256; 32 with --quick)"
+    )
+    parser.add_argument(
+        "--layers", type=int, default=None, help="LSTM layers (default: 3; 1 with --quick)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="Adam steps (default: 300; 60 with --quick)"
+    )
     parser.add_argument("--train-batch", type=int, default=64, help="sequences per Adam step")
     parser.add_argument(
         "--checkpoint",
@@ -93,13 +112,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="trained model file: loaded if it exists (no training; --embed/--hidden/"
         "--layers/--steps ignored), else written after training",
     )
-    parser.add_argument("--subsample", type=int, default=None, help="eigen-solve SMILES [2000]")
-    parser.add_argument("--k", type=int, default=None, help="eigenpairs [20]")
-    parser.add_argument("--solver", choices=("lanczos", "block"), default="lanczos")
-    parser.add_argument("--block-size", type=int, default=None, help="block solver columns")
-    parser.add_argument("--tol", type=float, default=0.0, help="solver tolerance (0: default)")
     parser.add_argument(
-        "--maxiter", type=int, default=None, help="Lanczos restarts / block passes (default)"
+        "--subsample",
+        type=int,
+        default=None,
+        help="SMILES in the eigen-solve subsample (default: 2000; 100 with --quick)",
+    )
+    parser.add_argument(
+        "--k", type=int, default=None, help="eigenpairs (default: 20; at most 5 with --quick)"
+    )
+    parser.add_argument(
+        "--solver",
+        choices=("lanczos", "block"),
+        default="lanczos",
+        help="eigen-solver: ARPACK Lanczos, one GGN column per data pass, or block Krylov, "
+        "--block-size columns per pass (faster for LSTMs)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="block solver columns per data pass (default: max(k, 8))",
+    )
+    parser.add_argument(
+        "--tol",
+        type=float,
+        default=0.0,
+        help="relative solver tolerance (0: float32 precision for Lanczos, 1e-5 for block)",
+    )
+    parser.add_argument(
+        "--maxiter",
+        type=int,
+        default=None,
+        help="Lanczos restarts / block passes (default: the solver's own limit)",
     )
     parser.add_argument("--batch-size", type=int, default=100, help="sequences per GGN batch")
     parser.add_argument(
@@ -108,16 +153,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--pred-type", choices=("glm", "nn"), default="glm", help="predictive for calibration"
     )
-    parser.add_argument("--n-samples", type=int, default=None, help="calibration samples [50]")
-    parser.add_argument("--n-gen", type=int, default=None, help="SMILES generated per k [200]")
     parser.add_argument(
-        "--n-posterior", type=int, default=None, help="posterior weight samples per k [10]"
+        "--n-samples",
+        type=int,
+        default=None,
+        help="posterior samples of the calibration predictive (default: 50; 30 with --quick)",
+    )
+    parser.add_argument(
+        "--n-gen",
+        type=int,
+        default=None,
+        help="SMILES generated per k (default: 200; 40 with --quick)",
+    )
+    parser.add_argument(
+        "--n-posterior",
+        type=int,
+        default=None,
+        help="posterior weight samples per k (default: 10; 4 with --quick)",
     )
     parser.add_argument("--level", type=float, default=0.9, help="credible-set level")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument(
-        "--out", type=Path, default=None, help="PNG of the cumulative activity (or a folder)"
+        "--seed", type=int, default=0, help="seed of data split, training, subsample and draws"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="PNG of the cumulative activity, or a folder for it (default: no figure)",
     )
     args = parser.parse_args(argv)
     quick = args.quick
@@ -316,7 +381,11 @@ def main(argv: list[str] | None = None) -> None:
             from laplace_glas.plotting import plot_cumulative_activity
 
             path.parent.mkdir(parents=True, exist_ok=True)
-            plot_cumulative_activity({f"SMILES LSTM, k = {info.k}": scores}, path=path)
+            plot_cumulative_activity(
+                {f"SMILES LSTM, k = {info.k}": scores},
+                path=path,
+                title=f"SMILES LSTM, D = {D:,}, {subsample:,} SMILES",
+            )
             print(f"   cumulative activity curve written to {path}")
         except ImportError:
             print("   matplotlib is not installed: no figure (pip install 'laplace-glas[plot]')")

@@ -33,12 +33,27 @@ def _finish(fig: Any, path: str | Path | None) -> Any:
     return fig
 
 
+def _legend_below(ax: Any) -> None:
+    """Legend under the axes (x label included), where it cannot hide data."""
+    handles, _ = ax.get_legend_handles_labels()
+    ax.legend(
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.16),
+        ncol=min(len(handles), 2),
+        fontsize="small",
+        frameon=False,
+    )
+
+
 def plot_cumulative_activity(
-    scores: torch.Tensor | Mapping[str, torch.Tensor], path: str | Path | None = None
+    scores: torch.Tensor | Mapping[str, torch.Tensor],
+    path: str | Path | None = None,
+    title: str | None = None,
 ) -> Any:
     """Cumulative activity share of the top-n weights, log-log axes.
 
-    ``scores`` is one ``(D,)`` tensor or a mapping ``label -> scores``.
+    ``scores`` is one ``(D,)`` tensor or a mapping ``label -> scores``; ``title``
+    names the model or data set.
     """
     from laplace_glas.activity import cumulative_activity
 
@@ -51,15 +66,20 @@ def plot_cumulative_activity(
     ax.set_xlabel("number of weights (sorted by activity)")
     ax.set_ylabel("cumulative share of activity")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(loc="lower right")
+    if title is not None:
+        ax.set_title(title)
     return _finish(fig, path)
 
 
-def plot_coverage_vs_k(selections: Any, path: str | Path | None = None) -> Any:
+def plot_coverage_vs_k(
+    selections: Any, path: str | Path | None = None, title: str | None = None
+) -> Any:
     """Calibration coverage against k for one or several ``DimensionSelection``s.
 
     ``selections`` is one selection or a mapping ``label -> selection`` (e.g. mean vs
-    summed loss scaling).
+    summed loss scaling); ``title`` names the data, e.g. ``"Concrete, N = 721"``. The
+    legend sits below the axes, off the curves.
     """
     plt = _pyplot()
     items = selections if isinstance(selections, Mapping) else {"GLAS": selections}
@@ -75,7 +95,9 @@ def plot_coverage_vs_k(selections: Any, path: str | Path | None = None) -> Any:
     ax.set_ylabel("calibration coverage")
     ax.set_ylim(0, 1.02)
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    _legend_below(ax)
+    if title is not None:
+        ax.set_title(title)
     return _finish(fig, path)
 
 
@@ -88,12 +110,19 @@ def plot_predictive_band(
     y_train: torch.Tensor | None = None,
     label: str = "GLAS",
     path: str | Path | None = None,
+    level: float = 0.9,
+    title: str | None = None,
 ) -> Any:
-    """Predictive mean and interval band of a 1-D regression, with the training data."""
+    """Predictive mean and interval band of a 1-D regression, with the training data.
+
+    ``[lower, upper]`` is a central interval of nominal probability ``level``, named
+    so in the legend (which sits below the axes, off the data); ``title`` names the
+    data set.
+    """
     plt = _pyplot()
     x, mean, lower, upper = (t.detach().cpu().reshape(-1).numpy() for t in (x, mean, lower, upper))
     order = x.argsort()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6, 4.6))
     if x_train is not None and y_train is not None:
         ax.scatter(
             x_train.detach().cpu().reshape(-1).numpy(),
@@ -102,9 +131,18 @@ def plot_predictive_band(
             c="0.5",
             label="training data",
         )
-    ax.plot(x[order], mean[order], c="C0", label=f"{label} mean")
-    ax.fill_between(x[order], lower[order], upper[order], color="C0", alpha=0.3, label="interval")
+    ax.plot(x[order], mean[order], c="C0", label=f"{label}: mean")
+    ax.fill_between(
+        x[order],
+        lower[order],
+        upper[order],
+        color="C0",
+        alpha=0.3,
+        label=f"{label}: {level:.0%} interval",
+    )
     ax.set_xlabel("x")
     ax.set_ylabel("f(x)")
-    ax.legend()
+    _legend_below(ax)
+    if title is not None:
+        ax.set_title(title)
     return _finish(fig, path)

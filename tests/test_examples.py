@@ -73,3 +73,38 @@ def test_concrete_quick(tmp_path):
     assert "top 0.1% of weights" in out and "95% of the activity is carried by" in out
     for name in ("concrete_coverage_vs_k.png", "concrete_activity.png"):
         assert (tmp_path / name).stat().st_size > 1000
+
+
+def _load_example(path: Path, monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "examples").glob("*.py")), ids=lambda p: p.stem)
+def test_example_help_is_clean(script, monkeypatch, capsys):
+    """--help: no literal '%%', no '(default: None)' beside a stated default, every
+    option explained."""
+    import argparse
+
+    parsers = []
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def recording_parse_args(self, *args, **kwargs):
+        parsers.append(self)
+        return parse_args(self, *args, **kwargs)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", recording_parse_args)
+    with pytest.raises(SystemExit) as exit_:
+        _load_example(script, monkeypatch).parse_args(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert "%%" not in text and "(default: None)" not in text and "(default: False)" not in text
+    assert text.count("(default:") >= 3, text
+    (parser,) = parsers
+    unexplained = [a.option_strings for a in parser._actions if not a.help]
+    assert not unexplained, unexplained

@@ -70,3 +70,42 @@ def test_plotting_without_matplotlib_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"laplace-glas\[plot\]"):
         plotting.plot_cumulative_activity(torch.rand(5))
+
+
+def test_band_legend_names_the_level_and_sits_below_the_axes():
+    x = torch.linspace(-2, 2, 30)
+    fig = plot_predictive_band(
+        x, x, x - 1, x + 1, x, x, label="GLAS", level=0.8, title="toy, N = 30"
+    )
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "GLAS: 80% interval" in labels and "GLAS: mean" in labels
+    assert ax.get_title() == "toy, N = 30"
+    # the legend's box lies below the axes' box: it cannot cover the data
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legend_box = ax.get_legend().get_window_extent(renderer)
+    assert legend_box.y1 <= ax.get_window_extent(renderer).y0
+    assert (
+        "90% interval"
+        in [
+            t.get_text() for t in plot_predictive_band(x, x, x, x).axes[0].get_legend().get_texts()
+        ][-1]
+    )
+
+
+def test_coverage_plot_has_the_given_title():
+    from laplace_glas import CoverageRow, DimensionSelection
+
+    rows = [
+        CoverageRow(k=k, prior_precision=1.0, coverage=0.3 * k, mean_width=1.0, nll=0.0)
+        for k in (1, 2, 3)
+    ]
+    sel = DimensionSelection(
+        k=3, prior_precision=1.0, reached=True, coverage=0.9, level=0.9, rows=rows
+    )
+    fig = plot_coverage_vs_k(sel, title="Concrete, N = 721")
+    assert fig.axes[0].get_title() == "Concrete, N = 721"
+    assert plot_coverage_vs_k(sel).axes[0].get_title() == ""
+    fig = plot_cumulative_activity(torch.rand(50), title="SMILES LSTM")
+    assert fig.axes[0].get_title() == "SMILES LSTM"

@@ -3,7 +3,7 @@
 laplace-torch 0.3 rebuilds ``{subclass._key: subclass}`` over *all* subclasses of
 ``BaseLaplace`` (a set, whose order changes from process to process) at every call, and
 ``_key`` is inherited: an unguarded subclass of ActiveSubspaceLaplace would compete for
-('all', 'glas'), and which class won would change between processes (GLAS.md, pitfalls).
+('all', 'glas'), and which class won would change between processes.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Loss scaling (mean: s = 1, sum: s = N), temperature, observation noise, and prior tuning.
 
-GLAS.md: the posterior sees the curvature ``a_j = s * lambda_j / T`` along ``u_j``, with
+The posterior sees the curvature ``a_j = s * lambda_j / T`` along ``u_j``, with
 ``lambda_j`` the eigenvalues of the mean-loss GGN ``G = (1/N) sum_n J_n^T J_n / sigma^2``,
 so ``1 / v_j - tau = a_j``.
 """

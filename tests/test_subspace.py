@@ -153,6 +153,19 @@ def test_below_threshold_eigenvalues_are_flagged_and_zeroed():
     assert eig.values[2:].abs().max() == 0
 
 
+def test_repr_is_one_short_line_without_tensor_contents():
+    values = np.concatenate([np.linspace(5.0, 1.0, 5), np.zeros(495)])
+    eig = compute_eigenpairs(
+        _diag_operator(values), 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+    )
+    text = repr(eig)
+    assert "\n" not in text and len(text) < 250, text
+    assert text.startswith("Eigenpairs(k=4, D=500, dtype=torch.float64, solver='lanczos'")
+    assert "eigenvalues [2, 5]" in text and f"{eig.n_products} products" in text
+    assert "tensor(" not in text
+    assert str(eig) == text
+
+
 def test_solve_is_reproducible_with_generator(toy_regression):
     model, X, y = toy_regression
     op = mean_ggn_operator(model, nn.MSELoss(), list(model.parameters()), loader(X, y), 100)

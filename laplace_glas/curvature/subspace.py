@@ -127,6 +127,23 @@ class Eigenpairs:
         """Number of eigenpairs held."""
         return int(self.values.numel())
 
+    def __repr__(self) -> str:
+        """One line: sizes, eigenvalue range and cost, no tensor contents."""
+        if self.k == 0:
+            spectrum = "no eigenvalues"
+        else:
+            spectrum = (
+                f"eigenvalues [{float(self.values.min()):.4g}, {float(self.values.max()):.4g}]"
+            )
+        finite = self.residuals[torch.isfinite(self.residuals)]
+        residual = f"{float(finite.max()):.2g}" if finite.numel() else "n/a"
+        return (
+            f"Eigenpairs(k={self.k}, D={self.vectors.shape[0]}, dtype={self.vectors.dtype}, "
+            f"solver={self.solver!r}, {spectrum}, {int(self.below_threshold.sum())} below "
+            f"threshold, {self.n_products} products, {self.n_passes} passes, "
+            f"max residual {residual}, {self.wall_time:.3g} s)"
+        )
+
     def truncate(self, k: int) -> Eigenpairs:
         """The leading ``k`` eigenpairs, without recomputing anything."""
         if not 1 <= k <= self.k:
