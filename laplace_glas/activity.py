@@ -66,6 +66,8 @@ def per_parameter(la: Any, scores: torch.Tensor) -> dict[str, float]:
     """Total score per named parameter tensor (layer weights, biases), in model order."""
     if scores.shape != (la.n_params,):
         raise ValueError(f"scores must have shape ({la.n_params},), got {tuple(scores.shape)}.")
+    if not torch.isfinite(scores).all():
+        raise ValueError("scores contain NaN or inf.")
     totals, offset = {}, 0
     for name, shape in zip(la._param_names, la._param_shapes):
         n = shape.numel()
@@ -83,6 +85,8 @@ def cumulative_activity(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     """
     if scores.ndim != 1 or scores.numel() == 0:
         raise ValueError("scores must be a non-empty 1-D tensor.")
+    if not torch.isfinite(scores).all():
+        raise ValueError("scores contain NaN or inf.")
     if (scores < 0).any():
         raise ValueError("Activity scores are non-negative; got negative entries.")
     ordered = scores.sort(descending=True).values.double()

@@ -85,6 +85,7 @@ from laplace_glas.validation import (
     reiterable,
     scalar_prior_precision,
     scalar_value,
+    tolerance,
 )
 from laplace_glas.validation import seed as valid_seed
 
@@ -291,12 +292,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
                 f"{n_components} < ncv <= {n_params}; got ncv={ncv}."
             )
         sample_chunk_size = positive_int("sample_chunk_size", sample_chunk_size, allow_none=False)
-        try:
-            tol = float(tol)
-        except (TypeError, ValueError):
-            raise ValueError(f"tol must be a non-negative number, got {tol!r}.") from None
-        if not (tol >= 0 and math.isfinite(tol)):
-            raise ValueError(f"tol must be a non-negative number, got {tol!r}.")
+        tol = tolerance(tol)
         seed = valid_seed(seed)
         if rank_threshold is not None:
             rank_threshold = finite_number("rank_threshold", rank_threshold, 0.0, 1.0)
@@ -306,12 +302,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         for name, key in (("dict_key_x", dict_key_x), ("dict_key_y", dict_key_y)):
             if not isinstance(key, str):
                 raise TypeError(f"{name} must be a str, got {key!r}.")
-        homoscedastic_noise(sigma_noise, dtype)
-        if likelihood == "classification" and scalar_value("sigma_noise", sigma_noise) != 1:
-            raise ValueError(
-                f"sigma_noise is for regression; classification needs sigma_noise=1, got "
-                f"{scalar_value('sigma_noise', sigma_noise)}."
-            )
+        homoscedastic_noise(sigma_noise, dtype, likelihood)
         scalar_prior_precision(prior_precision, dtype)
         positive_scalar("temperature", temperature, dtype=dtype)
         validate_loss_fn(loss_fn, ignore_index if likelihood == "classification" else None)
@@ -494,7 +485,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
 
     @sigma_noise.setter
     def sigma_noise(self, sigma_noise: float | torch.Tensor) -> None:
-        homoscedastic_noise(sigma_noise, self._dtype)
+        homoscedastic_noise(sigma_noise, self._dtype, self.likelihood)
         if isinstance(sigma_noise, torch.Tensor):
             sigma_noise = sigma_noise.reshape(())
         ParametricLaplace.sigma_noise.fset(self, sigma_noise)
@@ -764,8 +755,8 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
                 scale=scale,
                 dtype=self._dtype,
                 device=self._device,
-                tol=self.tol if tol is None else tol,
-                maxiter=self.maxiter if maxiter is None else maxiter,
+                tol=self.tol if tol is None else tolerance(tol),
+                maxiter=self.maxiter if maxiter is None else positive_int("maxiter", maxiter),
                 ncv=ncv,
                 generator=generator,
                 rank_threshold=self.rank_threshold,
@@ -942,6 +933,20 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
             raise ValueError(
                 "GLAS supports a scalar prior precision only (prior_structure='scalar')."
             )
+        if method == TuningMethod.GRIDSEARCH:
+            if val_loader is not None:
+                reiterable("val_loader", val_loader)
+                if next(iter(val_loader), None) is None:
+                    raise ValueError("val_loader is empty: there is nothing to score the grid on.")
+            grid_size = positive_int("grid_size", grid_size, allow_none=False)
+            base = finite_number("log_prior_prec_base", log_prior_prec_base, 0.0)
+            if base in (0.0, 1.0):
+                raise ValueError(f"log_prior_prec_base must be > 0 and != 1, got {base}.")
+            if not log_prior_prec_min < log_prior_prec_max:
+                raise ValueError(
+                    "log_prior_prec_min must be below log_prior_prec_max, got "
+                    f"{log_prior_prec_min} and {log_prior_prec_max}."
+                )
         if method == TuningMethod.MARGLIK:
             if val_loader is not None:
                 warnings.warn("`val_loader` is ignored when method='marglik'.", stacklevel=2)

@@ -81,6 +81,14 @@ class SubspacePredictive:
     def _check_inputs(self, X: Any) -> None:
         inputs = X[self.dict_key_x] if isinstance(X, MutableMapping) else X
         if isinstance(inputs, torch.Tensor):
+            if inputs.ndim == 0:
+                raise ValueError("The input must have a batch axis: shape (batch, ...), got ().")
+            if inputs.is_floating_point() and inputs.dtype != self._dtype:
+                name = str(self._dtype).replace("torch.", "")
+                raise TypeError(
+                    f"The input is {str(inputs.dtype).replace('torch.', '')} but the model's "
+                    f"parameters are {name}: pass x.to({self._dtype})."
+                )
             if inputs.shape[0] == 0:
                 raise ValueError("The input batch is empty.")
             if inputs.is_floating_point() and not torch.isfinite(inputs).all():
@@ -130,6 +138,11 @@ class SubspacePredictive:
                 raise ValueError("joint=True is only available for pred_type='glm'.")
             if self.likelihood == "regression":
                 fs = self._nn_functional_samples(x, n_samples, generator, **model_kwargs)
+                if n_samples < 2:
+                    raise ValueError(
+                        "n_samples must be >= 2 for the sample variance of a regression "
+                        f"'nn' predictive, got {n_samples}."
+                    )
                 return fs.mean(dim=0), fs.var(dim=0)
             probs = self._nn_predictive_samples(x, n_samples, generator, **model_kwargs)
             return probs.mean(dim=0)

@@ -31,6 +31,7 @@ __all__ = [
     "scalar_prior_precision",
     "scalar_value",
     "seed",
+    "tolerance",
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
@@ -197,15 +198,32 @@ def scalar_prior_precision(prior_precision: Any, dtype: torch.dtype | None = Non
     positive_scalar("prior_precision", prior_precision, allow_zero=True, dtype=dtype)
 
 
-def homoscedastic_noise(sigma_noise: Any, dtype: torch.dtype | None = None) -> None:
-    """One homoscedastic observation noise ``sigma > 0``."""
+def homoscedastic_noise(
+    sigma_noise: Any, dtype: torch.dtype | None = None, likelihood: str = "regression"
+) -> None:
+    """One homoscedastic observation noise ``sigma > 0`` (exactly 1 for classification)."""
     if isinstance(sigma_noise, torch.Tensor) and sigma_noise.numel() > 1:
         raise ValueError(
             "sigma_noise must be one scalar (homoscedastic noise, as in laplace-torch); "
             f"got a tensor of shape {tuple(sigma_noise.shape)}. For outputs of different "
             "scales, standardise the targets."
         )
-    positive_scalar("sigma_noise", sigma_noise, dtype=dtype, power=2)
+    sigma = positive_scalar("sigma_noise", sigma_noise, dtype=dtype, power=2)
+    if likelihood == "classification" and sigma != 1:
+        raise ValueError(
+            f"sigma_noise is for regression; classification needs sigma_noise=1, got {sigma}."
+        )
+
+
+def tolerance(value: Any) -> float:
+    """A solver tolerance: a finite number >= 0 (0: the dtype's precision)."""
+    try:
+        tol = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"tol must be a non-negative number, got {value!r}.") from None
+    if not (tol >= 0 and math.isfinite(tol)):
+        raise ValueError(f"tol must be a non-negative number, got {value!r}.")
+    return tol
 
 
 def flag(name: str, value: Any) -> bool:

@@ -606,3 +606,83 @@ def test_any_sample_count_gives_samples_or_a_named_error(fitted_for_properties, 
         assert "n_samples" in str(err)
         return
     assert draws.shape == (int(n), la.n_params) and torch.isfinite(draws).all()
+
+
+# --------------------------------------------------------------- beyond the issue (fuzzing)
+def test_nn_regression_variance_needs_two_samples(data):
+    la = fit(data)
+    with pytest.raises(ValueError, match=r"n_samples must be >= 2 for the sample variance"):
+        la(torch.randn(3, 1), pred_type="nn", link_approx="mc", n_samples=1)
+
+
+def test_sigma_noise_setter_refuses_noise_for_classification(cls_data):
+    la = ActiveSubspaceLaplace(mlp([2, 5, 3]), "classification", n_components=K)
+    with pytest.raises(ValueError, match=r"sigma_noise is for regression"):
+        la.sigma_noise = 2.0
+    assert float(la.sigma_noise) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"), [({"tol": -1.0}, "tol must be"), ({"maxiter": 0}, "maxiter must be")]
+)
+def test_compute_eigenpairs_validates_like_the_constructor(data, kwargs, match):
+    la = fit(data)
+    with pytest.raises(ValueError, match=match):
+        la.compute_eigenpairs(loader(*data, batch_size=10), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"val_loader": "iterator"}, TypeError, "val_loader must be re-iterable"),
+        ({"val_loader": []}, ValueError, "val_loader is empty"),
+        ({"grid_size": 0}, ValueError, "grid_size must be a positive int"),
+        ({"grid_size": 2.5}, ValueError, "grid_size must be a positive int"),
+        ({"log_prior_prec_base": 1.0}, ValueError, "log_prior_prec_base must be > 0 and != 1"),
+        ({"log_prior_prec_min": 2, "log_prior_prec_max": -2}, ValueError, "must be below"),
+    ],
+)
+def test_gridsearch_arguments(data, kwargs, error, match):
+    la = fit(data)
+    if kwargs.get("val_loader") == "iterator":
+        kwargs["val_loader"] = iter(loader(*data, batch_size=10))
+    kwargs.setdefault("val_loader", loader(*data, batch_size=10))
+    with pytest.raises(error, match=match):
+        la.optimize_prior_precision(method="gridsearch", **kwargs)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_activity_functions_refuse_non_finite_scores(data, bad):
+    from laplace_glas import cumulative_activity, per_parameter, weights_for_share
+
+    scores = torch.tensor([1.0, bad, 2.0])
+    with pytest.raises(ValueError, match="NaN or inf"):
+        cumulative_activity(scores)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        weights_for_share(scores, 0.5)
+    la = fit(data)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        per_parameter(la, torch.full((la.n_params,), bad))
+
+
+def test_inputs_of_another_dtype_and_without_batch_axis(data):
+    la = fit(data)
+    with pytest.raises(TypeError, match=r"input is float64 but the model's parameters are float32"):
+        la(torch.randn(3, 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"batch axis"):
+        la(torch.tensor(0.5))
+
+
+def test_single_logit_classifier_is_refused(cls_data):
+    X, y = cls_data
+    la = ActiveSubspaceLaplace(mlp([2, 5, 1]), "classification", n_components=2)
+    with pytest.raises(ValueError, match=r"at least 2 logits"):
+        la.fit(loader(X, torch.zeros_like(y), batch_size=10))
+
+
+def test_dict_batch_without_the_target_key(data):
+    X, y = data
+    batches = [{"input_ids": X[i : i + 10], "target": y[i : i + 10]} for i in range(0, 40, 10)]
+    la = ActiveSubspaceLaplace(mlp([1, 8, 1]), "regression", n_components=K)
+    with pytest.raises(ValueError, match=r"no target under dict_key_y='labels'.*'target'"):
+        la.fit(batches)

@@ -26,6 +26,11 @@ __all__ = [
 def split_batch(data: Any, dict_key_y: str = "labels") -> tuple[Any, torch.Tensor]:
     """``(X, y)`` of one batch; a mapping stays whole as ``X``."""
     if isinstance(data, MutableMapping):
+        if dict_key_y not in data:
+            raise ValueError(
+                f"A dict batch has no target under dict_key_y={dict_key_y!r}; its keys are "
+                f"{sorted(map(str, data.keys()))}."
+            )
         return data, data[dict_key_y]
     try:
         X, y = data

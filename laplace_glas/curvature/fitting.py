@@ -144,6 +144,11 @@ def check_labels(out: torch.Tensor, y: torch.Tensor, ignore_index: int, batch_in
             "Classification needs model outputs of shape (batch, classes) or "
             f"(batch, seq_len, classes); got {tuple(out.shape)}."
         )
+    if out.shape[-1] < 2:
+        raise ValueError(
+            "Classification needs at least 2 logits per target (softmax over classes); "
+            f"the model outputs {out.shape[-1]}. For a binary problem output 2 logits."
+        )
     if y.shape != out.shape[:-1] or y.is_floating_point():
         raise ValueError(
             "Classification targets must be integer class labels of shape (batch,) "
