@@ -27,6 +27,7 @@ weight posterior.
 from __future__ import annotations
 
 import math
+import numbers
 import statistics
 import warnings
 from collections.abc import Iterable, Sequence
@@ -168,7 +169,10 @@ def _preferred(rows: Sequence[CoverageRow], level: float) -> CoverageRow:
 def _gather(la: Any, loader: Iterable) -> tuple[torch.Tensor, torch.Tensor, int]:
     """All of ``loader`` as one ``(X, y)`` on the posterior's device, and the largest
     batch size seen (the calibration pushes the data through in batches of that size).
+    Warns (``FittedWeightsChangedWarning``) when the model's weights moved after fit.
     """
+    la._check_H_init()
+    la._check_fitted_weights()
     Xs, ys = [], []
     for data in loader:
         X, y = split_batch(data, la.dict_key_y)
@@ -210,6 +214,11 @@ def _candidates(
     grid = [float(la._tau)] if prior_precisions is None else [float(t) for t in prior_precisions]
     if any(not (t > 0 and math.isfinite(t)) for t in grid):
         raise ValueError("Prior precisions must be positive and finite.")
+    if not grid and not empirical_bayes:
+        raise ValueError(
+            "prior_precisions is empty and empirical_bayes=False: there is no prior "
+            "precision to try."
+        )
     pairs = []
     for k in ks:
         taus = {t: False for t in grid}
@@ -225,6 +234,11 @@ def _candidates(
 def _validate_ks(la: Any, ks: Sequence[int] | None) -> list[int]:
     la._check_H_init()
     available = la.lanczos_info.k
+    if ks is not None and (
+        isinstance(ks, str)
+        or not all(isinstance(k, numbers.Integral) and not isinstance(k, bool) for k in ks)
+    ):
+        raise TypeError(f"ks must be a sequence of ints, got {ks!r}.")
     ks = list(range(1, la.n_components + 1)) if ks is None else sorted({int(k) for k in ks})
     if not ks or ks[0] < 1 or ks[-1] > available:
         raise ValueError(
@@ -235,6 +249,8 @@ def _validate_ks(la: Any, ks: Sequence[int] | None) -> list[int]:
 
 
 def _standard_normal(shape, la: Any, generator: torch.Generator | None) -> torch.Tensor:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {generator!r}.")
     device = generator.device if generator is not None else la._device
     return torch.randn(*shape, generator=generator, device=device, dtype=la._dtype).to(la._device)
 

@@ -476,6 +476,8 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         scalar_prior_precision(prior_precision, self._dtype)
         if isinstance(prior_precision, torch.Tensor):
             prior_precision = prior_precision.reshape(-1)
+        else:
+            prior_precision = scalar_value("prior_precision", prior_precision)
         ParametricLaplace.prior_precision.fset(self, prior_precision)
 
     @property
@@ -488,6 +490,8 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         homoscedastic_noise(sigma_noise, self._dtype, self.likelihood)
         if isinstance(sigma_noise, torch.Tensor):
             sigma_noise = sigma_noise.reshape(())
+        else:
+            sigma_noise = scalar_value("sigma_noise", sigma_noise)
         ParametricLaplace.sigma_noise.fset(self, sigma_noise)
 
     @property
@@ -497,8 +501,9 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
 
     @temperature.setter
     def temperature(self, temperature: float | torch.Tensor) -> None:
-        positive_scalar("temperature", temperature, dtype=self._dtype)
-        self._temperature = temperature
+        number = positive_scalar("temperature", temperature, dtype=self._dtype)
+        # numbers are stored as floats (a huge Python int would overflow torch's int64)
+        self._temperature = temperature if isinstance(temperature, torch.Tensor) else number
 
     @property
     def prior_mean(self) -> torch.Tensor:

@@ -686,3 +686,26 @@ def test_dict_batch_without_the_target_key(data):
     la = ActiveSubspaceLaplace(mlp([1, 8, 1]), "regression", n_components=K)
     with pytest.raises(ValueError, match=r"no target under dict_key_y='labels'.*'target'"):
         la.fit(batches)
+
+
+def test_calibration_arguments(data):
+    la = fit(data)
+    calib = loader(*regression_data(20, seed=5), batch_size=10)
+    with pytest.raises(ValueError, match=r"prior_precisions is empty and empirical_bayes=False"):
+        la.calibrate(calib, prior_precisions=[], empirical_bayes=False)
+    with pytest.raises(TypeError, match=r"ks must be a sequence of ints"):
+        la.calibrate(calib, ks=[1.7])
+    with pytest.raises(TypeError, match=r"ks must be a sequence of ints"):
+        la.calibrate(calib, ks="12")
+    with pytest.raises(ValueError, match=r"generator must be a torch.Generator"):
+        la.calibrate(calib, pred_type="nn", generator="x")
+
+
+def test_calibration_warns_when_the_weights_moved(data):
+    from laplace_glas import coverage
+
+    la = fit(data)
+    with torch.no_grad():
+        la.model[0].bias.add_(0.5)
+    with pytest.warns(FittedWeightsChangedWarning):
+        coverage(la, loader(*regression_data(20, seed=5), batch_size=10))
