@@ -79,6 +79,7 @@ from laplace_glas.validation import (
     flag,
     homoscedastic_noise,
     integer,
+    lanczos_basis_size,
     parameter_dtype,
     positive_int,
     positive_scalar,
@@ -286,11 +287,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
                 ("jvp_chunk_size", jvp_chunk_size),
             )
         )
-        if ncv is not None and not n_components < ncv <= n_params:
-            raise ValueError(
-                f"ncv (the Lanczos basis size) must satisfy n_components < ncv <= D, i.e. "
-                f"{n_components} < ncv <= {n_params}; got ncv={ncv}."
-            )
+        lanczos_basis_size(ncv, n_components, n_params)
         sample_chunk_size = positive_int("sample_chunk_size", sample_chunk_size, allow_none=False)
         tol = tolerance(tol)
         seed = valid_seed(seed)
@@ -685,12 +682,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         k = self._n_components if n_components is None else n_components
         k = self._validate_n_components(k, self.n_params)
         reiterable("train_loader", train_loader)
-        ncv = self.ncv if ncv is None else positive_int("ncv", ncv)
-        if ncv is not None and not k < ncv <= self.n_params:
-            raise ValueError(
-                f"ncv (the Lanczos basis size) must satisfy n_components < ncv <= D, i.e. "
-                f"{k} < ncv <= {self.n_params}; got ncv={ncv}."
-            )
+        ncv = lanczos_basis_size(self.ncv if ncv is None else ncv, k, self.n_params)
         if generator is None:
             generator = torch.Generator().manual_seed(self.seed)
         if _out_shape is None and getattr(self, "_out_shape", None):

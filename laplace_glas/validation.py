@@ -24,6 +24,7 @@ __all__ = [
     "flag",
     "homoscedastic_noise",
     "integer",
+    "lanczos_basis_size",
     "parameter_dtype",
     "positive_int",
     "positive_scalar",
@@ -213,6 +214,17 @@ def homoscedastic_noise(
         raise ValueError(
             f"sigma_noise is for regression; classification needs sigma_noise=1, got {sigma}."
         )
+
+
+def lanczos_basis_size(ncv: Any, k: int, n_params: int) -> int | None:
+    """ARPACK's basis size ``ncv`` (None: its default) must satisfy ``k < ncv <= D``."""
+    ncv = positive_int("ncv", ncv)
+    if ncv is not None and not k < ncv <= n_params:
+        raise ValueError(
+            f"ncv (the Lanczos basis size) must satisfy n_components < ncv <= D, i.e. "
+            f"{k} < ncv <= {n_params}; got ncv={ncv}."
+        )
+    return ncv
 
 
 def tolerance(value: Any) -> float:
