@@ -893,6 +893,8 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
                 f"Expected weight vectors of shape (D,) or (n, D) with D={self.n_params} "
                 f"(floating point), got {shape}."
             )
+        if not torch.isfinite(value).all():
+            raise ValueError("The weight vectors contain NaN or inf.")
 
     # ------------------------------------------------------------------ evidence
     def optimize_prior_precision(
@@ -1054,6 +1056,12 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
             warnings.warn(
                 f"complement {self.complement!r} is replaced by the saved "
                 f"{state_dict['complement']!r}.",
+                stacklevel=2,
+            )
+        if self._n_components != state_dict["n_components"]:
+            warnings.warn(
+                f"n_components {self._n_components} is replaced by the saved "
+                f"{state_dict['n_components']}.",
                 stacklevel=2,
             )
         saved_loss = state_dict.get("loss_fn", "")

@@ -142,6 +142,13 @@ def check_state(
         raise ValueError(
             f"state_dict['H'] holds {n_computed} eigenvectors; GLAS needs 1 <= K < D={n_params}."
         )
+    gram = U.T.to(torch.float64) @ U.to(torch.float64)
+    eye = torch.eye(n_computed, dtype=torch.float64, device=gram.device)
+    if not torch.allclose(gram, eye, atol=1e3 * torch.finfo(U.dtype).eps * n_computed):
+        raise ValueError(
+            "state_dict['H'][0] holds eigenvectors that are not orthonormal "
+            f"(max |U^T U - I| = {float((gram - eye).abs().max()):.2g})."
+        )
     if (h < 0).any():
         raise ValueError(
             "state_dict['H'][1] holds negative curvatures: the GGN is positive "

@@ -219,6 +219,10 @@ CORRUPTIONS = {
         "eigenpairs",
     ),
     "not a mapping": (lambda s: [1, 2], "mapping"),
+    "non-orthonormal eigenvectors": (
+        lambda s: corrupt(s, "H", (3 * s["H"][0], s["H"][1])),
+        "not orthonormal",
+    ),
 }
 
 
@@ -709,3 +713,17 @@ def test_calibration_warns_when_the_weights_moved(data):
         la.model[0].bias.add_(0.5)
     with pytest.warns(FittedWeightsChangedWarning):
         coverage(la, loader(*regression_data(20, seed=5), batch_size=10))
+
+
+def test_log_prob_of_non_finite_weights_is_refused(data):
+    la = fit(data)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        la.log_prob(torch.full((la.n_params,), math.nan))
+
+
+def test_loading_another_n_components_warns(fitted_state):
+    state, la = fitted_state
+    other = ActiveSubspaceLaplace(la.model, "regression", n_components=5)
+    with pytest.warns(UserWarning, match=r"n_components 5 is replaced by the saved 3"):
+        other.load_state_dict(state)
+    assert other.n_components == 3

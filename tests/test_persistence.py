@@ -76,8 +76,9 @@ def predictions(la, X):
 
 def test_regression_round_trip_is_bit_identical(reg_glas, X_test, tmp_path):
     state = save_and_load(reg_glas, tmp_path / "glas.pt")
-    # constructor defaults differ from the saved settings: the state wins
-    la = restored(reg_glas, state, n_components=2)
+    # constructor defaults differ from the saved settings: the state wins (and says so)
+    with pytest.warns(UserWarning, match=r"n_components 2 is replaced by the saved"):
+        la = restored(reg_glas, state, n_components=2)
     assert la.n_components == K
     assert la.n_data == reg_glas.n_data == 100
     torch.testing.assert_close(la.sigma_noise, torch.tensor(SIGMA))
