@@ -299,9 +299,10 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         for name, key in (("dict_key_x", dict_key_x), ("dict_key_y", dict_key_y)):
             if not isinstance(key, str):
                 raise TypeError(f"{name} must be a str, got {key!r}.")
+        # laplace-torch compares sigma_noise with 1 before its setter runs (a crash for
+        # a tensor), so it is checked here; prior_precision and temperature are checked
+        # by this class's setters inside ParametricLaplace.__init__
         homoscedastic_noise(sigma_noise, dtype, likelihood)
-        scalar_prior_precision(prior_precision, dtype)
-        positive_scalar("temperature", temperature, dtype=dtype)
         validate_loss_fn(loss_fn, ignore_index if likelihood == "classification" else None)
 
         super().__init__(
@@ -1045,6 +1046,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
             likelihood=str(getattr(self.likelihood, "value", self.likelihood)),
             loss_scalings=_LOSS_SCALINGS,
             complements=_COMPLEMENTS,
+            dtype=self._dtype,
         )
         if self.loss_scaling != state_dict["loss_scaling"]:
             warnings.warn(

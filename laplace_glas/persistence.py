@@ -12,12 +12,12 @@ refused ``load_state_dict`` leaves the posterior exactly as it was.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from laplace_glas.validation import positive_scalar
+from laplace_glas.validation import homoscedastic_noise, positive_scalar, scalar_prior_precision
 
 __all__ = ["GLAS_KEYS", "LAPLACE_KEYS", "check_state"]
 
@@ -80,9 +80,10 @@ def _count(key: str, value: Any, low: int = 1) -> int:
     return value
 
 
-def _hyperparameter(key: str, value: Any, *, allow_zero: bool = False) -> None:
+def _hyperparameter(key: str, check: Callable[[], Any]) -> None:
+    """Run the setter's own check of ``state[key]``; its error names the entry."""
     try:
-        positive_scalar(key, value, allow_zero=allow_zero)
+        check()
     except (TypeError, ValueError) as err:
         raise ValueError(f"state_dict[{key!r}]: {err}") from None
 
@@ -95,6 +96,7 @@ def check_state(
     likelihood: str,
     loss_scalings: tuple[str, ...],
     complements: tuple[str, ...],
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Validate a GLAS state dict against the posterior it is loaded into.
 
@@ -168,15 +170,14 @@ def check_state(
     loss = state["loss"]
     if not math.isfinite(float(torch.as_tensor(loss).reshape(-1)[0])):
         raise ValueError("state_dict['loss'] is not finite.")
-    prior_precision = state["prior_precision"]
-    if isinstance(prior_precision, torch.Tensor) and prior_precision.numel() != 1:
-        raise ValueError(
-            "state_dict['prior_precision'] must be a scalar (GLAS's closed forms), got "
-            f"shape {tuple(prior_precision.shape)}."
-        )
-    _hyperparameter("prior_precision", prior_precision, allow_zero=True)
-    _hyperparameter("sigma_noise", state["sigma_noise"])
-    _hyperparameter("temperature", state["temperature"])
+    # the checks the setters run when the state is assigned, in the model's dtype, so
+    # that no setter can refuse a value halfway through the load
+    prior_precision, sigma_noise = state["prior_precision"], state["sigma_noise"]
+    _hyperparameter("prior_precision", lambda: scalar_prior_precision(prior_precision, dtype))
+    _hyperparameter("sigma_noise", lambda: homoscedastic_noise(sigma_noise, dtype, likelihood))
+    _hyperparameter(
+        "temperature", lambda: positive_scalar("temperature", state["temperature"], dtype=dtype)
+    )
     prior_mean = state["prior_mean"]
     if isinstance(prior_mean, torch.Tensor):
         if prior_mean.numel() not in (1, n_params) or not torch.isfinite(prior_mean).all():

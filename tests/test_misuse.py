@@ -211,6 +211,11 @@ CORRUPTIONS = {
     "missing mean": (lambda s: {k: v for k, v in s.items() if k != "mean"}, "'mean' are missing"),
     "negative prior": (lambda s: corrupt(s, "prior_precision", torch.tensor([-1.0])), "prior"),
     "zero noise": (lambda s: corrupt(s, "sigma_noise", torch.tensor(0.0)), "sigma_noise"),
+    "noise beyond float32": (
+        lambda s: corrupt(s, "sigma_noise", torch.tensor(1e-20, dtype=torch.float64)),
+        r"sigma_noise.*float32",
+    ),
+    "per-layer prior": (lambda s: corrupt(s, "prior_precision", torch.ones(3)), "one number"),
     "nan temperature": (lambda s: corrupt(s, "temperature", math.nan), "temperature"),
     "short mean": (lambda s: corrupt(s, "mean", s["mean"][:-1]), "D="),
     "wrong class": (lambda s: corrupt(s, "cls_name", "FullLaplace"), "FullLaplace"),
