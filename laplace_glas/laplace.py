@@ -61,7 +61,8 @@ from laplace_glas.curvature.subspace import (
     compute_eigenpairs,
     mean_ggn_operator,
 )
-from laplace_glas.persistence import check_state
+from laplace_glas.curvature.update import UpdatedCurvature
+from laplace_glas.persistence import check_state, eigenpair_record
 from laplace_glas.posterior import (
     SubspaceOperator,
     log_det_ratio,
@@ -74,6 +75,7 @@ from laplace_glas.predictive import (
     parameter_names,
 )
 from laplace_glas.validation import (
+    ArgumentTypeError,
     choice,
     finite_number,
     flag,
@@ -249,7 +251,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         progress_bar: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+            raise ArgumentTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
         trainable = [p for p in model.parameters() if p.requires_grad]
         n_params = sum(p.numel() for p in trainable)
         if n_params == 0:
@@ -298,7 +300,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         progress_bar = flag("progress_bar", progress_bar)
         for name, key in (("dict_key_x", dict_key_x), ("dict_key_y", dict_key_y)):
             if not isinstance(key, str):
-                raise TypeError(f"{name} must be a str, got {key!r}.")
+                raise ArgumentTypeError(f"{name} must be a str, got {key!r}.")
         # laplace-torch compares sigma_noise with 1 before its setter runs (a crash for
         # a tensor), so it is checked here; prior_precision and temperature are checked
         # by this class's setters inside ParametricLaplace.__init__
@@ -344,7 +346,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
     @staticmethod
     def _validate_n_components(k: Any, n_params: int) -> int:
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
-            raise TypeError(f"n_components must be an int, got {type(k).__name__}.")
+            raise ArgumentTypeError(f"n_components must be an int, got {type(k).__name__}.")
         k = int(k)
         if k < 1:
             raise ValueError(f"n_components must be >= 1, got {k}.")
@@ -577,16 +579,20 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
             ``(X, y)`` batches, or mappings with the target under ``dict_key_y``.
             The model's current weights are the MAP ``theta*``.
         override : bool, default=True
-            Must be True: an eigen-decomposition cannot be updated additively.
+            True: a new fit. False (after a fit): add this loader's curvature, loss
+            and number of terms to the stored ones, as laplace-torch does. The stored
+            curvature is rank ``K``, so the update is the top-``K`` eigen-solve of
+            ``(U diag(h) U^T + N_new G_new) / (N_old + N_new)``
+            (:mod:`laplace_glas.curvature.update`): exact when ``K`` reaches the rank
+            of the old GGN, otherwise off the union's fit by at most
+            ``N_old * lambda_{K+1}(G_old)`` in the summed curvature. Solved by Lanczos
+            (or the block solver with ``solver='block'``). The mean becomes the
+            model's current weights.
         progress_bar : bool, optional
             Overrides the constructor's ``progress_bar``.
 
         """
-        if not override:
-            raise ValueError(
-                "GLAS cannot update a fit (override=False): eigenpairs are not "
-                "additive across data sets."
-            )
+        update = not flag("override", override) and getattr(self, "_eigenpairs", None) is not None
         show = self.progress_bar if progress_bar is None else progress_bar
         if (
             isinstance(train_loader, DataLoader)
@@ -605,14 +611,26 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         generator = self.generator
         if generator is None:
             generator = torch.Generator().manual_seed(self.seed)
+        stored = None
+        if update:
+            if out_shape[-1] != self.n_outputs:
+                raise ValueError(
+                    f"fit(override=False) adds data of the fitted kind: the model now has "
+                    f"{out_shape[-1]} outputs, the fitted posterior {self.n_outputs}."
+                )
+            stored = (*self.H, self.n_data)
         eig = self.compute_eigenpairs(
             train_loader,
+            n_components=self.H[0].shape[1] if update else None,
             generator=generator,
             subsample_size=self.subsample_size,
             progress_bar=show,
             _out_shape=out_shape,
             _n_data=n_data,
+            _stored_curvature=stored,
         )
+        if update:
+            loss, n_data = self.loss + loss, self.n_data + n_data
         n_below = int(eig.below_threshold.sum())
         if n_below:
             warnings.warn(
@@ -661,6 +679,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         ncv: int | None = None,
         _out_shape: torch.Size | None = None,
         _n_data: int | None = None,
+        _stored_curvature: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     ) -> Eigenpairs:
         """Top eigenpairs of the unit-noise mean-loss GGN (or of ``loss_fn``'s) at the
         model's weights.
@@ -747,6 +766,15 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
                 dtype=self._dtype,
                 progress_bar=progress_bar,
             )
+            if _stored_curvature is not None:  # fit(override=False): add to the stored
+                U_old, h_old, n_old = _stored_curvature
+                # the new data weigh by all their terms, also when a subsample is solved
+                operator = UpdatedCurvature(
+                    U_old, h_old, n_old, _n_data, operator, scale, self._dtype
+                )
+                scale, eigen_n = 1.0, n_old + _n_data
+                solver = "block" if solver == "block" else "lanczos"
+                operator_name = f"stored rank-{U_old.shape[1]} curvature + {operator_name}"
             return compute_eigenpairs(
                 operator,
                 k,
@@ -1018,8 +1046,11 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
     def state_dict(self) -> dict[str, Any]:
         """laplace-torch's state plus the eigen-solve record and the GLAS settings.
 
-        Holds tensors and Python scalars only: ``torch.load(..., weights_only=True)``
-        reads it back.
+        Its top-level values are tensors, Python scalars, strings and tuples only
+        (laplace-torch's rule for a state without pickled objects), so
+        ``torch.load(..., weights_only=True)`` reads it back. The eigen-solve record is
+        stored as a tuple of ``(field, value)`` pairs without its eigenvectors, which
+        ``H[0]`` holds.
         """
         self._check_H_init()
         state = super().state_dict()
@@ -1028,7 +1059,9 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         state["loss_scaling"] = self.loss_scaling
         state["complement"] = self.complement
         state["n_components"] = self._n_components
-        state["eigenpairs"] = self._eigenpairs.to_dict()
+        record = self._eigenpairs.to_dict()
+        del record["vectors"]  # the same tensor as H[0]
+        state["eigenpairs"] = tuple(record.items())
         state["loss_fn"] = loss_fn_name(self.loss_fn)
         return state
 
@@ -1075,7 +1108,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
                 stacklevel=2,
             )
         try:
-            eigenpairs = Eigenpairs.from_dict(state_dict["eigenpairs"])
+            eigenpairs = Eigenpairs.from_dict(eigenpair_record(state_dict))
         except TypeError as err:
             raise ValueError(
                 f"state_dict['eigenpairs'] is not an eigen-solve record: {err}"

@@ -19,7 +19,7 @@ import torch
 
 from laplace_glas.validation import homoscedastic_noise, positive_scalar, scalar_prior_precision
 
-__all__ = ["GLAS_KEYS", "LAPLACE_KEYS", "check_state"]
+__all__ = ["GLAS_KEYS", "LAPLACE_KEYS", "check_state", "eigenpair_record"]
 
 LAPLACE_KEYS = (
     "mean",
@@ -182,12 +182,36 @@ def check_state(
     if isinstance(prior_mean, torch.Tensor):
         if prior_mean.numel() not in (1, n_params) or not torch.isfinite(prior_mean).all():
             raise ValueError("state_dict['prior_mean'] must be finite, scalar or of length D.")
-    _check_eigenpairs(state["eigenpairs"], U)
+    _check_eigenpairs(eigenpair_record(state), U)
 
 
-def _check_eigenpairs(record: Any, U: torch.Tensor) -> None:
+def eigenpair_record(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The eigen-solve record of a state as ``Eigenpairs.to_dict()``'s dict.
+
+    States store it as a tuple of ``(field, value)`` pairs without the eigenvectors
+    (``H[0]`` holds them); states of version 0.1 as a dict with them. Both are read.
+    """
+    record = state["eigenpairs"]
+    if isinstance(record, (tuple, list)):
+        try:
+            record = dict(record)
+        except (TypeError, ValueError):
+            raise ValueError(
+                "state_dict['eigenpairs'] must be a tuple of (field, value) pairs."
+            ) from None
     if not isinstance(record, Mapping):
-        raise ValueError("state_dict['eigenpairs'] must be a dict (Eigenpairs.to_dict()).")
+        raise ValueError(
+            "state_dict['eigenpairs'] must be a tuple of (field, value) pairs "
+            "(or the dict Eigenpairs.to_dict() returns)."
+        )
+    record = dict(record)
+    H = state.get("H")
+    if "vectors" not in record and isinstance(H, (tuple, list)) and len(H) == 2:
+        record["vectors"] = H[0]
+    return record
+
+
+def _check_eigenpairs(record: Mapping[str, Any], U: torch.Tensor) -> None:
     missing = [key for key in _EIGENPAIR_KEYS if key not in record]
     if missing:
         raise ValueError(

@@ -33,7 +33,7 @@ from laplace.utils.enums import LinkApprox, PredType
 from laplace_glas.autodiff import autodiff_friendly
 from laplace_glas.links import gaussian_samples, laplace_bridge
 from laplace_glas.predictive import batched_outputs, jacobian_gram, jvp_directions
-from laplace_glas.validation import positive_int
+from laplace_glas.validation import ArgumentTypeError, positive_int
 
 __all__ = ["FittedWeightsChangedWarning", "SubspacePredictive"]
 
@@ -85,7 +85,7 @@ class SubspacePredictive:
                 raise ValueError("The input must have a batch axis: shape (batch, ...), got ().")
             if inputs.is_floating_point() and inputs.dtype != self._dtype:
                 name = str(self._dtype).replace("torch.", "")
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"The input is {str(inputs.dtype).replace('torch.', '')} but the model's "
                     f"parameters are {name}: pass x.to({self._dtype})."
                 )
@@ -134,7 +134,7 @@ class SubspacePredictive:
         x = self._to_device(x)
 
         if pred_type == PredType.NN:
-            if joint:
+            if joint and self.likelihood == "regression":
                 raise ValueError("joint=True is only available for pred_type='glm'.")
             if self.likelihood == "regression":
                 fs = self._nn_functional_samples(x, n_samples, generator, **model_kwargs)
@@ -147,11 +147,9 @@ class SubspacePredictive:
             probs = self._nn_predictive_samples(x, n_samples, generator, **model_kwargs)
             return probs.mean(dim=0)
 
-        if joint:
-            f_mu, f_var, _ = self._glm_moments(x, joint=True)
-            if self.likelihood == "regression":
-                return f_mu, f_var
-            raise ValueError("joint=True is only available for regression.")
+        if joint and self.likelihood == "regression":
+            # as in laplace-torch, joint only applies to regression (ignored otherwise)
+            return self._glm_moments(x, joint=True)[:2]
         f_mu, f_var, lead = self._glm_moments(x)
         C = f_mu.shape[-1]
         if self.likelihood == "regression":
