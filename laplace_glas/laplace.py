@@ -52,7 +52,6 @@ from laplace_glas.curvature.fitting import (
     count_terms,
     curvature_loss,
     loss_at_map,
-    loss_fn_name,
     validate_loss_fn,
 )
 from laplace_glas.curvature.subspace import (
@@ -62,7 +61,7 @@ from laplace_glas.curvature.subspace import (
     mean_ggn_operator,
 )
 from laplace_glas.curvature.update import UpdatedCurvature
-from laplace_glas.persistence import check_state, eigenpair_record
+from laplace_glas.persistence import glas_state, restore_glas_state
 from laplace_glas.posterior import (
     SubspaceOperator,
     log_det_ratio,
@@ -1044,81 +1043,23 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
-        """laplace-torch's state plus the eigen-solve record and the GLAS settings.
-
-        Its top-level values are tensors, Python scalars, strings and tuples only
-        (laplace-torch's rule for a state without pickled objects), so
-        ``torch.load(..., weights_only=True)`` reads it back. The eigen-solve record is
-        stored as a tuple of ``(field, value)`` pairs without its eigenvectors, which
-        ``H[0]`` holds.
+        """laplace-torch's state plus the eigen-solve record and the GLAS settings
+        (:func:`laplace_glas.persistence.glas_state`).
         """
         self._check_H_init()
-        state = super().state_dict()
-        state["likelihood"] = str(getattr(self.likelihood, "value", self.likelihood))
-        state["H"] = tuple(self.H)
-        state["loss_scaling"] = self.loss_scaling
-        state["complement"] = self.complement
-        state["n_components"] = self._n_components
-        record = self._eigenpairs.to_dict()
-        del record["vectors"]  # the same tensor as H[0]
-        state["eigenpairs"] = tuple(record.items())
-        state["loss_fn"] = loss_fn_name(self.loss_fn)
-        return state
+        return glas_state(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a fitted posterior saved by :meth:`state_dict` (no refit).
 
         The whole state is validated first (:func:`laplace_glas.persistence.check_state`):
         a refused state raises ``ValueError`` naming the entry and leaves this object
-        unchanged.
+        unchanged. See :func:`laplace_glas.persistence.restore_glas_state`.
         """
-        check_state(
+        restore_glas_state(
+            self,
             state_dict,
-            cls_name=type(self).__name__,
-            n_params=self.n_params,
-            likelihood=str(getattr(self.likelihood, "value", self.likelihood)),
+            super().load_state_dict,
             loss_scalings=_LOSS_SCALINGS,
             complements=_COMPLEMENTS,
-            dtype=self._dtype,
         )
-        if self.loss_scaling != state_dict["loss_scaling"]:
-            warnings.warn(
-                f"loss_scaling {self.loss_scaling!r} is replaced by the saved "
-                f"{state_dict['loss_scaling']!r}.",
-                stacklevel=2,
-            )
-        if self.complement != state_dict["complement"]:
-            warnings.warn(
-                f"complement {self.complement!r} is replaced by the saved "
-                f"{state_dict['complement']!r}.",
-                stacklevel=2,
-            )
-        if self._n_components != state_dict["n_components"]:
-            warnings.warn(
-                f"n_components {self._n_components} is replaced by the saved "
-                f"{state_dict['n_components']}.",
-                stacklevel=2,
-            )
-        saved_loss = state_dict.get("loss_fn", "")
-        if saved_loss != loss_fn_name(self.loss_fn):
-            warnings.warn(
-                f"The saved eigenpairs are those of loss_fn {saved_loss or None!r}; this "
-                f"object has {loss_fn_name(self.loss_fn) or None!r}. The loaded curvature "
-                "is used as saved.",
-                stacklevel=2,
-            )
-        try:
-            eigenpairs = Eigenpairs.from_dict(eigenpair_record(state_dict))
-        except TypeError as err:
-            raise ValueError(
-                f"state_dict['eigenpairs'] is not an eigen-solve record: {err}"
-            ) from None
-        super().load_state_dict(state_dict)
-        self.loss = torch.as_tensor(self.loss).to(self._device, self._dtype)
-        U, h = state_dict["H"]
-        self.H = (U.to(self._device, self._dtype), h.to(self._device, self._dtype))
-        self.mean = self.mean.to(self._device, self._dtype)
-        self.loss_scaling = state_dict["loss_scaling"]
-        self.complement = state_dict["complement"]
-        self._eigenpairs = eigenpairs.to(self._device, self._dtype)
-        self._n_components = int(state_dict["n_components"])
