@@ -502,7 +502,12 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
     def temperature(self, temperature: float | torch.Tensor) -> None:
         number = positive_scalar("temperature", temperature, dtype=self._dtype)
         # numbers are stored as floats (a huge Python int would overflow torch's int64)
-        self._temperature = temperature if isinstance(temperature, torch.Tensor) else number
+        # a tensor is kept (it may carry gradients) as a 0-d one: shape (1, 1) would
+        # broadcast the evidence and the variances into matrices
+        if isinstance(temperature, torch.Tensor):
+            self._temperature = temperature.reshape(())
+        else:
+            self._temperature = number
 
     @property
     def prior_mean(self) -> torch.Tensor:

@@ -303,3 +303,17 @@ def test_half_precision_models_get_a_clear_error_catchable_as_laplace_torchs(dty
     with pytest.raises(ValueError, match=r"float32 or float64.*model.float\(\)") as info:
         ActiveSubspaceLaplace(model, "regression", n_components=2)
     assert isinstance(info.value, TypeError) and isinstance(info.value, ArgumentTypeError)
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
+def test_one_element_temperature_tensors_give_scalar_results(shape):
+    # found by hypothesis: a (1, 1) temperature made the evidence a (1, 1) matrix
+    X, y = data64(10, 14)
+    la = glas(model64())
+    la.fit(loader(X, y))
+    reference = la.log_marginal_likelihood()
+    la.temperature = torch.ones(shape, dtype=torch.float64)
+    assert la.temperature.shape == ()
+    torch.testing.assert_close(la.log_marginal_likelihood(), reference)
+    _, var = la(X[:3])
+    assert var.shape == (3, 1, 1)
