@@ -40,7 +40,7 @@ Cost: ``J U`` takes ``k`` forward-mode JVPs (as the 'glm' predictive). ``||J||_F
 a sum of squared per-example gradient norms, ``sum_c ||grad_theta f_c(x)||^2``: one
 reverse-mode pass per output entry of an example, vectorised with ``torch.func.vmap``
 over the examples of a chunk and over output entries (at most ``_BUDGET`` numbers of
-gradients at once); the ``C x D`` Jacobian of a chunk is never stored.
+gradients at once, summed over the chunk); the ``C x D`` Jacobian of a chunk is never stored.
 """
 
 from __future__ import annotations
@@ -148,6 +148,8 @@ def _per_example_norms(
     gradients ``grad_theta f_o`` by reverse mode, vectorised over examples and over
     output entries; only their squared norms are kept.
     """
+    n_examples = x[dict_key_x].shape[0] if isinstance(x, Mapping) else x.shape[0]
+    n_parallel = 1 if isinstance(x, Mapping) else max(n_examples, 1)  # examples under vmap
 
     def one(batch: Any) -> torch.Tensor:
         """Squared gradient norms of one example (``batch`` holds it with a batch axis)."""
@@ -158,7 +160,7 @@ def _per_example_norms(
         out, pullback = vjp(f, primals)
         n_entries = out.shape[0]
         n_params = sum(p.numel() for p in primals.values())
-        step = max(1, min(n_entries, _BUDGET // max(n_params, 1)))
+        step = max(1, min(n_entries, _BUDGET // max(n_params * n_parallel, 1)))
         eye = torch.eye(n_entries, dtype=out.dtype, device=out.device)
 
         def sq_norm(cotangent: torch.Tensor) -> torch.Tensor:
