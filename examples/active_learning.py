@@ -57,14 +57,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--k", type=int, default=10, help="GLAS subspace dimension")
     parser.add_argument("--width", type=int, default=None, help="hidden width (50; 16 --quick)")
-    parser.add_argument("--steps", type=int, default=None, help="Adam steps (1500; 200 --quick)")
+    parser.add_argument("--steps", type=int, default=None, help="Adam steps (1000; 200 --quick)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--out", type=Path, default=None, help="folder for the figure")
     args = parser.parse_args(argv)
     args.seeds = args.seeds or (1 if args.quick else 3)
     args.max_labels = args.max_labels or (70 if args.quick else 300)
     args.width = args.width or (16 if args.quick else 50)
-    args.steps = args.steps or (200 if args.quick else 1500)
+    args.steps = args.steps or (200 if args.quick else 1000)
     if args.start < 2 or args.batch < 1 or args.max_labels < args.start:
         parser.error("need --start >= 2, --batch >= 1 and --max-labels >= --start")
     return args

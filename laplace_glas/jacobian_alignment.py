@@ -148,8 +148,7 @@ def _per_example_norms(
     gradients ``grad_theta f_o`` by reverse mode, vectorised over examples and over
     output entries; only their squared norms are kept.
     """
-    n_examples = x[dict_key_x].shape[0] if isinstance(x, Mapping) else x.shape[0]
-    n_parallel = 1 if isinstance(x, Mapping) else max(n_examples, 1)  # examples under vmap
+    n_parallel = 1 if isinstance(x, Mapping) else max(x.shape[0], 1)  # examples under vmap
 
     def one(batch: Any) -> torch.Tensor:
         """Squared gradient norms of one example (``batch`` holds it with a batch axis)."""
@@ -167,12 +166,20 @@ def _per_example_norms(
             (grads,) = pullback(cotangent)
             return sum(g.square().sum() for g in grads.values())
 
-        norms = vmap(sq_norm, chunk_size=step)(eye)  # (n_entries,)
+        try:
+            norms = vmap(sq_norm, chunk_size=step)(eye)  # (n_entries,)
+        except (RuntimeError, NotImplementedError):
+            norms = torch.stack([sq_norm(row) for row in eye])
         return norms.reshape(-1, n_outputs).sum(dim=-1)
 
-    if isinstance(x, Mapping):
-        return torch.cat([one(row) for row in row_chunks(x, 1, dict_key_x)])
-    return vmap(lambda x_i: one(x_i.unsqueeze(0)), randomness="same")(x).reshape(-1)
+    if not isinstance(x, Mapping):
+        try:
+            return vmap(lambda x_i: one(x_i.unsqueeze(0)), randomness="same")(x).reshape(-1)
+        except (RuntimeError, NotImplementedError):
+            # a module without a batching rule: one example at a time (the loop raises
+            # the caller's own errors, e.g. a wrong input shape)
+            n_parallel = 1
+    return torch.cat([one(row) for row in row_chunks(x, 1, dict_key_x)])
 
 
 def alignment(

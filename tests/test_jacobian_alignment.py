@@ -195,3 +195,53 @@ def test_plot_alignment(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="complement"):
         plot_alignment(results, complement="full")
+
+
+class DictInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp([3, 6, 2], seed=4)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.net(batch["input_ids"]) * batch["scale"]
+
+
+class DataDependent(nn.Module):
+    """A forward that reads a value of its input: no vmap over examples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp([3, 6, 2], seed=5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) * (2.0 if float(x.abs().max()) > 1.0 else 1.0)
+
+
+def test_mapping_inputs_and_models_without_vmap():
+    g = torch.Generator().manual_seed(6)
+    X = torch.randn(20, 3, generator=g, dtype=torch.float64)
+    y = torch.randn(20, 2, generator=g, dtype=torch.float64)
+    x = torch.randn(3, 3, generator=g, dtype=torch.float64)
+
+    model = DictInput()
+    scale = torch.tensor(1.5, dtype=torch.float64)
+    batches = [
+        {"input_ids": X[i : i + 10], "scale": scale, "labels": y[i : i + 10]} for i in (0, 10)
+    ]
+    la = Laplace(
+        model, "regression", subset_of_weights="all", hessian_structure="glas", n_components=3
+    )
+    la.fit(batches)
+    result = alignment(la, {"input_ids": x, "scale": scale}, chunk_size=2)
+    J = dense_jacobian(model.net, x) * 1.5
+    torch.testing.assert_close(result.jacobian_norm2, J.square().sum(dim=(1, 2)))
+    torch.testing.assert_close(
+        result.projected_norm2, (J @ la.eigenvectors).square().sum(dim=(1, 2))
+    )
+
+    model = DataDependent()
+    la = fit_glas(model, X, y, n_components=3)
+    result = alignment(la, x)
+    rows = [dense_jacobian(model, x[i : i + 1]) for i in range(3)]
+    J = torch.cat(rows)
+    torch.testing.assert_close(result.jacobian_norm2, J.square().sum(dim=(1, 2)))
