@@ -39,8 +39,11 @@ out-of-distribution scores (larger = more unusual).
 Cost: ``J U`` takes ``k`` forward-mode JVPs (as the 'glm' predictive). ``||J||_F^2`` is
 a sum of squared per-example gradient norms, ``sum_c ||grad_theta f_c(x)||^2``: one
 reverse-mode pass per output entry of an example, vectorised with ``torch.func.vmap``
-over the examples of a chunk and over output entries (at most ``_BUDGET`` numbers of
-gradients at once, summed over the chunk); the ``C x D`` Jacobian of a chunk is never stored.
+over the examples of a chunk and over output entries. Only the squared norms are kept:
+at most ``_BUDGET`` (``2**24``) gradient numbers exist at once over the chunk, so for
+large ``D`` or ``C`` the ``C x D`` Jacobians of the chunk are never formed whole (the
+output entries are taken in slices). Cost: ``C`` (times the positions) backward passes
+per input, against ``k`` forward passes for ``J U``.
 """
 
 from __future__ import annotations
