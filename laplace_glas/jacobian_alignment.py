@@ -282,7 +282,7 @@ def ood_scores(result: Alignment) -> dict[str, torch.Tensor]:
         ``'variance (zero)'``: ``sum_j v_j ||J u_j||^2``, the 'glm' variance with
         ``complement='zero'``; ``'variance (prior)'``: ``variance + residual / tau``,
         the 'glm' variance with ``complement='prior'`` (equal to it, see
-        :attr:`Alignment.combined`; NaN-free only for ``tau > 0``, else left out);
+        :attr:`Alignment.combined`; left out when ``tau = 0``);
         ``'residual'``: ``||J (I - U U^T)||_F^2``; ``'1 - captured'``: the share of
         ``||J||_F^2`` outside ``span(U)``. Each ``(n,)``.
 
