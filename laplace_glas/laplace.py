@@ -37,7 +37,6 @@ import numpy as np
 import torch
 import torchmetrics
 from laplace.baselaplace import ParametricLaplace
-from laplace.curvature import AsdlGGN, BackPackGGN, CurvlinopsGGN
 from laplace.utils.enums import LinkApprox, PredType, PriorStructure, TuningMethod
 from torch import nn
 from torch.nn.utils import parameters_to_vector
@@ -45,8 +44,9 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from laplace_glas.autodiff import autodiff_friendly
 from laplace_glas.calibration import DimensionSelection, select_dimension
+from laplace_glas.curvature.backends import curvature_operator, resolve_backend
 from laplace_glas.curvature.batches import XYBatches, batch_size, split_batch, subsample_loader
-from laplace_glas.curvature.dispatch import SOLVERS, select_operator
+from laplace_glas.curvature.dispatch import SOLVERS
 from laplace_glas.curvature.fitting import (
     MapLoss,
     count_terms,
@@ -59,7 +59,6 @@ from laplace_glas.curvature.subspace import (
     Eigenpairs,
     NumericalRankWarning,
     compute_eigenpairs,
-    mean_ggn_operator,
 )
 from laplace_glas.persistence import check_state
 from laplace_glas.posterior import (
@@ -94,7 +93,6 @@ __all__ = ["ActiveSubspaceLaplace", "FittedWeightsChangedWarning", "NotFittedErr
 
 _LOSS_SCALINGS = ("mean", "sum")
 _COMPLEMENTS = ("zero", "prior")
-_GGN_BACKENDS = (CurvlinopsGGN, BackPackGGN, AsdlGGN)
 
 
 class NotFittedError(ValueError, AttributeError):
@@ -129,9 +127,11 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         ``prior_precision``; ``likelihood`` is ``'regression'`` (Gaussian, MSE) or
         ``'classification'`` (softmax cross-entropy).
     backend, backend_kwargs, asdl_fisher_kwargs :
-        Accepted for drop-in compatibility. The curvature is always the exact GGN,
-        computed matrix-free by curvlinops; a GGN backend is therefore accepted and
-        ignored, any other (EF, Hessian, Fisher-MC) is rejected.
+        As in laplace-torch. ``backend`` picks the matrix (GGN by default, empirical
+        Fisher for ``*EF``, Hessian for ``*Hessian``), always computed matrix-free
+        by curvlinops (:mod:`laplace_glas.curvature.backends`; BackPACK / ASDL classes
+        are mapped with a warning, a stochastic GGN or an unknown class is refused).
+        ``la.curvature`` records the choice.
     n_components : int, default=20
         ``k``, the number of leading GGN eigenpairs (``1 <= k < D``).
     loss_scaling : {'mean', 'sum'}, default='mean'
@@ -265,14 +265,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         )
         solver = choice("solver", solver, SOLVERS)
         n_components = self._validate_n_components(n_components, n_params)
-        if backend is not None and not (
-            isinstance(backend, type) and issubclass(backend, _GGN_BACKENDS)
-        ):
-            name = getattr(backend, "__name__", repr(backend))
-            raise ValueError(
-                f"GLAS always uses the exact GGN (matrix-free, via curvlinops); the "
-                f"curvature backend {name} would ask for another matrix."
-            )
+        curvature = resolve_backend(backend, backend_kwargs)
         if generator is not None and (
             not isinstance(generator, torch.Generator) or generator.device.type != "cpu"
         ):
@@ -320,6 +313,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
             asdl_fisher_kwargs=asdl_fisher_kwargs,
         )
         self.complement = complement
+        self.curvature = curvature
         self._n_components = n_components
         self.solver = solver
         self.block_size = block_size
@@ -720,31 +714,16 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
             device=self._device,
             dtype=self._dtype,
         )
-        operator = mean_ggn_operator(
-            self.model,
-            loss_func,
-            self.params,
-            XYBatches(eigen_loader, self.dict_key_y),
-            num_data=num_data,
-            batch_size_fn=batch_size_fn,
-        )
         with autodiff_friendly(self.model):
-            operator, scale, solver, operator_name = select_operator(
-                operator,
+            operator, scale, solver, operator_name = self._curvature_operator(
+                loss_func,
                 scale,
-                self.solver,
-                model=self.model,
-                params=self.params,
-                loader=eigen_loader,
-                likelihood=self.likelihood,
+                eigen_loader,
                 n_terms=eigen_n,
+                num_data=num_data,
+                batch_size_fn=batch_size_fn,
                 k=k,
-                loss_fn=self.loss_fn,
-                ignore_index=self.ignore_index,
-                dict_key_x=self.dict_key_x,
-                dict_key_y=self.dict_key_y,
-                device=self._device,
-                dtype=self._dtype,
+                out_ndim=len(_out_shape),
                 progress_bar=progress_bar,
             )
             return compute_eigenpairs(
@@ -764,6 +743,47 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
                 block_size=self.block_size,
                 operator_name=operator_name,
             )
+
+    def _curvature_operator(
+        self,
+        loss_func: nn.Module,
+        scale: float,
+        loader: Any,
+        *,
+        n_terms: int,
+        num_data: int,
+        batch_size_fn: Callable | None,
+        k: int,
+        out_ndim: int,
+        progress_bar: bool,
+    ) -> tuple[object, float, str, str]:
+        """The curvature operator of ``self.curvature`` (the backend's matrix), its
+        scale, the solver and the operator's name
+        (:func:`laplace_glas.curvature.backends.curvature_operator`).
+        """
+        return curvature_operator(
+            self.curvature,
+            loss_func,
+            scale,
+            self.solver,
+            model=self.model,
+            params=self.params,
+            data=XYBatches(loader, self.dict_key_y),
+            loader=loader,
+            num_data=num_data,
+            batch_size_fn=batch_size_fn,
+            likelihood=self.likelihood,
+            n_terms=n_terms,
+            k=k,
+            out_ndim=out_ndim,
+            loss_fn=self.loss_fn,
+            ignore_index=self.ignore_index,
+            dict_key_x=self.dict_key_x,
+            dict_key_y=self.dict_key_y,
+            device=self._device,
+            dtype=self._dtype,
+            progress_bar=progress_bar,
+        )
 
     # ------------------------------------------------------------------ posterior
     @property

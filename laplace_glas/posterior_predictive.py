@@ -62,9 +62,10 @@ class SubspacePredictive:
         ``la.mean`` (one pass over ``D`` numbers, no copy).
         """
         offset = 0
+        theta = self._network_weights()
         for param in self.params:
             n = param.numel()
-            fitted = self.mean[offset : offset + n]
+            fitted = theta[offset : offset + n]
             offset += n
             if fitted.device != param.device or not torch.equal(
                 param.detach().reshape(-1), fitted.detach()
@@ -77,6 +78,30 @@ class SubspacePredictive:
                     stacklevel=3,
                 )
                 return
+
+    def _network_weights(self) -> torch.Tensor:
+        """``theta*`` over ``self.params`` (all of the network's weights under
+        inference; a subnetwork posterior overrides it to embed its ``mean``).
+        """
+        return self.mean
+
+    def _network_directions(self) -> torch.Tensor:
+        """``U`` over ``self.params``: ``(D, k)`` (a subnetwork posterior embeds its
+        ``(D_s, k)`` eigenvectors).
+        """
+        return self.eigenvectors
+
+    def _prior_gram(self, X: Any, theta: torch.Tensor, joint: bool = False) -> torch.Tensor:
+        """``J J^T`` over the weights under inference, for ``complement='prior'``."""
+        return jacobian_gram(
+            self.model,
+            self._param_names,
+            self._param_shapes,
+            theta,
+            X,
+            joint=joint,
+            dict_key_x=self.dict_key_x,
+        )
 
     def _check_inputs(self, X: Any) -> None:
         inputs = X[self.dict_key_x] if isinstance(X, MutableMapping) else X
@@ -205,9 +230,10 @@ class SubspacePredictive:
         self._check_inputs(X)
         self._check_fitted_weights()
         X = self._to_device(X)
-        U = self.eigenvectors
+        U = self._network_directions()
         v = self.posterior_variances
-        theta = self.mean if self.enable_backprop else self.mean.detach()
+        theta = self._network_weights()
+        theta = theta if self.enable_backprop else theta.detach()
         names, shapes = self._param_names, self._param_shapes
         with torch.set_grad_enabled(self.enable_backprop), autodiff_friendly(self.model):
             f_mu, JU = jvp_directions(
@@ -228,17 +254,13 @@ class SubspacePredictive:
                 JU_flat = JU.reshape(-1, JU.shape[-1])
                 f_var = (JU_flat * weights) @ JU_flat.T
                 if self.complement == "prior":
-                    gram = jacobian_gram(
-                        self.model, names, shapes, theta, X, joint=True, dict_key_x=self.dict_key_x
-                    )
+                    gram = self._prior_gram(X, theta, joint=True)
                     f_var = f_var + gram * self._complement_variance
                 f_mu = f_mu.flatten()
             else:
                 f_var = torch.einsum("nck,k,nlk->ncl", JU, weights, JU)
                 if self.complement == "prior":
-                    gram = jacobian_gram(
-                        self.model, names, shapes, theta, X, dict_key_x=self.dict_key_x
-                    )
+                    gram = self._prior_gram(X, theta)
                     f_var = f_var + gram * self._complement_variance
         if not self.enable_backprop:
             f_mu, f_var = f_mu.detach(), f_var.detach()
