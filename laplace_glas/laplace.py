@@ -92,6 +92,7 @@ from laplace_glas.validation import seed as valid_seed
 __all__ = ["ActiveSubspaceLaplace", "FittedWeightsChangedWarning", "NotFittedError"]
 
 _LOSS_SCALINGS = ("mean", "sum")
+_LIKELIHOODS = ("regression", "classification", "reward_modeling")
 _COMPLEMENTS = ("zero", "prior")
 
 
@@ -124,8 +125,10 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
     model, likelihood, sigma_noise, prior_precision, prior_mean, temperature,
     enable_backprop, dict_key_x, dict_key_y :
         As in laplace-torch's ``ParametricLaplace``. The closed forms need a scalar
-        ``prior_precision``; ``likelihood`` is ``'regression'`` (Gaussian, MSE) or
-        ``'classification'`` (softmax cross-entropy).
+        ``prior_precision``; ``likelihood`` is ``'regression'`` (Gaussian, MSE),
+        ``'classification'`` (softmax cross-entropy) or ``'reward_modeling'``
+        (laplace-torch's: fitted as classification on preference pairs, predicted
+        as a regression of the reward unless ``fitting=True``).
     backend, backend_kwargs, asdl_fisher_kwargs :
         As in laplace-torch. ``backend`` picks the matrix (GGN by default, empirical
         Fisher for ``*EF``, Hessian for ``*Hessian``), always computed matrix-free
@@ -258,7 +261,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
                 "put a posterior on."
             )
         dtype = parameter_dtype(trainable)
-        likelihood = choice("likelihood", likelihood, ("regression", "classification"))
+        likelihood = choice("likelihood", likelihood, _LIKELIHOODS)
         self.loss_scaling = loss_scaling  # validated by the property
         complement = choice(
             "complement", complement, _COMPLEMENTS, " (no variance / the prior's outside span(U))"
@@ -296,7 +299,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         # a tensor), so it is checked here; prior_precision and temperature are checked
         # by this class's setters inside ParametricLaplace.__init__
         homoscedastic_noise(sigma_noise, dtype, likelihood)
-        validate_loss_fn(loss_fn, ignore_index if likelihood == "classification" else None)
+        validate_loss_fn(loss_fn, ignore_index if likelihood != "regression" else None)
 
         super().__init__(
             model,
@@ -350,6 +353,14 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
                 f"(hessian_structure='full') is exact and cheap."
             )
         return k
+
+    @property
+    def _curvature_likelihood(self) -> str:
+        """The likelihood of the curvature and of the training loss: laplace-torch fits
+        ``'reward_modeling'`` as ``'classification'`` (Bradley-Terry preference pairs:
+        a softmax over the pair's two rewards).
+        """
+        return "classification" if self.likelihood == "reward_modeling" else self.likelihood
 
     def _init_H(self) -> None:
         self.H: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -633,7 +644,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         return loss_at_map(
             self.model,
             loader,
-            self.likelihood,
+            self._curvature_likelihood,
             ignore_index=self.ignore_index,
             dict_key_x=self.dict_key_x,
             dict_key_y=self.dict_key_y,
@@ -684,7 +695,11 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
             # after fit: the output shape per point is the model's; N is this loader's
             _out_shape = self._out_shape
             _n_data = count_terms(
-                train_loader, self.likelihood, self.ignore_index, self.dict_key_x, self.dict_key_y
+                train_loader,
+                self._curvature_likelihood,
+                self.ignore_index,
+                self.dict_key_x,
+                self.dict_key_y,
             )
             if _n_data == 0:
                 raise ValueError("The loader is empty (or all its targets are ignore_index).")
@@ -694,7 +709,11 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         if subsample_size is not None:
             eigen_loader = subsample_loader(train_loader, subsample_size, generator)
             eigen_n = count_terms(
-                eigen_loader, self.likelihood, self.ignore_index, self.dict_key_x, self.dict_key_y
+                eigen_loader,
+                self._curvature_likelihood,
+                self.ignore_index,
+                self.dict_key_x,
+                self.dict_key_y,
             )
 
         batch_size_fn = None
@@ -706,7 +725,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
                 return batch_size(X, key_x)
 
         loss_func, scale, num_data = curvature_loss(
-            self.likelihood,
+            self._curvature_likelihood,
             eigen_n,
             _out_shape,
             ignore_index=self.ignore_index,
@@ -772,7 +791,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
             loader=loader,
             num_data=num_data,
             batch_size_fn=batch_size_fn,
-            likelihood=self.likelihood,
+            likelihood=self._curvature_likelihood,
             n_terms=n_terms,
             k=k,
             out_ndim=out_ndim,

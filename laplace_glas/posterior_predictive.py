@@ -152,7 +152,8 @@ class SubspacePredictive:
             raise ValueError(f"Unsupported link approximation {link_approx}.")
         if pred_type == PredType.NN and link_approx != LinkApprox.MC:
             raise ValueError("Only mc link approximation is supported for nn prediction type.")
-        self._check_bridge(pred_type, link_approx)
+        likelihood = self._predictive_likelihood(fitting)
+        self._check_bridge(pred_type, link_approx, likelihood)
         self._check_generator(generator)
         n_samples = positive_int("n_samples", n_samples, allow_none=False)
         self._check_inputs(x)
@@ -161,7 +162,7 @@ class SubspacePredictive:
         if pred_type == PredType.NN:
             if joint:
                 raise ValueError("joint=True is only available for pred_type='glm'.")
-            if self.likelihood == "regression":
+            if likelihood == "regression":
                 fs = self._nn_functional_samples(x, n_samples, generator, **model_kwargs)
                 if n_samples < 2:
                     raise ValueError(
@@ -169,17 +170,17 @@ class SubspacePredictive:
                         f"'nn' predictive, got {n_samples}."
                     )
                 return fs.mean(dim=0), fs.var(dim=0)
-            probs = self._nn_predictive_samples(x, n_samples, generator, **model_kwargs)
-            return probs.mean(dim=0)
+            fs = self._nn_functional_samples(x, n_samples, generator, **model_kwargs)
+            return torch.softmax(fs, dim=-1).mean(dim=0)
 
         if joint:
             f_mu, f_var, _ = self._glm_moments(x, joint=True)
-            if self.likelihood == "regression":
+            if likelihood == "regression":
                 return f_mu, f_var
             raise ValueError("joint=True is only available for regression.")
         f_mu, f_var, lead = self._glm_moments(x)
         C = f_mu.shape[-1]
-        if self.likelihood == "regression":
+        if likelihood == "regression":
             if diagonal_output:
                 return f_mu.reshape(*lead, C), f_var.diagonal(dim1=-2, dim2=-1).reshape(*lead, C)
             return f_mu.reshape(*lead, C), f_var.reshape(*lead, C, C)
@@ -194,7 +195,21 @@ class SubspacePredictive:
             probs = laplace_bridge(f_mu, f_var, normalize=link_approx == LinkApprox.BRIDGE_NORM)
         return probs.reshape(*lead, C)
 
-    def _check_bridge(self, pred_type: PredType | str, link_approx: LinkApprox | str) -> None:
+    def _predictive_likelihood(self, fitting: bool = False) -> str:
+        """The predictive's likelihood: laplace-torch's ``'reward_modeling'`` predicts
+        individual rewards as a regression, and preference pairs as a classification
+        when ``fitting=True``.
+        """
+        if self.likelihood == "reward_modeling":
+            return "classification" if fitting else "regression"
+        return self.likelihood
+
+    def _check_bridge(
+        self,
+        pred_type: PredType | str,
+        link_approx: LinkApprox | str,
+        likelihood: str = "classification",
+    ) -> None:
         """The Laplace bridge needs a logit covariance of full rank ``C``.
 
         It conditions ``N(f_mu, f_var)`` on ``sum(f) = 0`` and reads the per-class
@@ -205,7 +220,7 @@ class SubspacePredictive:
         if (
             pred_type == PredType.GLM
             and link_approx in (LinkApprox.BRIDGE, LinkApprox.BRIDGE_NORM)
-            and self.likelihood == "classification"
+            and likelihood == "classification"
             and self.complement == "zero"
             and self._n_components < self.n_outputs
         ):
@@ -410,7 +425,7 @@ class SubspacePredictive:
         **model_kwargs: dict[str, Any],
     ) -> torch.Tensor:
         fs = self._nn_functional_samples(X, n_samples, generator, **model_kwargs)
-        if self.likelihood == "classification":
+        if self._predictive_likelihood() == "classification":
             fs = torch.softmax(fs, dim=-1)
         return fs
 

@@ -9,8 +9,8 @@ mean-loss GGN *restricted to those weights*,
     G_S = P_S^\\top G P_S = \\frac{1}{N} \\sum_n J_{n,S}^\\top \\Lambda_n J_{n,S},
     \\qquad J_{n,S} = \\partial f_n / \\partial \\theta_S ,
 
-and every GLAS quantity (evidence, calibration, 'glm' / 'nn' predictives, samples)
-is the one of :class:`~laplace_glas.ActiveSubspaceLaplace` with ``D`` replaced by
+and every GLAS quantity (evidence, 'glm' / 'nn' predictives, samples; calibration
+for the last layer) is the one of :class:`~laplace_glas.ActiveSubspaceLaplace` with ``D`` replaced by
 ``D_S = |S|``. In the ``k >= rank(G_S)`` limit with ``complement='prior'`` the
 posterior is laplace-torch's ``FullLLLaplace`` / ``FullSubnetLaplace``.
 
@@ -92,7 +92,9 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
     enable_backprop, feature_reduction, dict_key_x, dict_key_y, backend,
     last_layer_name, backend_kwargs, asdl_fisher_kwargs :
         As in laplace-torch's ``LLLaplace`` (the model is deep-copied into a
-        ``FeatureExtractor``; ``asdl_fisher_kwargs`` must be None).
+        ``FeatureExtractor``; ``asdl_fisher_kwargs`` must be None). GLAS
+        differentiates through the model's own forward pass, so ``feature_reduction``
+        is only stored (the model's forward already reduces its features).
     **glas_kwargs :
         ``n_components``, ``loss_scaling``, ``complement``, ``solver``, ... as in
         :class:`~laplace_glas.ActiveSubspaceLaplace`; ``1 <= n_components < D_L``
@@ -375,6 +377,17 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
             J = J.reshape(-1, J.shape[-1])
             return J @ J.T
         return J @ J.transpose(1, 2)
+
+    def calibrate(self, *args: Any, **kwargs: Any) -> Any:
+        """Not available for subnetworks: the coverage sweeps of
+        :mod:`laplace_glas.calibration` perturb all of ``self.params``; use
+        :meth:`optimize_prior_precision` and a fixed ``n_components`` instead.
+        """
+        raise ValueError(
+            "calibrate is not available for SubnetActiveSubspaceLaplace (its coverage "
+            "sweeps perturb the whole network); tune prior_precision with "
+            "optimize_prior_precision() and set n_components directly."
+        )
 
     def sample(
         self, n_samples: int = 100, generator: torch.Generator | None = None

@@ -91,20 +91,13 @@ def test_unknown_complement(complement):
         glas(complement=complement)
 
 
-def test_reward_modeling_likelihood_is_rejected():
-    with pytest.raises(ValueError, match=r"'regression' or 'classification'.*reward_modeling"):
-        glas(likelihood="reward_modeling")
-
-
-def test_reward_modeling_likelihood_is_rejected_through_the_factory():
-    with pytest.raises(ValueError, match=r"'regression' or 'classification'.*reward_modeling"):
-        Laplace(
-            small_model(),
-            "reward_modeling",
-            subset_of_weights="all",
-            hessian_structure="glas",
-            n_components=2,
-        )
+def test_unknown_likelihood_is_rejected():
+    # 'reward_modeling' is supported (tests/test_reward_modeling.py)
+    with pytest.raises(
+        ValueError,
+        match=r"likelihood must be one of 'regression', 'classification', 'reward_modeling'",
+    ):
+        glas(likelihood="poisson")
 
 
 def test_model_without_parameters():

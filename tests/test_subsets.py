@@ -226,3 +226,26 @@ def test_last_layer_state_dict_round_trip():
     for a, b in zip(other(Xtest), glas(Xtest)):
         torch.testing.assert_close(a, b)
     assert isinstance(other, ActiveSubspaceLaplace)
+
+
+def test_subnetwork_state_dict_round_trip():
+    glas, _, Xtest, _ = fitted("subnetwork", "classification")
+    other = SubnetActiveSubspaceLaplace(
+        problem("classification")[0],
+        "classification",
+        SUBNET,
+        n_components=9,
+        complement="prior",
+        loss_scaling="sum",
+    )
+    other.load_state_dict(glas.state_dict())
+    torch.testing.assert_close(other.mean, glas.mean)
+    torch.testing.assert_close(other(Xtest), glas(Xtest))
+    torch.testing.assert_close(other.log_marginal_likelihood(), glas.log_marginal_likelihood())
+
+
+def test_subnetwork_refuses_calibration_by_name():
+    glas, _, _, _ = fitted("subnetwork", "regression")
+    _, X, y, _ = problem("regression")
+    with pytest.raises(ValueError, match="calibrate is not available for SubnetActive"):
+        glas.calibrate(loader(X, y, batch_size=3))
