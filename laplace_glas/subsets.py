@@ -10,8 +10,8 @@ mean-loss GGN *restricted to those weights*,
     \\qquad J_{n,S} = \\partial f_n / \\partial \\theta_S ,
 
 and every GLAS quantity (evidence, 'glm' / 'nn' predictives, samples; calibration
-for the last layer) is the one of :class:`~laplace_glas.ActiveSubspaceLaplace` with ``D`` replaced by
-``D_S = |S|``. In the ``k >= rank(G_S)`` limit with ``complement='prior'`` the
+for the last layer) is the one of :class:`~laplace_glas.ActiveSubspaceLaplace` with
+``D`` replaced by ``D_S = |S|``. In the ``k >= rank(G_S)`` limit with ``complement='prior'`` the
 posterior is laplace-torch's ``FullLLLaplace`` / ``FullSubnetLaplace``.
 
 * :class:`LastLayerActiveSubspaceLaplace` (``('last_layer', 'glas')``, the factory's
