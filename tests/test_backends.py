@@ -213,3 +213,36 @@ def test_ef_refuses_sequence_outputs():
     la = ActiveSubspaceLaplace(Seq(), "classification", backend=CurvlinopsEF, n_components=2)
     with pytest.raises(ValueError, match=r"empirical Fisher backend needs classification"):
         la.fit(loader(X, y, batch_size=2))
+
+
+@pytest.mark.parametrize("likelihood", ["regression", "classification"])
+def test_ef_on_the_last_layer_and_a_subnetwork_equals_laplace_torch(likelihood):
+    from laplace.lllaplace import FullLLLaplace
+    from laplace.subnetlaplace import FullSubnetLaplace
+
+    from laplace_glas import LastLayerActiveSubspaceLaplace, SubnetActiveSubspaceLaplace
+
+    model, X, y = problem(likelihood)
+    dl = loader(X, y, batch_size=4)
+    indices = torch.tensor([0, 3, 7, 12, 15, 20, 21])  # D_S = 7, EF rank <= 6
+    common = {"backend": CurvlinopsEF, "prior_precision": TAU}
+    glas_kwargs = {"complement": "prior", "loss_scaling": "sum", **common}
+    pairs = [
+        (
+            LastLayerActiveSubspaceLaplace(model, likelihood, n_components=7, **glas_kwargs),
+            FullLLLaplace(model, likelihood, **common),
+        ),
+        (
+            SubnetActiveSubspaceLaplace(model, likelihood, indices, n_components=6, **glas_kwargs),
+            FullSubnetLaplace(model, likelihood, indices, **common),
+        ),
+    ]
+    for glas, full in pairs:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            glas.fit(dl)
+        full.fit(dl)
+        assert glas.lanczos_info.operator.startswith("curvlinops EF")
+        torch.testing.assert_close(
+            glas.log_marginal_likelihood(), full.log_marginal_likelihood(), rtol=1e-6, atol=0
+        )
