@@ -38,6 +38,7 @@ import torch
 
 from laplace_glas.autodiff import autodiff_friendly
 from laplace_glas.curvature.batches import split_batch
+from laplace_glas.curvature.distributed import data_parallel, reduce_coverage_rows
 from laplace_glas.curvature.fitting import check_labels
 from laplace_glas.posterior import optimal_prior_precision
 from laplace_glas.predictive import (
@@ -539,6 +540,7 @@ def select_dimension(
     rows = coverage_table(
         la, X, y, pairs, coverage, pred_type, n_samples, generator, include_noise, batch_size
     )
+    rows = _all_ranks(la, rows, y)
     reaching = [r for r in rows if r.coverage >= coverage]
     if reaching:
         k_min = min(r.k for r in reaching)
@@ -591,7 +593,22 @@ def _current_row(
     rows = coverage_table(
         la, X, y, pairs, level, pred_type, n_samples, generator, include_noise, batch_size
     )
-    return rows[0]
+    return _all_ranks(la, rows, y)[0]
+
+
+def _all_ranks(la: Any, rows: list[CoverageRow], y: torch.Tensor) -> list[CoverageRow]:
+    """The rows over every rank's calibration shard when the fit was data-parallel
+    (weighted means, one all-reduce; see
+    :func:`laplace_glas.curvature.distributed.reduce_coverage_rows`).
+    """
+    shards = data_parallel(getattr(la, "_process_group", None))
+    if shards is None:
+        return rows
+    if la.likelihood == "classification":
+        n_scored = int((y != getattr(la, "ignore_index", -100)).sum())
+    else:
+        n_scored = y.numel()
+    return reduce_coverage_rows(rows, n_scored, shards, la._device)
 
 
 def coverage(

@@ -47,6 +47,14 @@ from laplace_glas.autodiff import autodiff_friendly
 from laplace_glas.calibration import DimensionSelection, select_dimension
 from laplace_glas.curvature.batches import XYBatches, batch_size, split_batch, subsample_loader
 from laplace_glas.curvature.dispatch import SOLVERS, select_operator
+from laplace_glas.curvature.distributed import (
+    Shards,
+    broadcast_eigenpairs,
+    data_parallel,
+    distribute_operator,
+    reduce_map_loss,
+    sum_count,
+)
 from laplace_glas.curvature.fitting import (
     MapLoss,
     count_terms,
@@ -568,6 +576,8 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         train_loader: DataLoader,
         override: bool = True,
         progress_bar: bool | None = None,
+        *,
+        process_group: Any = None,
     ) -> None:
         """Compute the top-k eigenpairs of the mean-loss GGN and the loss at the MAP.
 
@@ -580,6 +590,12 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
             Must be True: an eigen-decomposition cannot be updated additively.
         progress_bar : bool, optional
             Overrides the constructor's ``progress_bar``.
+        process_group : torch.distributed process group, optional
+            Data-parallel fit: each rank passes its own shard of the data; the loss,
+            ``N`` and every GGN product are summed with ``all_reduce`` and all ranks end
+            with rank 0's eigenpairs (:mod:`laplace_glas.curvature.distributed`).
+            Default: ``torch.distributed``'s default group when it is initialised; a
+            group of one rank fits on the local data alone.
 
         """
         if not override:
@@ -599,9 +615,10 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
             )
         reiterable("train_loader", train_loader)
         self.model.eval()
+        shards = data_parallel(process_group)
         # nothing is assigned until the solve has succeeded: a failed fit leaves the
         # previous posterior (or the unfitted state) as it was
-        loss, n_data, out_shape = self._loss_at_map(train_loader, show)
+        loss, n_data, out_shape = self._loss_at_map(train_loader, show, shards)
         generator = self.generator
         if generator is None:
             generator = torch.Generator().manual_seed(self.seed)
@@ -612,6 +629,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
             progress_bar=show,
             _out_shape=out_shape,
             _n_data=n_data,
+            process_group=process_group,
         )
         n_below = int(eig.below_threshold.sum())
         if n_below:
@@ -633,10 +651,13 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         self._eigenpairs = eig
         self._n_components = eig.k
         self.H = (eig.vectors, n_data * eig.values)
+        self._process_group = process_group
 
-    def _loss_at_map(self, loader: Any, show: bool) -> MapLoss:
-        """:func:`laplace_glas.curvature.fitting.loss_at_map` with this posterior's settings."""
-        return loss_at_map(
+    def _loss_at_map(self, loader: Any, show: bool, shards: Shards | None = None) -> MapLoss:
+        """:func:`laplace_glas.curvature.fitting.loss_at_map` with this posterior's
+        settings, summed over the ranks of ``shards``.
+        """
+        local = loss_at_map(
             self.model,
             loader,
             self.likelihood,
@@ -648,6 +669,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
             loss_fn=self.loss_fn,
             progress_bar=show,
         )
+        return reduce_map_loss(local, shards)
 
     def compute_eigenpairs(
         self,
@@ -661,6 +683,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         ncv: int | None = None,
         _out_shape: torch.Size | None = None,
         _n_data: int | None = None,
+        process_group: Any = None,
     ) -> Eigenpairs:
         """Top eigenpairs of the unit-noise mean-loss GGN (or of ``loss_fn``'s) at the
         model's weights.
@@ -671,6 +694,8 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         constructor's. After ``fit``, ``train_loader`` should hold data of the fitted
         kind (the output shape per point is reused; its number of terms ``N`` is counted, so the
         eigenvalues are those of this loader's mean GGN even when its size differs).
+        ``process_group`` (default: the fit's) spreads the solve over the ranks as in
+        :meth:`fit`.
 
         Returns
         -------
@@ -686,22 +711,27 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         ncv = lanczos_basis_size(self.ncv if ncv is None else ncv, k, self.n_params)
         if generator is None:
             generator = torch.Generator().manual_seed(self.seed)
+        if process_group is None:
+            process_group = getattr(self, "_process_group", None)
+        shards = data_parallel(process_group)
         if _out_shape is None and getattr(self, "_out_shape", None):
             # after fit: the output shape per point is the model's; N is this loader's
             _out_shape = self._out_shape
             _n_data = count_terms(
                 train_loader, self.likelihood, self.ignore_index, self.dict_key_x, self.dict_key_y
             )
+            _n_data = sum_count(_n_data, shards, self._device)
             if _n_data == 0:
                 raise ValueError("The loader is empty (or all its targets are ignore_index).")
         if _out_shape is None or _n_data is None:
-            _, _n_data, _out_shape = self._loss_at_map(train_loader, False)
+            _, _n_data, _out_shape = self._loss_at_map(train_loader, False, shards)
         eigen_loader, eigen_n = train_loader, _n_data
         if subsample_size is not None:
             eigen_loader = subsample_loader(train_loader, subsample_size, generator)
             eigen_n = count_terms(
                 eigen_loader, self.likelihood, self.ignore_index, self.dict_key_x, self.dict_key_y
             )
+            eigen_n = sum_count(eigen_n, shards, self._device)
 
         batch_size_fn = None
         first_X = split_batch(next(iter(train_loader)), self.dict_key_y)[0]
@@ -720,7 +750,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
             device=self._device,
             dtype=self._dtype,
         )
-        operator = mean_ggn_operator(
+        curvlinops_operator = mean_ggn_operator(
             self.model,
             loss_func,
             self.params,
@@ -729,8 +759,8 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
             batch_size_fn=batch_size_fn,
         )
         with autodiff_friendly(self.model):
-            operator, scale, solver, operator_name = select_operator(
-                operator,
+            operator, local_scale, solver, operator_name = select_operator(
+                curvlinops_operator,
                 scale,
                 self.solver,
                 model=self.model,
@@ -747,10 +777,20 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
                 dtype=self._dtype,
                 progress_bar=progress_bar,
             )
-            return compute_eigenpairs(
+            operator, local_scale, solver, operator_name = distribute_operator(
+                operator,
+                local_scale,
+                solver,
+                operator_name,
+                (curvlinops_operator, scale),
+                shards,
+                dtype=self._dtype,
+                device=self._device,
+            )
+            eig = compute_eigenpairs(
                 operator,
                 k,
-                scale=scale,
+                scale=local_scale,
                 dtype=self._dtype,
                 device=self._device,
                 tol=self.tol if tol is None else tolerance(tol),
@@ -764,6 +804,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
                 block_size=self.block_size,
                 operator_name=operator_name,
             )
+        return broadcast_eigenpairs(eig, shards)
 
     # ------------------------------------------------------------------ posterior
     @property
