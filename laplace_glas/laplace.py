@@ -52,6 +52,7 @@ from laplace_glas.curvature.distributed import (
     broadcast_eigenpairs,
     data_parallel,
     distribute_operator,
+    gridsearch,
     reduce_map_loss,
     sum_count,
 )
@@ -1017,6 +1018,28 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
             verbose,
             progress_bar,
             log_prior_prec_base,
+        )
+
+    def _gridsearch(
+        self,
+        loss: torchmetrics.Metric | Callable,
+        interval: torch.Tensor,
+        val_loader: DataLoader,
+        pred_type: PredType | str,
+        link_approx: LinkApprox | str = LinkApprox.PROBIT,
+        n_samples: int = 100,
+        progress_bar: bool = False,
+    ) -> torch.Tensor:
+        """laplace-torch's grid search; after a data-parallel fit the validation losses of
+        all ranks' shards are averaged (:func:`laplace_glas.curvature.distributed.gridsearch`).
+        """
+        shards = data_parallel(getattr(self, "_process_group", None))
+        if shards is None:
+            return super()._gridsearch(
+                loss, interval, val_loader, pred_type, link_approx, n_samples, progress_bar
+            )
+        return gridsearch(
+            self, shards, loss, interval, val_loader, pred_type, link_approx, n_samples
         )
 
     # ------------------------------------------------------------------ calibration

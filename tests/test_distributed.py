@@ -93,6 +93,12 @@ def _summary(la, calib, train) -> dict:
     }
     la.optimize_prior_precision()
     out["tau_eb"] = float(la.prior_precision)
+    if la.likelihood == "classification" and la.solver == "lanczos":
+        # laplace-torch's grid search: validation NLL of all shards, weighted by size
+        la.optimize_prior_precision(
+            method="gridsearch", val_loader=calib, grid_size=9, log_prior_prec_min=-2
+        )
+        out["tau_grid"] = float(la.prior_precision)
     la.prior_precision = TAU
     # the posterior does not depend on the eigenvectors' signs, one shared draw of z
     # does: both fits sample along sign-canonical vectors (largest entry positive)
@@ -213,6 +219,8 @@ def test_two_ranks_equal_one_process(ranks, likelihood, solver, split):
         _close([r[2:] for r in got["rows"]], [r[2:] for r in one["rows"]], 1e-10)
         if solver == "auto":
             _close(got["replica"], one["replica"])
+        if "tau_grid" in one:
+            _close(got["tau_grid"], one["tau_grid"])
         assert got["solver"] == ("block" if solver == "block" else "lanczos")
         assert "all-reduced over 2 ranks" in got["operator"]
     if solver == "auto":  # the MLP is factored; the dual solve is replaced by Lanczos

@@ -11,6 +11,8 @@
   (one forward and one batched backward pass), products without network passes.
 * :mod:`~laplace_glas.curvature.gram`: the dual eigen-solve through ``K = S S^T``.
 * :mod:`~laplace_glas.curvature.dispatch`: which operator and solver a fit uses.
+* :mod:`~laplace_glas.curvature.distributed`: data-parallel fits on ``torch.distributed``
+  (products, loss and ``N`` summed with ``all_reduce``).
 """
 
 from laplace_glas.curvature.subspace import (

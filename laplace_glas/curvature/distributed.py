@@ -42,13 +42,14 @@ methods) with a non-empty shard and the same settings.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from laplace.utils.utils import validate
 from scipy.sparse.linalg import LinearOperator
 
 from laplace_glas.curvature.factored import FactoredGGN
@@ -61,6 +62,7 @@ __all__ = [
     "broadcast_eigenpairs",
     "data_parallel",
     "distribute_operator",
+    "gridsearch",
     "reduce_coverage_rows",
     "reduce_map_loss",
     "sum_count",
@@ -301,3 +303,52 @@ def reduce_coverage_rows(
         replace(r, coverage=float(t[0]) / n, mean_width=float(t[1]) / n, nll=float(t[2]) / n)
         for r, t in zip(rows, total[:-1], strict=True)
     ]
+
+
+def gridsearch(
+    la: Any,
+    shards: Shards,
+    loss: Any,
+    interval: Sequence[Any],
+    val_loader: Any,
+    pred_type: Any,
+    link_approx: Any,
+    n_samples: int,
+) -> Any:
+    """laplace-torch's prior-precision grid search over every rank's validation shard.
+
+    Each rank scores every prior precision ``tau`` with laplace-torch's ``validate`` on
+    its shard (``m_r(tau)``, a mean over its ``n_r`` points); the grid's losses
+    ``sum_r n_r m_r(tau) / sum_r n_r`` come from one all-reduce of ``len(interval) + 1``
+    float64, so every rank picks the same ``tau``. ``loss`` must be a mean over the
+    validation points (laplace-torch's defaults, MSE and NLL, are).
+    """
+    results = []
+    for tau in interval:
+        la.prior_precision = tau
+        try:
+            results.append(
+                validate(
+                    la,
+                    val_loader,
+                    loss,
+                    pred_type=pred_type,
+                    link_approx=link_approx,
+                    n_samples=n_samples,
+                    dict_key_y=la.dict_key_y,
+                )
+            )
+        except np.linalg.LinAlgError:  # laplace-torch's handling of a failed grid point
+            results.append(float("inf"))
+        except RuntimeError as err:
+            if "not positive definite" not in str(err):
+                raise
+            results.append(float("inf"))
+    n_local = 0
+    for data in val_loader:
+        y = data[la.dict_key_y] if isinstance(data, MutableMapping) else data[1]
+        n_local += int(y.shape[0])
+    local = torch.tensor([*(n_local * r for r in results), n_local], dtype=torch.float64)
+    total = _all_reduce(local.to(la._device), shards).cpu()
+    means = total[:-1] / total[-1]
+    return interval[int(torch.argmin(means))]
