@@ -145,12 +145,25 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             "values": la.eigenvalues.clone(),
             "operator": la.lanczos_info.operator,
         }
+        # float32 (the default precision): NumPy/torch round trips of the products
+        model, X, y, _, _ = _problem("regression")
+        X, y = _shard((X.float(), y.float()), rank, "uneven")
+        la = _fit(model.float(), "regression", "lanczos", loader(X, y, 16))
+        results["float32"] = {"values": la.eigenvalues.clone(), "dtype": la.eigenvectors.dtype}
         # a group of one rank: a local fit on the local shard
         local = dist.new_group([0]), dist.new_group([1])
         model, X, y, _, _ = _problem("regression")
         X, y = _shard((X, y), rank, "uneven")
         la = _fit(model, "regression", "lanczos", loader(X, y, 16), process_group=local[rank])
         results["local"] = {"values": la.eigenvalues.clone(), "n_data": la.n_data}
+        try:
+            data_parallel("world")
+        except TypeError as err:
+            results["type_error"] = str(err)
+        try:
+            data_parallel(local[1 - rank])
+        except ValueError as err:
+            results["not_member"] = str(err)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -244,6 +257,12 @@ def test_group_of_one_rank_fits_the_local_shard(ranks):
         _close(ranks[rank]["local"]["values"], local.eigenvalues)
 
 
+def test_a_process_group_that_is_not_one_is_refused(ranks):
+    for rank in ranks:
+        assert rank["type_error"].startswith("process_group must be a torch.distributed")
+        assert rank["not_member"] == "This process is not a member of the given process_group."
+
+
 def test_process_group_without_init_is_refused():
     assert not dist.is_initialized()
     assert data_parallel(None) is None
@@ -253,3 +272,11 @@ def test_process_group_without_init_is_refused():
     with pytest.raises(ValueError, match="process_group was given"):
         _fit(model, "regression", "lanczos", loader(X, y), process_group=object())
     assert glas_dist.sum_count(7, None) == 7
+
+
+def test_float32_fit(ranks):
+    model, X, y, _, _ = _problem("regression")
+    one = _fit(model.float(), "regression", "lanczos", loader(X.float(), y.float(), 16))
+    for rank in ranks:
+        assert rank["float32"]["dtype"] == torch.float32
+        _close(rank["float32"]["values"], one.eigenvalues, 1e-4)

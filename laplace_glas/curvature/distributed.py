@@ -35,6 +35,9 @@ distributed fit with ``solver='auto'`` or ``'dual'`` therefore runs Lanczos on t
 all-reduced factored products (``D`` numbers per product), recorded in
 ``Eigenpairs.solver`` and ``Eigenpairs.operator``.
 
+``subsample_size`` draws that many points from each rank's shard (``W`` times as many in
+all); ``N`` is then the sum of the subsamples.
+
 Backends: any that supports ``all_reduce`` and ``broadcast`` on the model's device
 (gloo on CPU, NCCL on CUDA). Every rank must call ``fit`` (and the other collective
 methods) with a non-empty shard and the same settings.
@@ -99,7 +102,10 @@ def data_parallel(process_group: Any = None) -> Shards | None:
     Raises
     ------
     ValueError
-        If a group is passed but ``torch.distributed`` is not initialised.
+        If a group is passed but ``torch.distributed`` is not initialised, or this
+        process is not a member of it.
+    TypeError
+        If ``process_group`` is not a process group.
 
     """
     if not dist.is_available() or not dist.is_initialized():
@@ -109,6 +115,13 @@ def data_parallel(process_group: Any = None) -> Shards | None:
                 "torch.distributed.init_process_group first (e.g. under torchrun)."
             )
         return None
+    if process_group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("This process is not a member of the given process_group.")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            "process_group must be a torch.distributed process group (e.g. from "
+            f"torch.distributed.new_group) or None, got {type(process_group).__name__}."
+        )
     world_size = dist.get_world_size(process_group)
     if world_size < 0:
         raise ValueError("This process is not a member of the given process_group.")
