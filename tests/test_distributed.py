@@ -95,9 +95,15 @@ def _summary(la, calib, train) -> dict:
     out["tau_eb"] = float(la.prior_precision)
     if la.likelihood == "classification" and la.solver == "lanczos":
         # laplace-torch's grid search: validation NLL of all shards, weighted by size
-        la.optimize_prior_precision(
-            method="gridsearch", val_loader=calib, grid_size=9, log_prior_prec_min=-2
-        )
+        with warnings.catch_warnings():  # laplace-torch's reminder of the link_approx
+            warnings.simplefilter("ignore", UserWarning)
+            la.optimize_prior_precision(
+                method="gridsearch",
+                val_loader=calib,
+                grid_size=9,
+                log_prior_prec_min=-2,
+                link_approx="probit",
+            )
         out["tau_grid"] = float(la.prior_precision)
     la.prior_precision = TAU
     # the posterior does not depend on the eigenvectors' signs, one shared draw of z
