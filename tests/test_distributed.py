@@ -151,6 +151,16 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             "values": la.eigenvalues.clone(),
             "operator": la.lanczos_info.operator,
         }
+        # fit(override=False): the stored curvature plus the all-reduced new data
+        model, X, y, _, _ = _problem("regression")
+        first = (X[:10], y[:10]) if rank == 0 else (X[10:20], y[10:20])
+        second = (X[20:27], y[20:27]) if rank == 0 else (X[27:], y[27:])
+        la = _fit(model, "regression", "lanczos", loader(*first, 16))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            la.fit(loader(*second, 16), override=False)
+        results["update"] = {"values": la.eigenvalues.clone(), "n_data": la.n_data}
+        results["update"]["loss"] = float(la.loss)
         # float32 (the default precision): NumPy/torch round trips of the products
         model, X, y, _, _ = _problem("regression")
         X, y = _shard((X.float(), y.float()), rank, "uneven")
@@ -286,3 +296,15 @@ def test_float32_fit(ranks):
     for rank in ranks:
         assert rank["float32"]["dtype"] == torch.float32
         _close(rank["float32"]["values"], one.eigenvalues, 1e-4)
+
+
+def test_update_with_override_false(ranks):
+    model, X, y, _, _ = _problem("regression")
+    one = _fit(model, "regression", "lanczos", loader(X[:20], y[:20], 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one.fit(loader(X[20:], y[20:], 16), override=False)
+    for rank in ranks:
+        assert rank["update"]["n_data"] == one.n_data == N_TRAIN
+        _close(rank["update"]["values"], one.eigenvalues)
+        _close(rank["update"]["loss"], one.loss)
