@@ -19,7 +19,7 @@ Communication per data pass: one all-reduce of ``D * m`` numbers in the model's 
 (``m = 1`` for Lanczos, ``block_size`` for the block solver), i.e. ``D m itemsize``
 bytes of payload; a ring all-reduce sends and receives ``2 (W - 1) / W`` times that per
 rank. Once per fit: the loss and ``N`` (2 float64), the factored-operator agreement (1
-int64) and the broadcast of the eigenpairs from rank 0 (``(D + 3) k + k`` numbers).
+int64) and the broadcast of the eigenpairs from rank 0 (``(D + 4) k`` numbers).
 
 Identical eigenpairs: every rank runs the *same* dense steps (ARPACK's or the block
 solver's Rayleigh-Ritz and restarts) on the *same* all-reduced products from the same
@@ -35,11 +35,15 @@ distributed fit with ``solver='auto'`` or ``'dual'`` therefore runs Lanczos on t
 all-reduced factored products (``D`` numbers per product), recorded in
 ``Eigenpairs.solver`` and ``Eigenpairs.operator``.
 
+``fit(loader, override=False)`` adds the stored curvature, the same on every rank, to the
+all-reduced products of the new shards.
+
 ``subsample_size`` draws that many points from each rank's shard (``W`` times as many in
 all); ``N`` is then the sum of the subsamples.
 
 Backends: any that supports ``all_reduce`` and ``broadcast`` on the model's device
-(gloo on CPU, NCCL on CUDA). Every rank must call ``fit`` (and the other collective
+(gloo on CPU, NCCL on CUDA; tested with gloo on one machine, NCCL and several machines
+not). Every rank must call ``fit`` (and the other collective
 methods) with a non-empty shard and the same settings.
 """
 
