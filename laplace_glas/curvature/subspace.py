@@ -343,7 +343,7 @@ def _solve_block(
 
     def matmat(V: torch.Tensor) -> torch.Tensor:
         """``scale * G V`` in the model's precision (the solver stores images in it)."""
-        if hasattr(operator, "to_scipy"):  # a curvlinops operator: stay in torch
+        if hasattr(operator, "to_scipy") or isinstance(operator, FactoredGGN):  # stay in torch
             GV = operator @ V.to(dtype)
         else:
             GV = torch.as_tensor(operator.matmat(V.cpu().numpy().astype(_TORCH_TO_NUMPY[dtype])))
