@@ -22,6 +22,11 @@ mean-loss scaling each retained direction ``u_j`` with ``lambda_j >> tau`` adds 
 scaling each adds ``sigma^2 / N``. With the noise added (the usual predictive of y),
 coverage is often reached at k = 1 under either scaling and says little about the
 weight posterior.
+
+After a data-parallel fit (:mod:`laplace_glas.curvature.distributed`) each rank passes
+its shard of the calibration data; coverage, width and NLL of every candidate are
+combined as means weighted by the shards' numbers of scored targets (one all-reduce),
+so every rank selects the same ``(k, tau)``.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import torch
 
 from laplace_glas.autodiff import autodiff_friendly
 from laplace_glas.curvature.batches import split_batch
+from laplace_glas.curvature.distributed import data_parallel, reduce_coverage_rows
 from laplace_glas.curvature.fitting import check_labels
 from laplace_glas.posterior import optimal_prior_precision
 from laplace_glas.predictive import (
@@ -545,6 +551,7 @@ def select_dimension(
     rows = coverage_table(
         la, X, y, pairs, coverage, pred_type, n_samples, generator, include_noise, batch_size
     )
+    rows = _all_ranks(la, rows, y)
     reaching = [r for r in rows if r.coverage >= coverage]
     if reaching:
         k_min = min(r.k for r in reaching)
@@ -597,7 +604,22 @@ def _current_row(
     rows = coverage_table(
         la, X, y, pairs, level, pred_type, n_samples, generator, include_noise, batch_size
     )
-    return rows[0]
+    return _all_ranks(la, rows, y)[0]
+
+
+def _all_ranks(la: Any, rows: list[CoverageRow], y: torch.Tensor) -> list[CoverageRow]:
+    """The rows over every rank's calibration shard when the fit was data-parallel
+    (weighted means, one all-reduce; see
+    :func:`laplace_glas.curvature.distributed.reduce_coverage_rows`).
+    """
+    shards = data_parallel(getattr(la, "_process_group", None))
+    if shards is None:
+        return rows
+    if la.likelihood == "classification":
+        n_scored = int((y != getattr(la, "ignore_index", -100)).sum())
+    else:
+        n_scored = y.numel()
+    return reduce_coverage_rows(rows, n_scored, shards, la._device)
 
 
 def coverage(

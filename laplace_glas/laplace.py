@@ -47,6 +47,16 @@ from laplace_glas.calibration import DimensionSelection, select_dimension
 from laplace_glas.curvature.backends import curvature_operator, resolve_backend
 from laplace_glas.curvature.batches import XYBatches, batch_size, split_batch, subsample_loader
 from laplace_glas.curvature.dispatch import SOLVERS
+from laplace_glas.curvature.distributed import (
+    Shards,
+    broadcast_eigenpairs,
+    data_parallel,
+    distribute_operator,
+    gridsearch,
+    reduce_map_loss,
+    sum_count,
+)
+from laplace_glas.curvature.factored import FactoredGGN
 from laplace_glas.curvature.fitting import (
     MapLoss,
     count_terms,
@@ -58,6 +68,7 @@ from laplace_glas.curvature.subspace import (
     Eigenpairs,
     NumericalRankWarning,
     compute_eigenpairs,
+    mean_ggn_operator,
 )
 from laplace_glas.curvature.update import UpdatedCurvature
 from laplace_glas.persistence import glas_state, restore_glas_state
@@ -579,6 +590,8 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         train_loader: DataLoader,
         override: bool = True,
         progress_bar: bool | None = None,
+        *,
+        process_group: Any = None,
     ) -> None:
         """Compute the top-k eigenpairs of the mean-loss GGN and the loss at the MAP.
 
@@ -599,6 +612,12 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
             model's current weights.
         progress_bar : bool, optional
             Overrides the constructor's ``progress_bar``.
+        process_group : torch.distributed process group, optional
+            Data-parallel fit: each rank passes its own shard of the data; the loss,
+            ``N`` and every GGN product are summed with ``all_reduce`` and all ranks end
+            with rank 0's eigenpairs (:mod:`laplace_glas.curvature.distributed`).
+            Default: ``torch.distributed``'s default group when it is initialised; a
+            group of one rank fits on the local data alone.
 
         """
         update = not flag("override", override) and getattr(self, "_eigenpairs", None) is not None
@@ -614,9 +633,10 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
             )
         reiterable("train_loader", train_loader)
         self.model.eval()
+        shards = data_parallel(process_group)
         # nothing is assigned until the solve has succeeded: a failed fit leaves the
         # previous posterior (or the unfitted state) as it was
-        loss, n_data, out_shape = self._loss_at_map(train_loader, show)
+        loss, n_data, out_shape = self._loss_at_map(train_loader, show, shards)
         generator = self.generator
         if generator is None:
             generator = torch.Generator().manual_seed(self.seed)
@@ -637,6 +657,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
             _out_shape=out_shape,
             _n_data=n_data,
             _stored_curvature=stored,
+            process_group=process_group,
         )
         if update:
             loss, n_data = self.loss + loss, self.n_data + n_data
@@ -660,10 +681,13 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         self._eigenpairs = eig
         self._n_components = eig.k
         self.H = (eig.vectors, n_data * eig.values)
+        self._process_group = process_group
 
-    def _loss_at_map(self, loader: Any, show: bool) -> MapLoss:
-        """:func:`laplace_glas.curvature.fitting.loss_at_map` with this posterior's settings."""
-        return loss_at_map(
+    def _loss_at_map(self, loader: Any, show: bool, shards: Shards | None = None) -> MapLoss:
+        """:func:`laplace_glas.curvature.fitting.loss_at_map` with this posterior's
+        settings, summed over the ranks of ``shards``.
+        """
+        local = loss_at_map(
             self.model,
             loader,
             self._curvature_likelihood,
@@ -675,6 +699,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
             loss_fn=self.loss_fn,
             progress_bar=show,
         )
+        return reduce_map_loss(local, shards)
 
     def compute_eigenpairs(
         self,
@@ -689,6 +714,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         _out_shape: torch.Size | None = None,
         _n_data: int | None = None,
         _stored_curvature: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+        process_group: Any = None,
     ) -> Eigenpairs:
         """Top eigenpairs of the unit-noise mean-loss GGN (or of ``loss_fn``'s) at the
         model's weights.
@@ -699,6 +725,8 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         constructor's. After ``fit``, ``train_loader`` should hold data of the fitted
         kind (the output shape per point is reused; its number of terms ``N`` is counted, so the
         eigenvalues are those of this loader's mean GGN even when its size differs).
+        ``process_group`` (default: the fit's) spreads the solve over the ranks as in
+        :meth:`fit`.
 
         Returns
         -------
@@ -714,6 +742,9 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         ncv = lanczos_basis_size(self.ncv if ncv is None else ncv, k, self.n_params)
         if generator is None:
             generator = torch.Generator().manual_seed(self.seed)
+        if process_group is None:
+            process_group = getattr(self, "_process_group", None)
+        shards = data_parallel(process_group)
         if _out_shape is None and getattr(self, "_out_shape", None):
             # after fit: the output shape per point is the model's; N is this loader's
             _out_shape = self._out_shape
@@ -724,10 +755,11 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
                 self.dict_key_x,
                 self.dict_key_y,
             )
+            _n_data = sum_count(_n_data, shards, self._device)
             if _n_data == 0:
                 raise ValueError("The loader is empty (or all its targets are ignore_index).")
         if _out_shape is None or _n_data is None:
-            _, _n_data, _out_shape = self._loss_at_map(train_loader, False)
+            _, _n_data, _out_shape = self._loss_at_map(train_loader, False, shards)
         eigen_loader, eigen_n = train_loader, _n_data
         if subsample_size is not None:
             eigen_loader = subsample_loader(train_loader, subsample_size, generator)
@@ -738,6 +770,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
                 self.dict_key_x,
                 self.dict_key_y,
             )
+            eigen_n = sum_count(eigen_n, shards, self._device)
 
         batch_size_fn = None
         first_X = split_batch(next(iter(train_loader)), self.dict_key_y)[0]
@@ -757,7 +790,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
             dtype=self._dtype,
         )
         with autodiff_friendly(self.model):
-            operator, scale, solver, operator_name = self._curvature_operator(
+            operator, local_scale, solver, operator_name = self._curvature_operator(
                 loss_func,
                 scale,
                 eigen_loader,
@@ -768,19 +801,43 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
                 out_ndim=len(_out_shape),
                 progress_bar=progress_bar,
             )
+            fallback = (operator, local_scale)
+            if shards is not None and isinstance(operator, FactoredGGN):
+                # what every rank uses if the factors cannot be built on one of them
+                fallback = (
+                    mean_ggn_operator(
+                        self.model,
+                        loss_func,
+                        self.params,
+                        XYBatches(eigen_loader, self.dict_key_y),
+                        num_data=num_data,
+                        batch_size_fn=batch_size_fn,
+                    ),
+                    scale,
+                )
+            operator, local_scale, solver, operator_name = distribute_operator(
+                operator,
+                local_scale,
+                solver,
+                operator_name,
+                fallback,
+                shards,
+                dtype=self._dtype,
+                device=self._device,
+            )
             if _stored_curvature is not None:  # fit(override=False): add to the stored
                 U_old, h_old, n_old = _stored_curvature
                 # the new data weigh by all their terms, also when a subsample is solved
                 operator = UpdatedCurvature(
-                    U_old, h_old, n_old, _n_data, operator, scale, self._dtype
+                    U_old, h_old, n_old, _n_data, operator, local_scale, self._dtype
                 )
-                scale, eigen_n = 1.0, n_old + _n_data
+                local_scale, eigen_n = 1.0, n_old + _n_data
                 solver = "block" if solver == "block" else "lanczos"
                 operator_name = f"stored rank-{U_old.shape[1]} curvature + {operator_name}"
-            return compute_eigenpairs(
+            eig = compute_eigenpairs(
                 operator,
                 k,
-                scale=scale,
+                scale=local_scale,
                 dtype=self._dtype,
                 device=self._device,
                 tol=self.tol if tol is None else tolerance(tol),
@@ -794,6 +851,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
                 block_size=self.block_size,
                 operator_name=operator_name,
             )
+        return broadcast_eigenpairs(eig, shards)
 
     def _curvature_operator(
         self,
@@ -1047,6 +1105,28 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
             verbose,
             progress_bar,
             log_prior_prec_base,
+        )
+
+    def _gridsearch(
+        self,
+        loss: torchmetrics.Metric | Callable,
+        interval: torch.Tensor,
+        val_loader: DataLoader,
+        pred_type: PredType | str,
+        link_approx: LinkApprox | str = LinkApprox.PROBIT,
+        n_samples: int = 100,
+        progress_bar: bool = False,
+    ) -> torch.Tensor:
+        """laplace-torch's grid search; after a data-parallel fit the validation losses of
+        all ranks' shards are averaged (:func:`laplace_glas.curvature.distributed.gridsearch`).
+        """
+        shards = data_parallel(getattr(self, "_process_group", None))
+        if shards is None:
+            return super()._gridsearch(
+                loss, interval, val_loader, pred_type, link_approx, n_samples, progress_bar
+            )
+        return gridsearch(
+            self, shards, loss, interval, val_loader, pred_type, link_approx, n_samples
         )
 
     # ------------------------------------------------------------------ calibration

@@ -13,6 +13,8 @@
 * :mod:`~laplace_glas.curvature.dispatch`: which operator and solver a fit uses.
 * :mod:`~laplace_glas.curvature.backends`: laplace-torch's ``backend`` as curvlinops'
   GGN, empirical Fisher or Hessian operator.
+* :mod:`~laplace_glas.curvature.distributed`: data-parallel fits on ``torch.distributed``
+  (products, loss and ``N`` summed with ``all_reduce``).
 """
 
 from laplace_glas.curvature.subspace import (

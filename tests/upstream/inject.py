@@ -46,11 +46,31 @@ class GLASZero(_ASL):
 
 
 GLAS_VARIANTS = [GLASPrior, GLASZero]
+
+
+def _variant(base, complement):
+    class Variant(base):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("n_components", 8)
+            kwargs.setdefault("complement", complement)
+            kwargs.setdefault("loss_scaling", "sum")
+            super().__init__(*args, **kwargs)
+
+    Variant.__name__ = Variant.__qualname__ = f"{base.__name__}_{complement}"
+    return Variant
+
+
+GLAS_LL_VARIANTS = [
+    _variant(laplace_glas.LastLayerActiveSubspaceLaplace, c) for c in ("prior", "zero")
+]
+GLAS_SUBNET_VARIANTS = [
+    _variant(laplace_glas.SubnetActiveSubspaceLaplace, c) for c in ("prior", "zero")
+]
 # --------------------------------------------------------------------------------------
 """
 
 # lists of Laplace classes in parametrizations and module-level flavour lists
-_CLASS = r"(?:(?:Full|Kron|Diag|LowRank)Laplace|lrlaplace_param)"
+_CLASS = r"(?:(?:Full|Kron|Diag|LowRank)(?:LL|Subnet)?Laplace|lrlaplace_param)"
 _CLASS_LIST = re.compile(rf"(\[\s*(?:{_CLASS}\s*,\s*)*{_CLASS}\s*,?\s*\])")
 
 
@@ -66,14 +86,27 @@ def inject(source: str) -> str:
     for i, line in enumerate(lines):
         # only the lists that choose which classes run, never the tests' own branches
         if line.lstrip().startswith(
-            ("@pytest.mark.parametrize", "flavors =", "online_flavors =", "flavors_no_llla =")
+            (
+                "@pytest.mark.parametrize",
+                "flavors =",
+                "online_flavors =",
+                "flavors_no_llla =",
+                "flavors_llla =",
+                "flavors_subnet =",
+            )
         ):
             lines[i] = _CLASS_LIST.sub(_append_variants, line)
     return head + VARIANTS + "".join(lines)
 
 
 def _append_variants(match: re.Match) -> str:
-    return match.group(1)[:-1].rstrip().rstrip(",") + ", *GLAS_VARIANTS]"
+    listed = match.group(1)
+    variants = "GLAS_VARIANTS"
+    if "LLLaplace" in listed:
+        variants = "GLAS_LL_VARIANTS"
+    elif "SubnetLaplace" in listed:
+        variants = "GLAS_SUBNET_VARIANTS"
+    return listed[:-1].rstrip().rstrip(",") + f", *{variants}]"
 
 
 def _after_imports(source: str) -> str:

@@ -1,0 +1,371 @@
+"""Data-parallel fits on ``torch.distributed``: every rank holds a shard of the data.
+
+The mean-loss GGN is a sum over the data, so over the shards ``r = 1..W``:
+
+.. math::
+
+    G_1 = \\frac1N \\sum_{n=1}^N J_n^\\top \\Lambda_n J_n
+        = \\sum_{r=1}^W \\underbrace{\\frac1N \\sum_{n \\in r} J_n^\\top \\Lambda_n J_n}_{G_r},
+    \\qquad N = \\sum_r N_r .
+
+Each rank builds its operator ``G_r`` with the *global* ``N`` (curvlinops' ``num_data``,
+the factored operator's ``1/sqrt(N)``) and a product ``G_1 V`` is the local product
+``G_r V`` followed by one ``torch.distributed.all_reduce`` (sum) of the ``(D, m)``
+result. Likewise the loss at the MAP and ``N`` are summed once per fit, and the
+calibration's coverage, width and NLL are weighted means whose numerators and counts
+are summed once per sweep.
+
+Communication per data pass: one all-reduce of ``D * m`` numbers in the model's dtype
+(``m = 1`` for Lanczos, ``block_size`` for the block solver), i.e. ``D m itemsize``
+bytes of payload; a ring all-reduce sends and receives ``2 (W - 1) / W`` times that per
+rank. Once per fit: the loss and ``N`` (2 float64), the factored-operator agreement (1
+int64) and the broadcast of the eigenpairs from rank 0 (``(D + 4) k`` numbers).
+
+Identical eigenpairs: every rank runs the *same* dense steps (ARPACK's or the block
+solver's Rayleigh-Ritz and restarts) on the *same* all-reduced products from the same
+seeded start, so the solves follow the same path and call the all-reduce equally often;
+no rank waits for another's dense work. The result is then broadcast from rank 0 once,
+so that the ranks agree bit for bit even where BLAS differs between machines. Running
+the solver on rank 0 alone would need a protocol of its own (the other ranks waiting for
+vectors and a stop signal) for no gain in wall time.
+
+The dual (Gram) solve is not distributed: ``K = S S^T`` has blocks ``S_r S_s^T`` between
+shards, which would move the factors (``N R`` rows of ``D``) between ranks. A
+distributed fit with ``solver='auto'`` or ``'dual'`` therefore runs Lanczos on the
+all-reduced factored products (``D`` numbers per product), recorded in
+``Eigenpairs.solver`` and ``Eigenpairs.operator``.
+
+``fit(loader, override=False)`` adds the stored curvature, the same on every rank, to the
+all-reduced products of the new shards.
+
+``subsample_size`` draws that many points from each rank's shard (``W`` times as many in
+all); ``N`` is then the sum of the subsamples.
+
+Backends: any that supports ``all_reduce`` and ``broadcast`` on the model's device
+(gloo on CPU, NCCL on CUDA; tested with gloo on one machine, NCCL and several machines
+not). Every rank must call ``fit`` (and the other collective
+methods) with a non-empty shard and the same settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from laplace.utils.utils import validate
+from scipy.sparse.linalg import LinearOperator
+
+from laplace_glas.curvature.factored import FactoredGGN
+from laplace_glas.curvature.fitting import MapLoss
+
+__all__ = [
+    "AllReducedGGN",
+    "Shards",
+    "agree_on_operator",
+    "broadcast_eigenpairs",
+    "data_parallel",
+    "distribute_operator",
+    "gridsearch",
+    "reduce_coverage_rows",
+    "reduce_map_loss",
+    "sum_count",
+]
+
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+@dataclass(frozen=True)
+class Shards:
+    """The process group a fit is spread over (``world_size >= 2``)."""
+
+    group: Any
+    """A ``torch.distributed`` process group (``None`` is the default group)."""
+    world_size: int
+    rank: int
+    """This process's rank within ``group``."""
+
+    @property
+    def source(self) -> int:
+        """The global rank of the group's rank 0 (the source of broadcasts)."""
+        if self.group is None:
+            return 0
+        return dist.get_global_rank(self.group, 0)
+
+
+def data_parallel(process_group: Any = None) -> Shards | None:
+    """The shards of a fit, or ``None`` for a single-process fit.
+
+    ``process_group=None`` takes the default group when ``torch.distributed`` is
+    initialised; a group of one rank (e.g. ``dist.new_group([rank])``) or an
+    uninitialised ``torch.distributed`` means a single-process fit.
+
+    Raises
+    ------
+    ValueError
+        If a group is passed but ``torch.distributed`` is not initialised, or this
+        process is not a member of it.
+    TypeError
+        If ``process_group`` is not a process group.
+
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        if process_group is not None:
+            raise ValueError(
+                "process_group was given but torch.distributed is not initialised: call "
+                "torch.distributed.init_process_group first (e.g. under torchrun)."
+            )
+        return None
+    if process_group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("This process is not a member of the given process_group.")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            "process_group must be a torch.distributed process group (e.g. from "
+            f"torch.distributed.new_group) or None, got {type(process_group).__name__}."
+        )
+    world_size = dist.get_world_size(process_group)
+    if world_size < 0:
+        raise ValueError("This process is not a member of the given process_group.")
+    if world_size == 1:
+        return None
+    return Shards(process_group, world_size, dist.get_rank(process_group))
+
+
+def _all_reduce(tensor: torch.Tensor, shards: Shards, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    dist.all_reduce(tensor, op=op, group=shards.group)
+    return tensor
+
+
+def sum_count(n: int, shards: Shards | None, device: torch.device | str = "cpu") -> int:
+    """``sum_r n_r`` over the ranks (``n`` itself for a single process)."""
+    if shards is None:
+        return int(n)
+    return int(_all_reduce(torch.tensor([n], dtype=torch.int64, device=device), shards).item())
+
+
+def reduce_map_loss(local: MapLoss, shards: Shards | None) -> MapLoss:
+    """The loss at the MAP and ``N`` summed over the ranks (one all-reduce of 2 float64).
+
+    ``L = sum_r L_r``, ``N = sum_r N_r``; the output shape per point is the local one
+    (every rank has the same model).
+    """
+    if shards is None:
+        return local
+    packed = torch.stack(
+        [
+            local.loss.detach().to(torch.float64).reshape(()),
+            torch.tensor(float(local.n_terms), dtype=torch.float64, device=local.loss.device),
+        ]
+    )
+    _all_reduce(packed, shards)
+    loss = packed[0].to(local.loss.dtype)
+    return MapLoss(loss, round(float(packed[1])), local.out_shape)
+
+
+def agree_on_operator(factored: bool, shards: Shards, device: torch.device | str) -> bool:
+    """True when the factored operator could be built on *every* rank (one all-reduce,
+    minimum): a rank whose shard exceeds the factor budget makes all ranks fall back to
+    curvlinops, so that all ranks run the same solve.
+    """
+    flag = torch.tensor([int(factored)], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=shards.group)
+    return bool(flag.item())
+
+
+class AllReducedGGN(LinearOperator):
+    """``G_1 V = sum_r G_r V``: a rank's operator followed by an all-reduce.
+
+    Parameters
+    ----------
+    local : curvlinops operator or FactoredGGN
+        This rank's ``G_r`` (built with the global ``N``), applied in torch.
+    shards : Shards
+        The process group.
+    dtype, device : torch.dtype, torch.device
+        The model's; the all-reduce runs on ``device`` (CUDA for NCCL).
+
+    Notes
+    -----
+    Each call moves one ``(D, m)`` all-reduce: ``D m itemsize`` bytes of payload, counted
+    in ``bytes_reduced``; ``n_reductions`` counts the calls (data passes).
+    ``to_scipy`` returns the operator itself so that the block solver keeps torch
+    tensors and Lanczos gets NumPy arrays.
+
+    """
+
+    def __init__(self, local: Any, shards: Shards, dtype: torch.dtype, device: torch.device | str):
+        super().__init__(dtype=_NUMPY[dtype], shape=tuple(local.shape))
+        self.local = local
+        self.shards = shards
+        self.torch_dtype = dtype
+        self.device = torch.device(device)
+        self.n_reductions = 0
+        self.bytes_reduced = 0
+
+    def to_scipy(self, dtype: Any = None) -> AllReducedGGN:
+        """The operator itself (it already speaks NumPy and torch)."""
+        return self
+
+    def matmat_torch(self, V: torch.Tensor) -> torch.Tensor:
+        """``sum_r G_r V`` for ``V (D, m)`` (one all-reduce)."""
+        V = V.to(device=self.device, dtype=self.torch_dtype)
+        if isinstance(self.local, FactoredGGN):
+            GV = self.local.matmat_torch(V)
+        else:
+            GV = self.local @ V
+        GV = GV.to(device=self.device, dtype=self.torch_dtype).contiguous()
+        _all_reduce(GV, self.shards)
+        self.n_reductions += 1
+        self.bytes_reduced += GV.numel() * GV.element_size()
+        return GV
+
+    def __matmul__(self, V: Any) -> Any:
+        if isinstance(V, torch.Tensor):
+            return self.matmat_torch(V)
+        return super().__matmul__(V)
+
+    def _matmat(self, X: np.ndarray) -> np.ndarray:
+        V = torch.as_tensor(np.ascontiguousarray(X), device=self.device, dtype=self.torch_dtype)
+        return self.matmat_torch(V).cpu().numpy()
+
+    def _matvec(self, x: np.ndarray) -> np.ndarray:
+        return self._matmat(x.reshape(-1, 1)).reshape(-1)
+
+    def _adjoint(self) -> AllReducedGGN:
+        return self
+
+
+def distribute_operator(
+    operator: Any,
+    scale: float,
+    solver: str,
+    operator_name: str,
+    fallback: tuple[Any, float],
+    shards: Shards | None,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> tuple[Any, float, str, str]:
+    """The all-reduced operator, its scale, the solver and the record for a distributed
+    fit (the arguments unchanged for a single process).
+
+    ``operator, scale, solver, operator_name`` are what
+    :func:`~laplace_glas.curvature.dispatch.select_operator` chose on this rank;
+    ``fallback`` is the curvlinops operator and its scale, used on every rank unless
+    the factored operator was built on all of them. The dual solve becomes Lanczos on
+    the all-reduced factored products (see the module docstring).
+    """
+    if shards is None:
+        return operator, scale, solver, operator_name
+    factored = isinstance(operator, FactoredGGN)
+    # every rank calls this collective once, whatever its own outcome
+    if not agree_on_operator(factored, shards, device) and factored:
+        operator, scale = fallback
+        operator_name = "curvlinops (not factored: the factors exceed a budget on another rank)"
+        factored = False
+    if factored and solver in ("auto", "dual"):
+        operator_name = f"{operator_name} (dual solve not distributed: Lanczos on its products)"
+    if solver in ("auto", "dual"):
+        solver = "lanczos"
+    operator_name = f"{operator_name}, all-reduced over {shards.world_size} ranks"
+    return AllReducedGGN(operator, shards, dtype, device), scale, solver, operator_name
+
+
+def broadcast_eigenpairs(eig: Any, shards: Shards | None) -> Any:
+    """Rank 0's eigenpairs on every rank (one broadcast of ``(D + 4) k`` numbers).
+
+    The ranks have run identical solves; the broadcast makes them agree bit for bit
+    even where floating-point kernels differ between machines.
+    """
+    if shards is None:
+        return eig
+    values = torch.stack(
+        [eig.values, eig.residuals, eig.raw_values, eig.below_threshold.to(eig.values.dtype)]
+    )
+    packed = torch.cat([values, eig.vectors]).contiguous()  # (4 + D, k)
+    dist.broadcast(packed, src=shards.source, group=shards.group)
+    return replace(
+        eig,
+        values=packed[0].clone(),
+        residuals=packed[1].clone(),
+        raw_values=packed[2].clone(),
+        below_threshold=packed[3] > 0,
+        vectors=packed[4:].clone(),
+    )
+
+
+def reduce_coverage_rows(
+    rows: Sequence[Any], n_local: int, shards: Shards | None, device: torch.device | str = "cpu"
+) -> list[Any]:
+    """Coverage rows of the whole calibration set from every rank's rows.
+
+    Each row's ``coverage``, ``mean_width`` and ``nll`` are means over the ``n_r``
+    scored targets of rank ``r``; the global mean is ``sum_r n_r m_r / sum_r n_r``
+    (one all-reduce of ``3 * len(rows) + 1`` float64). The rows (candidates) must be
+    the same on every rank.
+    """
+    if shards is None:
+        return list(rows)
+    local = torch.tensor(
+        [[n_local * r.coverage, n_local * r.mean_width, n_local * r.nll] for r in rows]
+        + [[float(n_local), 0.0, 0.0]],
+        dtype=torch.float64,
+    )
+    total = _all_reduce(local.to(device), shards).cpu()
+    n = float(total[-1, 0])
+    return [
+        replace(r, coverage=float(t[0]) / n, mean_width=float(t[1]) / n, nll=float(t[2]) / n)
+        for r, t in zip(rows, total[:-1], strict=True)
+    ]
+
+
+def gridsearch(
+    la: Any,
+    shards: Shards,
+    loss: Any,
+    interval: Sequence[Any],
+    val_loader: Any,
+    pred_type: Any,
+    link_approx: Any,
+    n_samples: int,
+) -> Any:
+    """laplace-torch's prior-precision grid search over every rank's validation shard.
+
+    Each rank scores every prior precision ``tau`` with laplace-torch's ``validate`` on
+    its shard (``m_r(tau)``, a mean over its ``n_r`` points); the grid's losses
+    ``sum_r n_r m_r(tau) / sum_r n_r`` come from one all-reduce of ``len(interval) + 1``
+    float64, so every rank picks the same ``tau``. ``loss`` must be a mean over the
+    validation points (laplace-torch's defaults, MSE and NLL, are).
+    """
+    results = []
+    for tau in interval:
+        la.prior_precision = tau
+        try:
+            results.append(
+                validate(
+                    la,
+                    val_loader,
+                    loss,
+                    pred_type=pred_type,
+                    link_approx=link_approx,
+                    n_samples=n_samples,
+                    dict_key_y=la.dict_key_y,
+                )
+            )
+        except np.linalg.LinAlgError:  # laplace-torch's handling of a failed grid point
+            results.append(float("inf"))
+        except RuntimeError as err:
+            if "not positive definite" not in str(err):
+                raise
+            results.append(float("inf"))
+    n_local = 0
+    for data in val_loader:
+        y = data[la.dict_key_y] if isinstance(data, MutableMapping) else data[1]
+        n_local += int(y.shape[0])
+    local = torch.tensor([*(n_local * r for r in results), n_local], dtype=torch.float64)
+    total = _all_reduce(local.to(la._device), shards).cpu()
+    means = total[:-1] / total[-1]
+    return interval[int(torch.argmin(means))]
