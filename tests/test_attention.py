@@ -339,3 +339,39 @@ def test_the_fast_path_really_lacks_forward_mode():
         torch.func.jvp(f, (params,), (tangents,))
     with autodiff_friendly(model):
         torch.func.jvp(f, (params,), (tangents,))
+
+
+class ScoredTokens(nn.Module):
+    """One output row per scored token (``batch['keep']``), not per sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = SDPALM()
+
+    def forward(self, batch):
+        return self.lm(batch["input_ids"])[batch["keep"]]
+
+
+def test_outputs_per_scored_token_fall_back_from_the_factored_operator():
+    g = torch.Generator().manual_seed(5)
+    model = make(ScoredTokens)
+    x, y = token_data(10, g)
+    keep = y != PAD
+    batches = [
+        {
+            "input_ids": x[i : i + 5],
+            "keep": keep[i : i + 5],
+            "labels": y[i : i + 5][keep[i : i + 5]],
+        }
+        for i in (0, 5)
+    ]
+    la = Laplace(
+        model, "classification", subset_of_weights="all", hessian_structure="glas", n_components=4
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la.fit(batches)
+    assert la.lanczos_info.operator.startswith("curvlinops (not factored: model outputs")
+    assert la.n_data == int(keep.sum())
+    ref = explicit_token_ggn(model.lm, x, y)
+    torch.testing.assert_close(la.eigenvalues, top(ref, 4), rtol=1e-7, atol=1e-10)
