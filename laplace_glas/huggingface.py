@@ -45,6 +45,9 @@ __all__ = ["LogitsModel", "causal_lm_batch"]
 class LogitsModel(nn.Module):
     """``model(**inputs).logits`` as a plain ``nn.Module`` returning a tensor.
 
+    The forward takes a mapping batch, or a tensor of ``input_ids`` (no attention
+    mask). Inputs are moved to the model's device.
+
     Parameters
     ----------
     model : nn.Module
@@ -52,9 +55,6 @@ class LogitsModel(nn.Module):
     input_keys : sequence of str, default=('input_ids', 'attention_mask')
         Entries of a mapping batch passed to ``model`` (when present); others, such as
         the ``labels``, are not (the model would compute its own loss).
-
-    The forward takes a mapping batch, or a tensor of ``input_ids`` (no attention
-    mask). Inputs are moved to the model's device.
 
     """
 
