@@ -306,7 +306,10 @@ def lora_finetune(peft, base, loader, args, seed) -> TokenLogits:
 # ---------------------------------------------------------------------- metrics
 def metrics(probs: torch.Tensor, y: torch.Tensor, level: float = 0.9) -> dict[str, float]:
     """Token NLL, ECE (15 bins), coverage and mean size of the ``level`` credible set."""
-    probs = probs.double().clamp_min(1e-12)
+    probs = probs.double()
+    if not torch.allclose(probs.sum(-1), torch.ones_like(probs[:, 0]), atol=1e-3):
+        raise ValueError("metrics needs predictive probabilities (rows summing to 1).")
+    probs = probs.clamp_min(1e-12)
     probs = probs / probs.sum(-1, keepdim=True)
     nll = float(-probs.gather(1, y[:, None]).log().mean())
     conf, pred = probs.max(-1)
@@ -434,7 +437,7 @@ def run_seed(transformers, peft, base_state, config, tokenizer, splits, args, se
     print(f"  seed {seed}: LoRA fine-tune in {time.perf_counter() - t0:.0f} s", flush=True)
     rows = []
     with torch.no_grad():
-        probs, y = predict(model, test)
+        probs, y = predict(lambda batch: torch.softmax(model(batch), -1), test)
     zero = {"fit": 0.0, "select": 0.0, "peak": 0.0, "D": 0, "extra": ""}
     rows.append({"method": "MAP", **metrics(probs, y), **zero})
     shared = None

@@ -68,3 +68,8 @@ def test_quick_study_runs_and_prints_the_table(tmp_path):
 
 def study_methods():
     return ("MAP", "GLAS mean", "GLAS standard", "KronLaplace", "last-layer")
+
+
+def test_metrics_refuse_logits(study):
+    with pytest.raises(ValueError, match="probabilities"):
+        study.metrics(torch.tensor([[2.0, -1.0, 0.5]]), torch.tensor([0]))
