@@ -531,8 +531,8 @@ def main(argv: list[str] | None = None) -> None:
     table = format_table(all_rows)
     header = (
         f"GPT-2 {args.n_layer} x {args.n_embd} ({n_base:,} weights), LoRA r = {args.rank}; "
-        f"{len(args.seeds)} seed(s) {args.seeds} (mean ± sd); test tokens: "
-        f"{sum(len(s) for s in splits[2])} characters in {len(splits[2])} SMILES; "
+        f"{len(args.seeds)} seed(s) {args.seeds} (mean ± sd over seeds); test split: "
+        f"{len(splits[2])} SMILES ({sum(len(s) for s in splits[2])} characters); "
         f"total {time.perf_counter() - t_start:.0f} s"
     )
     print(header)
