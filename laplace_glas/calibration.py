@@ -35,14 +35,15 @@ import math
 import numbers
 import statistics
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, MutableMapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from laplace_glas.autodiff import autodiff_friendly
-from laplace_glas.curvature.batches import split_batch
+from laplace_glas.curvature.batches import batch_size as batch_rows
+from laplace_glas.curvature.batches import concatenate_inputs, split_batch
 from laplace_glas.curvature.distributed import data_parallel, reduce_coverage_rows
 from laplace_glas.curvature.fitting import check_labels
 from laplace_glas.posterior import optimal_prior_precision
@@ -182,27 +183,33 @@ def _gather(la: Any, loader: Iterable) -> tuple[torch.Tensor, torch.Tensor, int]
     Xs, ys = [], []
     for data in loader:
         X, y = split_batch(data, la.dict_key_y)
-        if not isinstance(X, torch.Tensor):
-            raise TypeError("Calibration supports tensor inputs (X, y) only.")
+        if not isinstance(X, (torch.Tensor, MutableMapping)):
+            raise TypeError(
+                "Calibration needs (X, y) batches with tensor inputs or mapping batches "
+                f"(e.g. input_ids, attention_mask, labels), got inputs of type {type(X).__name__}."
+            )
         Xs.append(X)
         ys.append(y)
     if not Xs:
         raise ValueError("The calibration loader is empty.")
+    pad_value = None
     if la.likelihood == "classification" and len({y.shape[1:] for y in ys}) > 1:
         # sequence batches of different lengths: right-pad inputs with 0 and targets
         # with ignore_index (padding after a sequence does not change a causal model's
         # earlier outputs, and padded targets are not scored)
         length = max(y.shape[1] for y in ys)
         pad = getattr(la, "ignore_index", -100)
-        Xs = [_pad_time_axis(X, length, 0) for X in Xs]
         ys = [_pad_time_axis(y, length, pad) for y in ys]
-    X = torch.cat(Xs).to(la._device)
+        pad_value = 0  # inputs too (mappings: attention_mask 0 there)
+    X = concatenate_inputs(Xs, la.dict_key_y, pad_value)
+    X = {k: v.to(la._device) for k, v in X.items()} if isinstance(X, dict) else X.to(la._device)
     y = torch.cat(ys).to(la._device)
-    if X.is_floating_point() and not torch.isfinite(X).all():
-        raise ValueError("The calibration inputs contain NaN or inf.")
+    for value in X.values() if isinstance(X, dict) else [X]:
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise ValueError("The calibration inputs contain NaN or inf.")
     if y.is_floating_point() and not torch.isfinite(y).all():
         raise ValueError("The calibration targets contain NaN or inf.")
-    return X, y, max(len(X_batch) for X_batch in Xs)
+    return X, y, max(batch_rows(X_batch, la.dict_key_x) for X_batch in Xs)
 
 
 def _pad_time_axis(t: torch.Tensor, length: int, value: float) -> torch.Tensor:
@@ -357,7 +364,7 @@ def _linearised(
     names, shapes, theta = la._param_names, la._param_shapes, la.mean.detach()
     parts = [
         jvp_directions(la.model, names, shapes, theta, rows, directions, la.jvp_chunk_size)
-        for rows in row_chunks(X, batch_size)
+        for rows in row_chunks(X, batch_size, la.dict_key_x)
     ]
     return torch.cat([f for f, _ in parts]), torch.cat([JV for _, JV in parts])
 
@@ -375,7 +382,7 @@ def _sampled_outputs(
             torch.cat(
                 [
                     batched_outputs(la.model, names, shapes, thetas[i : i + chunk], rows)
-                    for rows in row_chunks(X, batch_size)
+                    for rows in row_chunks(X, batch_size, la.dict_key_x)
                 ],
                 dim=1,
             )

@@ -179,6 +179,8 @@ def check_model_output(out: Any) -> torch.Tensor:
     elif hasattr(out, "keys"):
         keys = ", ".join(repr(k) for k in list(out.keys())[:5])
         hint = f" (e.g. `return self.net(x)['logits']`; the output has keys {keys})"
+        if "logits" in out.keys():
+            hint += "; for a Hugging Face model: laplace_glas.huggingface.LogitsModel(model)"
     raise ArgumentTypeError(
         f"The model returned a {kind}, but GLAS (like laplace-torch) needs one tensor of "
         "shape (batch, outputs) or (batch, seq_len, classes). Wrap the model in an "

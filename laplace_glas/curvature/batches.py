@@ -17,6 +17,7 @@ __all__ = [
     "XYBatches",
     "batch_size",
     "check_finite",
+    "concatenate_inputs",
     "dataset_size",
     "split_batch",
     "subsample_loader",
@@ -47,6 +48,40 @@ def batch_size(X: Any, dict_key_x: str = "input_ids") -> int:
     if isinstance(X, MutableMapping):
         return int(X[dict_key_x].shape[0])
     return int(X.shape[0])
+
+
+def concatenate_inputs(
+    Xs: list[Any], dict_key_y: str = "labels", pad_value: float | None = None
+) -> torch.Tensor | dict[str, Any]:
+    """Input batches joined along the batch axis.
+
+    Tensors are concatenated; for mappings (e.g. ``input_ids`` and ``attention_mask``
+    of a Hugging Face batch) every tensor entry is concatenated on its own and the
+    target ``dict_key_y`` is dropped. With a ``pad_value``, sequence entries
+    (``ndim >= 2``) of different lengths are right-padded on axis 1 with it (an
+    attention mask of 0 there hides the padding from the model; padded targets are
+    ``ignore_index``); without one, such entries raise in ``torch.cat``.
+    """
+
+    def join(tensors: list[torch.Tensor]) -> torch.Tensor:
+        if (
+            pad_value is not None
+            and tensors[0].ndim >= 2
+            and len({t.shape[1] for t in tensors}) > 1
+        ):
+            length = max(t.shape[1] for t in tensors)
+            tensors = [
+                torch.nn.functional.pad(
+                    t, [0, 0] * (t.ndim - 2) + [0, length - t.shape[1]], value=pad_value
+                )
+                for t in tensors
+            ]
+        return torch.cat(tensors)
+
+    if not isinstance(Xs[0], MutableMapping):
+        return join(Xs)
+    keys = [k for k, v in Xs[0].items() if k != dict_key_y and isinstance(v, torch.Tensor)]
+    return {key: join([X[key] for X in Xs]) for key in keys}
 
 
 def check_finite(what: str, tensor: Any, batch_index: int) -> None:

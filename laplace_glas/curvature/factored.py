@@ -492,6 +492,10 @@ def _batch_factors(model, recorder, X, y, likelihood, ignore_index, scale, offse
     recorder.reset()
     with torch.enable_grad():
         out = check_model_output(model(X))
+        if out.shape[0] != B:
+            raise _Unsupported(
+                f"model outputs whose first axis ({out.shape[0]}) is not the batch ({B})"
+            )
         if out[0].numel() > _MAX_ROWS:
             raise _Unsupported(
                 f"{out[0].numel()} output rows per example (more than {_MAX_ROWS}) for "
