@@ -813,6 +813,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
             loss_scalings=_LOSS_SCALINGS,
             complements=_COMPLEMENTS,
             dtype=self._dtype,
+            n_layers=self.n_layers,
         )
         if self.loss_scaling != state_dict["loss_scaling"]:
             warnings.warn(

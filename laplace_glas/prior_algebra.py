@@ -54,33 +54,51 @@ __all__ = [
     "DiagonalPriorPosterior",
     "LowRankDiagonalOperator",
     "capacitance",
+    "layer_grams",
     "log_det_capacitance",
     "restricted_precision",
 ]
 
 
-def restricted_precision(U: torch.Tensor, a: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``A = diag(a) + U^T diag(p) U``: the ``(k, k)`` precision of ``z`` (``O(k^2 D)``)."""
-    return torch.diag_embed(a) + (U.T * p) @ U
+def layer_grams(U: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """``G_l = U_l^T U_l`` ``(L, k, k)`` for the row blocks ``U_l`` of ``sizes`` rows.
+
+    With a layerwise prior ``p_l``, ``U^T P_0^{+-1} U = sum_l p_l^{+-1} G_l``: computed
+    once (``O(k^2 D)``), every later prior costs ``O(L k^2)``.
+    """
+    return torch.stack([block.T @ block for block in U.split(sizes)])
 
 
-def capacitance(U: torch.Tensor, a: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+def restricted_precision(
+    U: torch.Tensor, a: torch.Tensor, p: torch.Tensor, gram: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``A = diag(a) + U^T diag(p) U``: the ``(k, k)`` precision of ``z`` (``O(k^2 D)``;
+    ``gram`` = ``U^T diag(p) U`` when known).
+    """
+    return torch.diag_embed(a) + ((U.T * p) @ U if gram is None else gram)
+
+
+def capacitance(
+    U: torch.Tensor, a: torch.Tensor, p: torch.Tensor, gram_inverse: torch.Tensor | None = None
+) -> torch.Tensor:
     """``C = I + diag(sqrt a) U^T diag(1/p) U diag(sqrt a)`` ``(k, k)``, symmetric
-    positive definite (``O(k^2 D)``).
+    positive definite (``O(k^2 D)``; ``gram_inverse`` = ``U^T diag(1/p) U`` when known).
     """
     root = a.clamp(min=0).sqrt()
-    inner = (U.T / p) @ U
+    inner = (U.T / p) @ U if gram_inverse is None else gram_inverse
     eye = torch.eye(U.shape[1], dtype=U.dtype, device=U.device)
     return eye + root[:, None] * inner * root[None, :]
 
 
-def log_det_capacitance(U: torch.Tensor, a: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+def log_det_capacitance(
+    U: torch.Tensor, a: torch.Tensor, p: torch.Tensor, gram_inverse: torch.Tensor | None = None
+) -> torch.Tensor:
     """``log det C = log det(P_0 + W W^T) - log det P_0`` by Cholesky.
 
     Differentiable in ``p`` and ``a`` (the gradient of the evidence in a layerwise or
     diagonal prior precision).
     """
-    chol = torch.linalg.cholesky(capacitance(U, a, p))
+    chol = torch.linalg.cholesky(capacitance(U, a, p, gram_inverse))
     return 2 * chol.diagonal().log().sum()
 
 
@@ -160,6 +178,9 @@ class DiagonalPriorPosterior:
         ``(D,)`` ``p > 0``.
     complement : {'zero', 'prior'}
         No variance off ``span(U)``, or the prior's.
+    grams : tuple of torch.Tensor, optional
+        ``(U^T P_0 U, U^T P_0^{-1} U)`` when known (e.g. from :func:`layer_grams` for a
+        layerwise prior); otherwise computed in ``O(k^2 D)``.
 
     """
 
@@ -169,6 +190,7 @@ class DiagonalPriorPosterior:
         curvature: torch.Tensor,
         prior_precision: torch.Tensor,
         complement: str,
+        grams: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
         if complement not in ("zero", "prior"):
             raise ValueError(f"complement must be 'zero' or 'prior', got {complement!r}.")
@@ -176,17 +198,18 @@ class DiagonalPriorPosterior:
         self.a = curvature
         self.p = prior_precision
         self.complement = complement
+        self.gram, self.gram_inverse = (None, None) if grams is None else grams
 
     # -------------------------------------------------------------- factorisations
     @cached_property
     def _restricted(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mu, E)``: eigen-decomposition of ``A``."""
-        return torch.linalg.eigh(restricted_precision(self.U, self.a, self.p))
+        return torch.linalg.eigh(restricted_precision(self.U, self.a, self.p, self.gram))
 
     @cached_property
     def _capacitance(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(c, R)``: eigen-decomposition of ``C``."""
-        return torch.linalg.eigh(capacitance(self.U, self.a, self.p))
+        return torch.linalg.eigh(capacitance(self.U, self.a, self.p, self.gram_inverse))
 
     @property
     def _root_factor(self) -> torch.Tensor:
@@ -197,7 +220,7 @@ class DiagonalPriorPosterior:
     @property
     def log_det_ratio(self) -> torch.Tensor:
         """``log det C`` (both complements; differentiable in ``p`` and ``a``)."""
-        return log_det_capacitance(self.U, self.a, self.p)
+        return log_det_capacitance(self.U, self.a, self.p, self.gram_inverse)
 
     @property
     def log_det_posterior_precision(self) -> torch.Tensor:
@@ -250,7 +273,7 @@ class DiagonalPriorPosterior:
         """
         z = delta @ self.U
         if self.complement == "zero":
-            A = restricted_precision(self.U, self.a, self.p)
+            A = restricted_precision(self.U, self.a, self.p, self.gram)
             return ((z @ A) * z).sum(-1)
         return (delta.square() * self.p).sum(-1) + (z.square() * self.a).sum(-1)
 

@@ -349,3 +349,54 @@ def test_prior_of_the_wrong_length_or_sign_is_refused(request):
     with pytest.raises(ValueError, match=r"n_layers=4"):
         glas.optimize_prior_precision(init_prior_prec=torch.ones(5, dtype=torch.float64))
     assert torch.equal(glas.prior_precision, before)
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_state_dict_round_trip_keeps_the_structured_prior(request, structure, tmp_path):
+    glas, _, _ = pair_with_prior(request, "regression", "sum", "prior", structure)
+    path = tmp_path / "glas.pt"
+    torch.save(glas.state_dict(), path)
+    model = request.getfixturevalue("regression_setup")[0]
+    other = Laplace(
+        model,
+        "regression",
+        subset_of_weights="all",
+        hessian_structure="glas",
+        sigma_noise=0.3,
+        n_components=8,
+        complement="prior",
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        other.load_state_dict(torch.load(path, weights_only=True))
+    torch.testing.assert_close(other.prior_precision, glas.prior_precision, rtol=0, atol=0)
+    torch.testing.assert_close(other.log_marginal_likelihood(), glas.log_marginal_likelihood())
+    state = glas.state_dict()
+    state["prior_precision"] = -state["prior_precision"]
+    with pytest.raises(ValueError, match=r"prior_precision.*positive"):
+        other.load_state_dict(state)
+
+
+def test_layer_gram_cache_follows_truncation_and_refit(request):
+    """The cached U_l^T U_l blocks are those of the current eigenvectors."""
+    glas, _, _ = pair_with_prior(request, "regression", "sum", "zero", "layerwise")
+    p = glas.prior_precision_diag
+
+    def dense_restricted(la):
+        U = la.eigenvectors
+        return torch.diag(la.subspace_curvature) + U.T @ torch.diag(p) @ U
+
+    assert torch.isfinite(glas.log_det_ratio)  # fills the cache at k = 8
+    glas.n_components = 5
+    op = glas.posterior_precision
+    torch.testing.assert_close(
+        (op.vectors * op.values) @ op.vectors.T,
+        glas.eigenvectors @ dense_restricted(glas) @ glas.eigenvectors.T,
+    )
+    assert torch.isfinite(glas.log_det_ratio)  # cache at k = 5
+    glas.H[0].copy_(glas.H[0].flip(1).clone())  # in place: the cache must notice
+    op = glas.posterior_precision
+    torch.testing.assert_close(
+        (op.vectors * op.values) @ op.vectors.T,
+        glas.eigenvectors @ dense_restricted(glas) @ glas.eigenvectors.T,
+    )
