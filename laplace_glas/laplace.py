@@ -777,7 +777,8 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
             empirical_bayes=empirical_bayes,
         )
         self.n_components = selection.k
-        self.prior_precision = selection.prior_precision
+        if selection.prior_precision is not None:  # None: the own structured prior
+            self.prior_precision = selection.prior_precision
         return selection
 
     # ------------------------------------------------------------------ persistence

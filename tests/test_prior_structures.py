@@ -10,6 +10,7 @@ restricted posterior ``U (diag(a) + U^T P_0 U)^{-1} U^T`` and Woodbury's form.
 from __future__ import annotations
 
 import math
+import statistics
 import warnings
 
 import pytest
@@ -23,6 +24,7 @@ from test_equivalence import (  # noqa: F401 (fixtures)
 )
 from test_subspace import explicit_jacobian
 
+from laplace_glas.calibration import select_dimension
 from laplace_glas.prior_algebra import DiagonalPriorPosterior
 
 STRUCTURES = ["layerwise", "diag"]
@@ -399,4 +401,104 @@ def test_layer_gram_cache_follows_truncation_and_refit(request):
     torch.testing.assert_close(
         (op.vectors * op.values) @ op.vectors.T,
         glas.eigenvectors @ dense_restricted(glas) @ glas.eigenvectors.T,
+    )
+
+
+# ---------------------------------------------------------------- calibration
+@pytest.mark.parametrize("complement", ["zero", "prior"])
+def test_calibration_at_the_own_structured_prior_against_dense_algebra(request, complement):
+    """Rows with prior_precision=None are the posterior's own diagonal prior at each k:
+    coverage, width and NLL from J Sigma_k J^T with explicit Jacobians."""
+    glas, _, _ = pair_with_prior(request, "regression", "sum", complement, "diag")
+    model = request.getfixturevalue("regression_setup")[0]
+    g = torch.Generator().manual_seed(3)
+    Xc = torch.rand(30, 1, generator=g, dtype=torch.float64) * 4 - 2
+    with torch.no_grad():
+        yc = model(Xc) + 0.3 * torch.randn(30, 1, generator=g, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sel = select_dimension(glas, loader(Xc, yc, batch_size=7), coverage=0.8, ks=[2, 5, 8])
+    own = {r.k: r for r in sel.rows if r.prior_precision is None}
+    assert sorted(own) == [2, 5, 8]
+    assert any(r.empirical_bayes for r in sel.rows)  # the scalar EB candidates stay
+    J = explicit_jacobian(model, Xc)
+    with torch.no_grad():
+        f = model(Xc).reshape(-1)
+    p = glas.prior_precision_diag
+    z = statistics.NormalDist().inv_cdf(0.9)
+    for k, row in own.items():
+        U, a = glas.H[0][:, :k], glas._curvature_up_to(k)
+        if complement == "zero":
+            Sigma = U @ torch.linalg.inv(torch.diag(a) + U.T @ torch.diag(p) @ U) @ U.T
+        else:
+            Sigma = torch.linalg.inv((U * a) @ U.T + torch.diag(p))
+        var = torch.diag(J @ Sigma @ J.T)
+        half = z * var.sqrt()
+        covered = float(((yc.reshape(-1) - f).abs() <= half).double().mean())
+        assert row.coverage == pytest.approx(covered, abs=1e-12)
+        assert row.mean_width == pytest.approx(float(2 * half.mean()), rel=1e-8)
+        total = var + 0.09
+        nll = float(
+            (0.5 * (torch.log(2 * math.pi * total) + (yc.reshape(-1) - f) ** 2 / total)).mean()
+        )
+        assert row.nll == pytest.approx(nll, rel=1e-8)
+    assert "own" in str(sel)
+
+
+def test_calibrate_keeps_the_structured_prior_and_sets_k(request):
+    glas, _, _ = pair_with_prior(request, "regression", "sum", "zero", "layerwise")
+    before = glas.prior_precision.clone()
+    model = request.getfixturevalue("regression_setup")[0]
+    g = torch.Generator().manual_seed(4)
+    Xc = torch.rand(20, 1, generator=g, dtype=torch.float64) * 4 - 2
+    with torch.no_grad():
+        yc = model(Xc) + 0.3 * torch.randn(20, 1, generator=g, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sel = glas.calibrate(
+            loader(Xc, yc), coverage=0.5, empirical_bayes=False, pred_type="nn", n_samples=50
+        )
+    assert sel.prior_precision is None and all(r.prior_precision is None for r in sel.rows)
+    assert glas.n_components == sel.k
+    assert torch.equal(glas.prior_precision, before)
+
+
+def test_nn_calibration_of_a_linear_model_matches_its_glm_calibration():
+    """'nn' rows at the own prior sample the structured posterior: for a linear model
+    their interval widths agree with the closed-form 'glm' rows (sampling error)."""
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Linear(3, 1).double()
+    X = torch.randn(40, 3, generator=g, dtype=torch.float64)
+    y = X @ torch.tensor([[1.0], [-2.0], [0.5]], dtype=torch.float64)
+    la = Laplace(
+        model,
+        "regression",
+        subset_of_weights="all",
+        hessian_structure="glas",
+        sigma_noise=0.5,
+        n_components=3,
+        complement="prior",
+        loss_scaling="sum",
+    )
+    la.fit(loader(X, y))
+    la.prior_precision = torch.tensor([0.5, 3.0], dtype=torch.float64)
+    Xc = torch.randn(25, 3, generator=g, dtype=torch.float64)
+    yc = Xc @ torch.tensor([[1.0], [-2.0], [0.5]], dtype=torch.float64)
+    calib = loader(Xc, yc + 0.5 * torch.randn(25, 1, generator=g, dtype=torch.float64))
+    widths = {}
+    for pred_type in ("glm", "nn"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sel = select_dimension(
+                la,
+                calib,
+                ks=[1, 3],
+                pred_type=pred_type,
+                n_samples=4000,
+                empirical_bayes=False,
+                generator=torch.Generator().manual_seed(1),
+            )
+        widths[pred_type] = [r.mean_width for r in sel.rows]
+    torch.testing.assert_close(
+        torch.tensor(widths["nn"]), torch.tensor(widths["glm"]), rtol=0.05, atol=0
     )
