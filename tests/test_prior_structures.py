@@ -502,3 +502,36 @@ def test_nn_calibration_of_a_linear_model_matches_its_glm_calibration():
     torch.testing.assert_close(
         torch.tensor(widths["nn"]), torch.tensor(widths["glm"]), rtol=0.05, atol=0
     )
+
+
+def test_activity_scores_refuse_a_structured_prior_clearly(request):
+    from laplace_glas.activity import activity_scores
+
+    glas, _, _ = pair_with_prior(request, "regression", "sum", "zero", "layerwise")
+    with pytest.raises(ValueError, match=r"scalar \(isotropic\) prior precision.*shape \(4,\)"):
+        activity_scores(glas, weighting="posterior")
+    assert activity_scores(glas, weighting="eigenvalue").shape == (glas.n_params,)
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_float32_posterior_with_a_structured_prior(toy_regression, structure):
+    """float32 runs in float32 and agrees with the same algebra in float64."""
+    from conftest import fit_glas
+
+    model, X, y = toy_regression
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la = fit_glas(model, X, y, n_components=6, complement="prior")
+    prior = structured_prior(la, structure).float()
+    la.prior_precision = prior
+    U, a = la.eigenvectors, la.subspace_curvature
+    ref = DiagonalPriorPosterior(U.double(), a.double(), la.prior_precision_diag.double(), "prior")
+    assert la.log_det_ratio.dtype == torch.float32
+    torch.testing.assert_close(la.log_det_ratio.double(), ref.log_det_ratio, rtol=1e-4, atol=0)
+    _, f_var = la(X[:5], pred_type="glm")
+    assert f_var.dtype == torch.float32 and bool((f_var > 0).all())
+    assert la.sample(3, generator=torch.Generator().manual_seed(0)).dtype == torch.float32
+    la.optimize_prior_precision(prior_structure=structure, n_steps=5)
+    assert la.prior_precision.dtype == torch.float32 and bool(
+        torch.isfinite(la.prior_precision).all()
+    )
