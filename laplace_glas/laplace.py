@@ -1,14 +1,16 @@
 """ActiveSubspaceLaplace: the GLAS posterior behind laplace-torch's interface.
 
 The class is thin: the predictive methods live in the mixin
-:mod:`laplace_glas.posterior_predictive`, the eigen-solve in
+:mod:`laplace_glas.posterior_predictive`, the posterior operators, evidence terms,
+sampling and prior tuning in the mixin :mod:`laplace_glas.subspace_posterior` (with the
+layerwise / diagonal prior algebra in :mod:`laplace_glas.prior_algebra`), the eigen-solve in
 :mod:`laplace_glas.curvature.subspace`, the data pass of ``fit`` and the choice of the
 GGN's loss in :mod:`laplace_glas.curvature.fitting`, the closed forms in
 :mod:`laplace_glas.posterior`, the forward-mode JVPs in :mod:`laplace_glas.predictive`,
 the state-dict checks in :mod:`laplace_glas.persistence` and the argument checks in
 :mod:`laplace_glas.validation`. What is here is the laplace-torch contract: the
-``Laplace(model, likelihood, 'all', 'glas')`` registration, ``fit``, the evidence,
-prior tuning, sampling and (de)serialisation.
+``Laplace(model, likelihood, 'all', 'glas')`` registration, ``fit``, the
+hyperparameters and (de)serialisation.
 
 Conventions (laplace-torch's): ``H`` is the *summed*, unit-noise curvature; the
 observation noise and the temperature enter through ``_H_factor`` when ``H`` is read.
@@ -117,8 +119,9 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
     ----------
     model, likelihood, sigma_noise, prior_precision, prior_mean, temperature,
     enable_backprop, dict_key_x, dict_key_y :
-        As in laplace-torch's ``ParametricLaplace``. The closed forms need a scalar
-        ``prior_precision``; ``likelihood`` is ``'regression'`` (Gaussian, MSE) or
+        As in laplace-torch's ``ParametricLaplace``. ``prior_precision`` is a scalar
+        (the closed forms), or one positive value per parameter tensor or per weight
+        (:mod:`laplace_glas.prior_algebra`); ``likelihood`` is ``'regression'`` (Gaussian, MSE) or
         ``'classification'`` (softmax cross-entropy).
     backend, backend_kwargs, asdl_fisher_kwargs :
         Accepted for drop-in compatibility. The curvature is always the exact GGN,
