@@ -207,6 +207,11 @@ def prior_precision_values(
     :func:`scalar_prior_precision`), or a 1-D tensor of ``n_layers`` (one per parameter
     tensor) or ``n_params`` (one per weight) positive, finite values.
     """
+    if isinstance(prior_precision, torch.Tensor) and prior_precision.ndim > 1:
+        raise ValueError(
+            "prior_precision must be a number or a 1-D tensor (as in laplace-torch), got "
+            f"one of shape {tuple(prior_precision.shape)}."
+        )
     if not isinstance(prior_precision, torch.Tensor) or prior_precision.numel() == 1:
         scalar_prior_precision(prior_precision, dtype)
         return
