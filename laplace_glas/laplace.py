@@ -52,7 +52,6 @@ from laplace_glas.curvature.fitting import (
     count_terms,
     curvature_loss,
     loss_at_map,
-    loss_fn_name,
     validate_loss_fn,
 )
 from laplace_glas.curvature.subspace import (
@@ -61,13 +60,15 @@ from laplace_glas.curvature.subspace import (
     compute_eigenpairs,
     mean_ggn_operator,
 )
-from laplace_glas.persistence import check_state
+from laplace_glas.curvature.update import UpdatedCurvature
+from laplace_glas.persistence import glas_state, restore_glas_state
 from laplace_glas.posterior_predictive import FittedWeightsChangedWarning, SubspacePredictive
 from laplace_glas.predictive import (
     parameter_names,
 )
 from laplace_glas.subspace_posterior import SubspacePosterior
 from laplace_glas.validation import (
+    ArgumentTypeError,
     choice,
     finite_number,
     flag,
@@ -244,7 +245,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
         progress_bar: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+            raise ArgumentTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
         trainable = [p for p in model.parameters() if p.requires_grad]
         n_params = sum(p.numel() for p in trainable)
         if n_params == 0:
@@ -293,7 +294,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
         progress_bar = flag("progress_bar", progress_bar)
         for name, key in (("dict_key_x", dict_key_x), ("dict_key_y", dict_key_y)):
             if not isinstance(key, str):
-                raise TypeError(f"{name} must be a str, got {key!r}.")
+                raise ArgumentTypeError(f"{name} must be a str, got {key!r}.")
         # laplace-torch compares sigma_noise with 1 before its setter runs (a crash for
         # a tensor), so it is checked here; prior_precision and temperature are checked
         # by this class's setters inside ParametricLaplace.__init__
@@ -339,7 +340,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
     @staticmethod
     def _validate_n_components(k: Any, n_params: int) -> int:
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
-            raise TypeError(f"n_components must be an int, got {type(k).__name__}.")
+            raise ArgumentTypeError(f"n_components must be an int, got {type(k).__name__}.")
         k = int(k)
         if k < 1:
             raise ValueError(f"n_components must be >= 1, got {k}.")
@@ -498,7 +499,12 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
     def temperature(self, temperature: float | torch.Tensor) -> None:
         number = positive_scalar("temperature", temperature, dtype=self._dtype)
         # numbers are stored as floats (a huge Python int would overflow torch's int64)
-        self._temperature = temperature if isinstance(temperature, torch.Tensor) else number
+        # a tensor is kept (it may carry gradients) as a 0-d one: shape (1, 1) would
+        # broadcast the evidence and the variances into matrices
+        if isinstance(temperature, torch.Tensor):
+            self._temperature = temperature.reshape(())
+        else:
+            self._temperature = number
 
     @property
     def prior_mean(self) -> torch.Tensor:
@@ -535,16 +541,20 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
             ``(X, y)`` batches, or mappings with the target under ``dict_key_y``.
             The model's current weights are the MAP ``theta*``.
         override : bool, default=True
-            Must be True: an eigen-decomposition cannot be updated additively.
+            True: a new fit. False (after a fit): add this loader's curvature, loss
+            and number of terms to the stored ones, as laplace-torch does. The stored
+            curvature is rank ``K``, so the update is the top-``K`` eigen-solve of
+            ``(U diag(h) U^T + N_new G_new) / (N_old + N_new)``
+            (:mod:`laplace_glas.curvature.update`): exact when ``K`` reaches the rank
+            of the old GGN, otherwise off the union's fit by at most
+            ``N_old * lambda_{K+1}(G_old)`` in the summed curvature. Solved by Lanczos
+            (or the block solver with ``solver='block'``). The mean becomes the
+            model's current weights.
         progress_bar : bool, optional
             Overrides the constructor's ``progress_bar``.
 
         """
-        if not override:
-            raise ValueError(
-                "GLAS cannot update a fit (override=False): eigenpairs are not "
-                "additive across data sets."
-            )
+        update = not flag("override", override) and getattr(self, "_eigenpairs", None) is not None
         show = self.progress_bar if progress_bar is None else progress_bar
         if (
             isinstance(train_loader, DataLoader)
@@ -563,14 +573,26 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
         generator = self.generator
         if generator is None:
             generator = torch.Generator().manual_seed(self.seed)
+        stored = None
+        if update:
+            if out_shape[-1] != self.n_outputs:
+                raise ValueError(
+                    f"fit(override=False) adds data of the fitted kind: the model now has "
+                    f"{out_shape[-1]} outputs, the fitted posterior {self.n_outputs}."
+                )
+            stored = (*self.H, self.n_data)
         eig = self.compute_eigenpairs(
             train_loader,
+            n_components=self.H[0].shape[1] if update else None,
             generator=generator,
             subsample_size=self.subsample_size,
             progress_bar=show,
             _out_shape=out_shape,
             _n_data=n_data,
+            _stored_curvature=stored,
         )
+        if update:
+            loss, n_data = self.loss + loss, self.n_data + n_data
         n_below = int(eig.below_threshold.sum())
         if n_below:
             warnings.warn(
@@ -619,6 +641,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
         ncv: int | None = None,
         _out_shape: torch.Size | None = None,
         _n_data: int | None = None,
+        _stored_curvature: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     ) -> Eigenpairs:
         """Top eigenpairs of the unit-noise mean-loss GGN (or of ``loss_fn``'s) at the
         model's weights.
@@ -705,6 +728,15 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
                 dtype=self._dtype,
                 progress_bar=progress_bar,
             )
+            if _stored_curvature is not None:  # fit(override=False): add to the stored
+                U_old, h_old, n_old = _stored_curvature
+                # the new data weigh by all their terms, also when a subsample is solved
+                operator = UpdatedCurvature(
+                    U_old, h_old, n_old, _n_data, operator, scale, self._dtype
+                )
+                scale, eigen_n = 1.0, n_old + _n_data
+                solver = "block" if solver == "block" else "lanczos"
+                operator_name = f"stored rank-{U_old.shape[1]} curvature + {operator_name}"
             return compute_eigenpairs(
                 operator,
                 k,
@@ -786,77 +818,23 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
-        """laplace-torch's state plus the eigen-solve record and the GLAS settings.
-
-        Holds tensors and Python scalars only: ``torch.load(..., weights_only=True)``
-        reads it back.
+        """laplace-torch's state plus the eigen-solve record and the GLAS settings
+        (:func:`laplace_glas.persistence.glas_state`).
         """
         self._check_H_init()
-        state = super().state_dict()
-        state["likelihood"] = str(getattr(self.likelihood, "value", self.likelihood))
-        state["H"] = tuple(self.H)
-        state["loss_scaling"] = self.loss_scaling
-        state["complement"] = self.complement
-        state["n_components"] = self._n_components
-        state["eigenpairs"] = self._eigenpairs.to_dict()
-        state["loss_fn"] = loss_fn_name(self.loss_fn)
-        return state
+        return glas_state(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a fitted posterior saved by :meth:`state_dict` (no refit).
 
         The whole state is validated first (:func:`laplace_glas.persistence.check_state`):
         a refused state raises ``ValueError`` naming the entry and leaves this object
-        unchanged.
+        unchanged. See :func:`laplace_glas.persistence.restore_glas_state`.
         """
-        check_state(
+        restore_glas_state(
+            self,
             state_dict,
-            cls_name=type(self).__name__,
-            n_params=self.n_params,
-            likelihood=str(getattr(self.likelihood, "value", self.likelihood)),
+            super().load_state_dict,
             loss_scalings=_LOSS_SCALINGS,
             complements=_COMPLEMENTS,
-            dtype=self._dtype,
-            n_layers=self.n_layers,
         )
-        if self.loss_scaling != state_dict["loss_scaling"]:
-            warnings.warn(
-                f"loss_scaling {self.loss_scaling!r} is replaced by the saved "
-                f"{state_dict['loss_scaling']!r}.",
-                stacklevel=2,
-            )
-        if self.complement != state_dict["complement"]:
-            warnings.warn(
-                f"complement {self.complement!r} is replaced by the saved "
-                f"{state_dict['complement']!r}.",
-                stacklevel=2,
-            )
-        if self._n_components != state_dict["n_components"]:
-            warnings.warn(
-                f"n_components {self._n_components} is replaced by the saved "
-                f"{state_dict['n_components']}.",
-                stacklevel=2,
-            )
-        saved_loss = state_dict.get("loss_fn", "")
-        if saved_loss != loss_fn_name(self.loss_fn):
-            warnings.warn(
-                f"The saved eigenpairs are those of loss_fn {saved_loss or None!r}; this "
-                f"object has {loss_fn_name(self.loss_fn) or None!r}. The loaded curvature "
-                "is used as saved.",
-                stacklevel=2,
-            )
-        try:
-            eigenpairs = Eigenpairs.from_dict(state_dict["eigenpairs"])
-        except TypeError as err:
-            raise ValueError(
-                f"state_dict['eigenpairs'] is not an eigen-solve record: {err}"
-            ) from None
-        super().load_state_dict(state_dict)
-        self.loss = torch.as_tensor(self.loss).to(self._device, self._dtype)
-        U, h = state_dict["H"]
-        self.H = (U.to(self._device, self._dtype), h.to(self._device, self._dtype))
-        self.mean = self.mean.to(self._device, self._dtype)
-        self.loss_scaling = state_dict["loss_scaling"]
-        self.complement = state_dict["complement"]
-        self._eigenpairs = eigenpairs.to(self._device, self._dtype)
-        self._n_components = int(state_dict["n_components"])

@@ -12,11 +12,14 @@ refused ``load_state_dict`` leaves the posterior exactly as it was.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from laplace_glas.curvature.fitting import loss_fn_name
+from laplace_glas.curvature.subspace import Eigenpairs
 from laplace_glas.validation import (
     homoscedastic_noise,
     positive_scalar,
@@ -24,7 +27,14 @@ from laplace_glas.validation import (
     scalar_prior_precision,
 )
 
-__all__ = ["GLAS_KEYS", "LAPLACE_KEYS", "check_state"]
+__all__ = [
+    "GLAS_KEYS",
+    "LAPLACE_KEYS",
+    "check_state",
+    "eigenpair_record",
+    "glas_state",
+    "restore_glas_state",
+]
 
 LAPLACE_KEYS = (
     "mean",
@@ -198,12 +208,36 @@ def check_state(
     if isinstance(prior_mean, torch.Tensor):
         if prior_mean.numel() not in (1, n_params) or not torch.isfinite(prior_mean).all():
             raise ValueError("state_dict['prior_mean'] must be finite, scalar or of length D.")
-    _check_eigenpairs(state["eigenpairs"], U)
+    _check_eigenpairs(eigenpair_record(state), U)
 
 
-def _check_eigenpairs(record: Any, U: torch.Tensor) -> None:
+def eigenpair_record(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The eigen-solve record of a state as ``Eigenpairs.to_dict()``'s dict.
+
+    States store it as a tuple of ``(field, value)`` pairs without the eigenvectors
+    (``H[0]`` holds them); states of version 0.1 as a dict with them. Both are read.
+    """
+    record = state["eigenpairs"]
+    if isinstance(record, (tuple, list)):
+        try:
+            record = dict(record)
+        except (TypeError, ValueError):
+            raise ValueError(
+                "state_dict['eigenpairs'] must be a tuple of (field, value) pairs."
+            ) from None
     if not isinstance(record, Mapping):
-        raise ValueError("state_dict['eigenpairs'] must be a dict (Eigenpairs.to_dict()).")
+        raise ValueError(
+            "state_dict['eigenpairs'] must be a tuple of (field, value) pairs "
+            "(or the dict Eigenpairs.to_dict() returns)."
+        )
+    record = dict(record)
+    H = state.get("H")
+    if "vectors" not in record and isinstance(H, (tuple, list)) and len(H) == 2:
+        record["vectors"] = H[0]
+    return record
+
+
+def _check_eigenpairs(record: Mapping[str, Any], U: torch.Tensor) -> None:
     missing = [key for key in _EIGENPAIR_KEYS if key not in record]
     if missing:
         raise ValueError(
@@ -221,3 +255,87 @@ def _check_eigenpairs(record: Any, U: torch.Tensor) -> None:
             raise ValueError(
                 f"state_dict['eigenpairs'][{key!r}] must be a tensor of shape ({U.shape[1]},)."
             )
+
+
+def glas_state(la: Any, base_state: dict[str, Any]) -> dict[str, Any]:
+    """laplace-torch's ``base_state`` of the fitted ``la`` plus the GLAS entries.
+
+    Its top-level values are tensors, Python scalars, strings and tuples only
+    (laplace-torch's rule for a state without pickled objects), so
+    ``torch.load(..., weights_only=True)`` reads it back. The eigen-solve record is
+    stored as a tuple of ``(field, value)`` pairs without its eigenvectors, which
+    ``H[0]`` holds.
+    """
+    state = dict(base_state)
+    state["likelihood"] = str(getattr(la.likelihood, "value", la.likelihood))
+    state["H"] = tuple(la.H)
+    state["loss_scaling"] = la.loss_scaling
+    state["complement"] = la.complement
+    state["n_components"] = la._n_components
+    record = la._eigenpairs.to_dict()
+    del record["vectors"]  # the same tensor as H[0]
+    state["eigenpairs"] = tuple(record.items())
+    state["loss_fn"] = loss_fn_name(la.loss_fn)
+    return state
+
+
+def restore_glas_state(
+    la: Any,
+    state: Mapping[str, Any],
+    load_base: Callable[[Mapping[str, Any]], None],
+    *,
+    loss_scalings: tuple[str, ...],
+    complements: tuple[str, ...],
+) -> None:
+    """Validate ``state`` (:func:`check_state`), then assign it to ``la``.
+
+    ``load_base`` is laplace-torch's ``load_state_dict`` of ``la``. Settings of ``la``
+    that the state replaces (loss scaling, complement, ``n_components``, a different
+    custom loss) are named in a warning. Nothing is assigned when a check fails.
+    """
+    check_state(
+        state,
+        cls_name=type(la).__name__,
+        n_params=la.n_params,
+        likelihood=str(getattr(la.likelihood, "value", la.likelihood)),
+        loss_scalings=loss_scalings,
+        complements=complements,
+        dtype=la._dtype,
+        n_layers=la.n_layers,
+    )
+    if la.loss_scaling != state["loss_scaling"]:
+        warnings.warn(
+            f"loss_scaling {la.loss_scaling!r} is replaced by the saved {state['loss_scaling']!r}.",
+            stacklevel=3,
+        )
+    if la.complement != state["complement"]:
+        warnings.warn(
+            f"complement {la.complement!r} is replaced by the saved {state['complement']!r}.",
+            stacklevel=3,
+        )
+    if la._n_components != state["n_components"]:
+        warnings.warn(
+            f"n_components {la._n_components} is replaced by the saved {state['n_components']}.",
+            stacklevel=3,
+        )
+    saved_loss = state.get("loss_fn", "")
+    if saved_loss != loss_fn_name(la.loss_fn):
+        warnings.warn(
+            f"The saved eigenpairs are those of loss_fn {saved_loss or None!r}; this "
+            f"object has {loss_fn_name(la.loss_fn) or None!r}. The loaded curvature "
+            "is used as saved.",
+            stacklevel=3,
+        )
+    try:
+        eigenpairs = Eigenpairs.from_dict(eigenpair_record(state))
+    except TypeError as err:
+        raise ValueError(f"state_dict['eigenpairs'] is not an eigen-solve record: {err}") from None
+    load_base(state)
+    la.loss = torch.as_tensor(la.loss).to(la._device, la._dtype)
+    U, h = state["H"]
+    la.H = (U.to(la._device, la._dtype), h.to(la._device, la._dtype))
+    la.mean = la.mean.to(la._device, la._dtype)
+    la.loss_scaling = state["loss_scaling"]
+    la.complement = state["complement"]
+    la._eigenpairs = eigenpairs.to(la._device, la._dtype)
+    la._n_components = int(state["n_components"])

@@ -204,6 +204,58 @@ class SubspaceOperator:
         eye = torch.eye(U.shape[0], dtype=U.dtype, device=U.device)
         return dense + self.complement * (eye - U @ U.T)
 
+    def logdet(self) -> torch.Tensor:
+        """``log det A = sum_j log d_j + (D - k) log c`` in O(k).
+
+        ``-inf`` for a singular matrix (``c = 0`` with ``k < D``, as ``torch.logdet``
+        returns); refused for ``c = inf`` (complement='zero' precision), whose
+        determinant is infinite: the evidence uses
+        ``ActiveSubspaceLaplace.log_det_posterior_precision`` instead.
+        """
+        self._check_finite()
+        D, k = self.vectors.shape
+        logdet = self.values.log().sum()
+        if D > k:
+            logdet = logdet + (D - k) * self.complement.log()
+        return logdet
+
+    def clone(self) -> SubspaceOperator:
+        """A copy with cloned factors (``torch.Tensor.clone``'s contract)."""
+        return SubspaceOperator(self.vectors.clone(), self.values.clone(), self.complement.clone())
+
+    def _dense_or_low_rank(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(U diag(d) U^T + c (I - U U^T), c)`` with the complement term left out when
+        ``c`` is infinite (then two operators are equal when their ``c`` and this
+        part are).
+        """
+        if torch.isfinite(self.complement):
+            return self.to_dense(), self.complement
+        U = self.vectors
+        return (U * self.values) @ U.T, self.complement
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """``torch.allclose`` and ``torch.equal`` accept operators (laplace-torch's tests
+        compare posterior precisions with them); they form the ``D x D`` matrices, like
+        the dense comparisons they replace. Other torch functions are refused.
+        """
+        kwargs = kwargs or {}
+        if func in (torch.allclose, torch.equal):
+            a, b = args[:2]
+            (a, ca), (b, cb) = _comparable(a), _comparable(b)
+            if torch.isinf(ca) or torch.isinf(cb):
+                if not bool(torch.equal(ca, cb)):
+                    return False
+            return func(a, b, *args[2:], **kwargs)
+        return NotImplemented
+
     def __repr__(self) -> str:
         D, k = self.vectors.shape
         return f"SubspaceOperator(D={D}, k={k}, complement={float(self.complement):.3g})"
+
+
+def _comparable(x: SubspaceOperator | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(x, SubspaceOperator):
+        return x._dense_or_low_rank()
+    x = torch.as_tensor(x)
+    return x, torch.zeros((), dtype=x.dtype, device=x.device)

@@ -32,9 +32,10 @@ import torch
 from laplace.utils.enums import LinkApprox, PredType
 
 from laplace_glas.autodiff import autodiff_friendly
+from laplace_glas.curvature.factored import factored_jacobian_directions
 from laplace_glas.links import gaussian_samples, laplace_bridge
 from laplace_glas.predictive import batched_outputs, jacobian_gram, jvp_directions
-from laplace_glas.validation import positive_int
+from laplace_glas.validation import ArgumentTypeError, positive_int
 
 __all__ = ["FittedWeightsChangedWarning", "SubspacePredictive"]
 
@@ -49,12 +50,23 @@ def _check_pred_type(pred_type: PredType | str) -> None:
 
 
 class SubspacePredictive:
-    """Predictive methods of a subspace Laplace posterior (a mixin; see the module)."""
+    """Predictive methods of a subspace Laplace posterior (a mixin; see the module).
+
+    Attributes
+    ----------
+    jacobian_path : str or None
+        How the last 'glm' predictive computed ``J(x) U``: ``'factored'`` (one forward
+        and one batched backward pass, then GEMMs) or ``'jvp (reason)'`` (``k``
+        forward-mode JVPs); None before the first call.
+
+    """
+
+    jacobian_path: str | None = None
 
     def _to_device(self, X: Any) -> Any:
         return X.to(self._device) if isinstance(X, torch.Tensor) else X
 
-    def _check_fitted_weights(self) -> None:
+    def _check_fitted_weights(self) -> bool:
         """Warn when the model's weights are no longer the fitted MAP ``la.mean``.
 
         Predictions linearise at, and sample around, ``la.mean``: after the weights
@@ -77,7 +89,8 @@ class SubspacePredictive:
                     FittedWeightsChangedWarning,
                     stacklevel=3,
                 )
-                return
+                return False
+        return True
 
     def _check_inputs(self, X: Any) -> None:
         inputs = X[self.dict_key_x] if isinstance(X, MutableMapping) else X
@@ -86,7 +99,7 @@ class SubspacePredictive:
                 raise ValueError("The input must have a batch axis: shape (batch, ...), got ().")
             if inputs.is_floating_point() and inputs.dtype != self._dtype:
                 name = str(self._dtype).replace("torch.", "")
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"The input is {str(inputs.dtype).replace('torch.', '')} but the model's "
                     f"parameters are {name}: pass x.to({self._dtype})."
                 )
@@ -135,7 +148,7 @@ class SubspacePredictive:
         x = self._to_device(x)
 
         if pred_type == PredType.NN:
-            if joint:
+            if joint and self.likelihood == "regression":
                 raise ValueError("joint=True is only available for pred_type='glm'.")
             if self.likelihood == "regression":
                 fs = self._nn_functional_samples(x, n_samples, generator, **model_kwargs)
@@ -148,11 +161,9 @@ class SubspacePredictive:
             probs = self._nn_predictive_samples(x, n_samples, generator, **model_kwargs)
             return probs.mean(dim=0)
 
-        if joint:
-            f_mu, f_var, _ = self._glm_moments(x, joint=True)
-            if self.likelihood == "regression":
-                return f_mu, f_var
-            raise ValueError("joint=True is only available for regression.")
+        if joint and self.likelihood == "regression":
+            # as in laplace-torch, joint only applies to regression (ignored otherwise)
+            return self._glm_moments(x, joint=True)[:2]
         f_mu, f_var, lead = self._glm_moments(x)
         C = f_mu.shape[-1]
         if self.likelihood == "regression":
@@ -204,16 +215,14 @@ class SubspacePredictive:
         """
         self._check_H_init()
         self._check_inputs(X)
-        self._check_fitted_weights()
+        at_fitted_weights = self._check_fitted_weights()
         X = self._to_device(X)
         # Sigma = U diag(weights) U^T + diag(c): c = None (no term), 1/tau, or (D,)
         U, weights, c = self._covariance_factors()
         theta = self.mean if self.enable_backprop else self.mean.detach()
         names, shapes = self._param_names, self._param_shapes
         with torch.set_grad_enabled(self.enable_backprop), autodiff_friendly(self.model):
-            f_mu, JU = jvp_directions(
-                self.model, names, shapes, theta, X, U, chunk_size=self.jvp_chunk_size
-            )
+            f_mu, JU = self._jacobian_directions(X, U, theta, at_fitted_weights)
             if f_mu.ndim < 2:
                 raise ValueError(
                     "The 'glm' predictive needs model outputs of shape (batch, ..., outputs); "
@@ -255,6 +264,38 @@ class SubspacePredictive:
         if not self.enable_backprop:
             f_mu, f_var = f_mu.detach(), f_var.detach()
         return f_mu, f_var, lead
+
+    def _jacobian_directions(
+        self, X: Any, U: torch.Tensor, theta: torch.Tensor, at_fitted_weights: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``f(x)`` and ``J(x) U``: from the factored Jacobian of the batch where the
+        model qualifies (:func:`~laplace_glas.curvature.factored.factored_jacobian_directions`:
+        the model at its fitted weights, no backpropagation through the predictive),
+        otherwise by ``k`` forward-mode JVPs. Which path ran is kept in
+        ``self.jacobian_path`` (``'factored'`` or ``'jvp (why)'``).
+        """
+        reason = "enable_backprop" if self.enable_backprop else None
+        if reason is None and not at_fitted_weights:
+            reason = "the model's weights differ from la.mean"
+        if reason is None:
+            with torch.no_grad():
+                result = factored_jacobian_directions(
+                    self.model, self.params, X, U, dict_key_x=self.dict_key_x
+                )
+            if not isinstance(result, str):
+                self.jacobian_path = "factored"
+                return result
+            reason = result
+        self.jacobian_path = f"jvp ({reason})"
+        return jvp_directions(
+            self.model,
+            self._param_names,
+            self._param_shapes,
+            theta,
+            X,
+            U,
+            chunk_size=self.jvp_chunk_size,
+        )
 
     def _glm_predictive_distribution(
         self,

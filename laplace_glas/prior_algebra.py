@@ -157,6 +157,26 @@ class LowRankDiagonalOperator:
         V = self.vectors
         return torch.diag(self.diagonal_part) + (V * self.weights) @ V.T
 
+    def logdet(self) -> torch.Tensor:
+        """``log det M = sum log d + log det(I_k + diag(w) V^T diag(1/d) V)`` (matrix
+        determinant lemma, ``O(k^2 D)``); ``-inf`` for a singular and NaN for a negative
+        determinant, as ``torch.logdet`` returns.
+        """
+        V, d = self.vectors, self.diagonal_part
+        eye = torch.eye(V.shape[1], dtype=V.dtype, device=V.device)
+        sign, log_abs = torch.linalg.slogdet(eye + self.weights[:, None] * ((V.T / d) @ V))
+        if bool(sign == 0):
+            return torch.full_like(log_abs, -math.inf)
+        if bool(sign < 0):
+            return torch.full_like(log_abs, math.nan)
+        return d.log().sum() + log_abs
+
+    def clone(self) -> LowRankDiagonalOperator:
+        """A copy with cloned factors (``torch.Tensor.clone``'s contract)."""
+        return LowRankDiagonalOperator(
+            self.diagonal_part.clone(), self.vectors.clone(), self.weights.clone()
+        )
+
     def __repr__(self) -> str:
         D, k = self.vectors.shape
         return f"LowRankDiagonalOperator(D={D}, k={k})"

@@ -1,9 +1,9 @@
 """Argument checks shared by the modules: one message for one kind of mistake.
 
 Every check refuses a value the library cannot use where it enters (constructor,
-setter, ``load_state_dict``, method argument) with a ``ValueError`` or ``TypeError``
-that names the argument and the accepted range, and returns the value in the form
-the library stores.
+setter, ``load_state_dict``, method argument) with a ``ValueError`` or an
+:class:`ArgumentTypeError` that names the argument and the accepted range, and returns
+the value in the form the library stores.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "ArgumentTypeError",
     "check_model_output",
     "choice",
     "finite_number",
@@ -35,6 +36,16 @@ __all__ = [
     "seed",
     "tolerance",
 ]
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type (a string for a number, a float16 model, ...).
+
+    A ``TypeError`` by Python's convention and a ``ValueError`` by laplace-torch's,
+    which raises ``ValueError`` for these mistakes: code written against either
+    catches it.
+    """
+
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
 """Parameter dtypes the eigen-solve and the closed forms run in."""
@@ -59,7 +70,7 @@ def positive_int(name: str, value: Any, *, allow_none: bool = True) -> int | Non
 def integer(name: str, value: Any, low: int | None = None, high: int | None = None) -> int:
     """``value`` as an ``int`` in ``[low, high]`` (numpy integers included, bools not)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r}).")
+        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} ({value!r}).")
     if (low is not None and value < low) or (high is not None and value > high):
         raise ValueError(f"{name} must lie in [{low}, {high}], got {value}.")
     return int(value)
@@ -77,19 +88,23 @@ def scalar_value(name: str, value: Any) -> float:
     of more than one element: the message names their shape).
     """
     if isinstance(value, bool) or isinstance(value, str):
-        raise TypeError(f"{name} must be a real number, got {value!r}.")
+        raise ArgumentTypeError(f"{name} must be a real number, got {value!r}.")
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise TypeError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}.")
+            raise ArgumentTypeError(
+                f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}."
+            )
         if value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(f"{name} must be a real number, got a {value.dtype} tensor.")
+            raise ArgumentTypeError(f"{name} must be a real number, got a {value.dtype} tensor.")
         return float(value.detach().reshape(()).item())
     if isinstance(value, numbers.Real):
         return float(value)
     shape = getattr(value, "shape", None)
     if shape is not None and getattr(value, "size", None) == 1:  # numpy array
         return scalar_value(name, value.reshape(()).item())
-    raise TypeError(f"{name} must be a real number, got {type(value).__name__} ({value!r}).")
+    raise ArgumentTypeError(
+        f"{name} must be a real number, got {type(value).__name__} ({value!r})."
+    )
 
 
 def finite_number(name: str, value: Any, low: float = -math.inf, high: float = math.inf) -> float:
@@ -140,13 +155,13 @@ def parameter_dtype(params: Iterable[torch.Tensor]) -> torch.dtype:
     dtypes = {p.dtype for p in params}
     if len(dtypes) > 1:
         names = ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
-        raise TypeError(
+        raise ArgumentTypeError(
             f"The parameters under inference mix dtypes ({names}); convert the model "
             "to one of float32 or float64, e.g. model.float()."
         )
     (dtype,) = dtypes
     if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"GLAS needs float32 or float64 parameters, got {str(dtype).replace('torch.', '')}"
             ": the eigen-solve and the closed-form posterior lose their accuracy in 16-bit "
             "floats. Fit a float32 copy (model.float()) and cast back for inference if needed."
@@ -165,7 +180,7 @@ def check_model_output(out: Any) -> torch.Tensor:
     elif hasattr(out, "keys"):
         keys = ", ".join(repr(k) for k in list(out.keys())[:5])
         hint = f" (e.g. `return self.net(x)['logits']`; the output has keys {keys})"
-    raise TypeError(
+    raise ArgumentTypeError(
         f"The model returned a {kind}, but GLAS (like laplace-torch) needs one tensor of "
         "shape (batch, outputs) or (batch, seq_len, classes). Wrap the model in an "
         f"nn.Module whose forward returns that tensor{hint}."
@@ -178,7 +193,7 @@ def reiterable(name: str, loader: Any) -> Any:
     """
     if isinstance(loader, Iterator) or not isinstance(loader, Iterable):
         what = "a one-shot iterator" if isinstance(loader, Iterator) else type(loader).__name__
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{name} must be re-iterable (a DataLoader or a list of batches), got {what}: "
             "the eigen-solve passes over the data once per GGN product."
         )
@@ -239,6 +254,11 @@ def homoscedastic_noise(
     sigma_noise: Any, dtype: torch.dtype | None = None, likelihood: str = "regression"
 ) -> None:
     """One homoscedastic observation noise ``sigma > 0`` (exactly 1 for classification)."""
+    if isinstance(sigma_noise, torch.Tensor) and sigma_noise.ndim > 1:
+        raise ValueError(
+            "sigma_noise must be a scalar or a one-element vector (as in laplace-torch); "
+            f"got a tensor of shape {tuple(sigma_noise.shape)}."
+        )
     if isinstance(sigma_noise, torch.Tensor) and sigma_noise.numel() > 1:
         raise ValueError(
             "sigma_noise must be one scalar (homoscedastic noise, as in laplace-torch); "
@@ -277,7 +297,7 @@ def tolerance(value: Any) -> float:
 def flag(name: str, value: Any) -> bool:
     """``value`` must be a bool (numpy bools included)."""
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {value!r}.")
+        raise ArgumentTypeError(f"{name} must be True or False, got {value!r}.")
     return bool(value)
 
 

@@ -293,12 +293,6 @@ def test_classification_with_out_of_range_labels(cls_data, shift):
         glas(small_classifier(), "classification").fit(loader(X, y + shift))
 
 
-def test_fit_without_override(reg_data):
-    X, y = reg_data
-    with pytest.raises(ValueError, match=r"override=False.*not additive"):
-        glas().fit(loader(X, y), override=False)
-
-
 def test_shuffled_loader_with_drop_last(reg_data):
     X, y = reg_data
     dl = DataLoader(TensorDataset(X, y), batch_size=7, shuffle=True, drop_last=True)

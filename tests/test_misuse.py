@@ -220,7 +220,9 @@ CORRUPTIONS = {
     "short mean": (lambda s: corrupt(s, "mean", s["mean"][:-1]), "D="),
     "wrong class": (lambda s: corrupt(s, "cls_name", "FullLaplace"), "FullLaplace"),
     "eigenpairs record mismatch": (
-        lambda s: corrupt(s, "eigenpairs", {**s["eigenpairs"], "vectors": torch.zeros(2, 2)}),
+        lambda s: corrupt(
+            s, "eigenpairs", tuple({**dict(s["eigenpairs"]), "vectors": torch.zeros(2, 2)}.items())
+        ),
         "eigenpairs",
     ),
     "not a mapping": (lambda s: [1, 2], "mapping"),

@@ -96,6 +96,14 @@ def test_prior_complement_equals_full_laplace(request, likelihood, loss_scaling,
     torch.testing.assert_close(
         glas.log_det_posterior_precision, full.log_det_posterior_precision, rtol=1e-8, atol=0
     )
+    torch.testing.assert_close(
+        glas.posterior_precision.logdet(), full.log_det_posterior_precision, rtol=1e-8, atol=0
+    )
+    torch.testing.assert_close(
+        glas.posterior_covariance.logdet(), -full.log_det_posterior_precision, rtol=1e-8, atol=0
+    )
+    copy = glas.posterior_precision.clone()
+    torch.testing.assert_close(copy.to_dense(), full.posterior_precision, rtol=1e-8, atol=1e-12)
     Xtest = XTEST.repeat(1, X.shape[1])
     f_g, v_g = glas._glm_predictive_distribution(Xtest)
     f_f, v_f = full._glm_predictive_distribution(Xtest)

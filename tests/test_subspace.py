@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -184,19 +186,30 @@ def test_truncate_keeps_leading_pairs(toy_regression):
         eig.truncate(5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("k", [3, 10, 40])
-def test_block_solver_matches_lanczos(toy_regression, k):
+def test_block_solver_matches_lanczos(toy_regression, k, dtype):
     """The block Krylov solver finds the same eigenpairs as ARPACK (rank ~20 here, so
-    k = 40 also exercises the numerically-zero tail)."""
+    k = 40 also exercises the numerically-zero tail).
+
+    Eigenvalues agree to 1e-4 relative, and in float32 to the products' resolution
+    ``10 eps lambda_1`` below that: both solvers see the GGN only through float32
+    products, so eigenvalues under ~1e-3 lambda_1 are not determined to 1e-4 relative
+    by either (the block basis is orthogonalised in the products' precision).
+    """
     model, X, y = toy_regression
+    model = copy.deepcopy(model).to(dtype)
+    X, y = X.to(dtype), y.to(dtype)
     op = mean_ggn_operator(model, nn.MSELoss(), list(model.parameters()), loader(X, y), 100)
     g = torch.Generator
-    ref = compute_eigenpairs(op, k, scale=0.5, generator=g().manual_seed(0))
-    blk = compute_eigenpairs(op, k, scale=0.5, generator=g().manual_seed(1), solver="block")
+    kwargs = dict(scale=0.5, dtype=dtype)
+    ref = compute_eigenpairs(op, k, generator=g().manual_seed(0), **kwargs)
+    blk = compute_eigenpairs(op, k, generator=g().manual_seed(1), solver="block", **kwargs)
     assert blk.solver == "block" and blk.n_converged == k
     assert blk.n_products > blk.n_passes >= 1  # several columns per data pass
     nonzero = ~ref.below_threshold
-    torch.testing.assert_close(blk.values[nonzero], ref.values[nonzero], rtol=1e-4, atol=0)
+    resolution = 10 * torch.finfo(dtype).eps * float(ref.values[0]) if dtype == torch.float32 else 0
+    torch.testing.assert_close(blk.values[nonzero], ref.values[nonzero], rtol=1e-4, atol=resolution)
     assert torch.equal(blk.below_threshold, ref.below_threshold)
     # eigenvectors of well-separated, resolved eigenvalues agree up to sign
     vals = ref.values.double()

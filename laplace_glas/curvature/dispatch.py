@@ -84,10 +84,12 @@ def select_operator(
     :func:`~laplace_glas.curvature.subspace.compute_eigenpairs` and the operator's
     description for the record.
 
-    ``curvlinops_operator`` (with ``scale``) is returned unless ``solver`` asks for the
-    factored operator and :func:`~.factored.build_factored_ggn` succeeds.
+    ``curvlinops_operator`` (with ``scale``) is returned for ``solver='lanczos'`` (the
+    reference) and whenever :func:`~.factored.build_factored_ggn` fails; the other
+    solvers get the factored operator where the model qualifies (``'block'`` then
+    multiplies its blocks with two GEMMs per layer instead of a pass over the data).
     """
-    if solver in ("lanczos", "block"):
+    if solver == "lanczos":
         return curvlinops_operator, scale, solver, "curvlinops"
     n_params = sum(p.numel() for p in params)
     itemsize = torch.finfo(dtype).bits // 8
@@ -106,6 +108,8 @@ def select_operator(
         progress_bar=progress_bar,
     )
     if isinstance(built, str):
+        if solver == "block":  # the block solver works on either operator
+            return curvlinops_operator, scale, "block", f"curvlinops (not factored: {built})"
         if solver != "auto":
             warnings.warn(
                 f"solver={solver!r} needs the factored GGN, which this fit cannot use "

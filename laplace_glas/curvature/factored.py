@@ -67,12 +67,14 @@ __all__ = [
     "OuterFactor",
     "build_factored_ggn",
     "default_factor_budget",
+    "factored_jacobian_directions",
     "unsupported_reason",
 ]
 
 _NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 _CHUNK_ELEMENTS = 2**25  # temporaries of one product chunk: 128 MiB in float32
 _MAX_ROWS = 1024  # R = output rows per example above which the factors are not built
+_PREDICTIVE_BUDGET = 2**29  # factors of one prediction batch: 512 MiB
 _CONV = (nn.Conv1d, nn.Conv2d)
 _NORM = (nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d)
 _SUPPORTED = (nn.Linear, *_CONV, *_NORM, nn.Embedding)
@@ -749,3 +751,76 @@ def _concatenate(all_layers: dict, all_explicit: list) -> list:
         per_batch = [_assemble({}, e)[0] for e in all_explicit]
         factors.append(ExplicitFactor(per_batch[0].index, torch.cat([f.J for f in per_batch])))
     return factors
+
+
+def factored_jacobian_directions(
+    model: nn.Module,
+    params: Sequence[torch.Tensor],
+    x: torch.Tensor | dict,
+    directions: torch.Tensor,
+    *,
+    dict_key_x: str = "input_ids",
+    budget_bytes: int = _PREDICTIVE_BUDGET,
+) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """``f(x)`` and ``J(x) V`` from the factors of one batch, or why not.
+
+    The 'glm' predictive's ``J(x) U`` at the model's current weights: one forward pass
+    with hooks and one batched backward pass over the ``R`` output rows give the
+    per-example Jacobian in factored form (:class:`FactoredGGN` with ``Lambda = I``,
+    ``N = 1``, so ``S = J``); then ``J(x) V = S V`` is one pair of GEMMs per layer
+    instead of ``k`` forward-mode JVPs, each a pass through the network. The same
+    forward-mode check as for the fit guards the factorisation. Factors above
+    ``budget_bytes`` (default 512 MiB; ``B R`` times the activations) are not built.
+
+    Parameters
+    ----------
+    model, params : nn.Module, sequence of tensors
+        The network in eval mode at the weights to linearise at, and the parameters
+        in the order of ``V``'s rows.
+    x : torch.Tensor or mapping
+        One input batch (on the model's device).
+    directions : torch.Tensor
+        ``(D, k)`` directions ``V``.
+    dict_key_x : str
+        Key of the input in mapping batches (for the batch size).
+    budget_bytes : int
+        Largest size of the factors.
+
+    Returns
+    -------
+    (f, JV) or str
+        ``f`` of shape ``(batch, *out)`` and ``JV`` of shape ``(batch, *out, k)``, or a
+        sentence saying why the model does not qualify (the caller then uses JVPs).
+
+    """
+    reason = unsupported_reason(model, params, "regression")
+    if reason is not None:
+        return reason
+    params = list(params)
+    owners = _owners(model)
+    offsets: dict[nn.Module, dict[str, int]] = {}
+    start = 0
+    for p in params:
+        _, module, attr = owners[id(p)]
+        offsets.setdefault(module, {})[attr] = start
+        start += p.numel()
+    names = [owners[id(p)][0] for p in params]
+    recorder = _Recorder(offsets)
+    try:
+        B = batch_size(x, dict_key_x)
+        y = torch.zeros(B, device=directions.device)  # unused by the regression rows
+        out, rows, layers, explicit, R = _batch_factors(
+            model, recorder, x, y, "regression", -100, 1.0, offsets, dict_key_x
+        )
+        recorder.remove()
+        if _nbytes(layers, explicit) > budget_bytes:
+            return f"factors above the predictive's budget ({budget_bytes / 2**20:.0f} MiB)"
+        factors = _assemble(layers, explicit)
+        _check_first_batch(model, params, names, x, out, rows, factors, start, out.dtype)
+    except _Unsupported as err:
+        return str(err)
+    finally:
+        recorder.remove()
+    S = FactoredGGN(factors, start, R)
+    JV = S.apply_S(directions.T.to(dtype=out.dtype).contiguous())  # (k, B, R)
+    return out, JV.permute(1, 2, 0).reshape(*out.shape, directions.shape[1])

@@ -339,11 +339,11 @@ def _solve_block(
     generator: torch.Generator | None,
     pbar: tqdm,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
-    """Block Krylov with ``block_size`` columns per data pass (basis kept in float64)."""
+    """Block Krylov with ``block_size`` columns per data pass (basis in the model's dtype)."""
 
     def matmat(V: torch.Tensor) -> torch.Tensor:
         """``scale * G V`` in the model's precision (the solver stores images in it)."""
-        if hasattr(operator, "to_scipy"):  # a curvlinops operator: stay in torch
+        if hasattr(operator, "to_scipy") or isinstance(operator, FactoredGGN):  # stay in torch
             GV = operator @ V.to(dtype)
         else:
             GV = torch.as_tensor(operator.matmat(V.cpu().numpy().astype(_TORCH_TO_NUMPY[dtype])))
@@ -356,7 +356,9 @@ def _solve_block(
             )
         return GV
 
-    basis_dtype = torch.float64 if torch.device(device).type != "mps" else torch.float32
+    # the basis is orthogonalised in the products' own precision: float64 would only
+    # refine directions the float32 products cannot resolve, at twice the cost
+    basis_dtype = dtype
     if tol <= 0:
         tol = 1e-5 if dtype == torch.float32 else 1e-8
     result = block_krylov_eigenpairs(

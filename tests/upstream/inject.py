@@ -1,0 +1,103 @@
+"""Run laplace-torch's own test files against GLAS (a development tool, not collected).
+
+laplace-torch's suite parametrizes its tests over lists of Laplace classes. This script
+copies the test files of a laplace-torch checkout into a scratch folder and appends
+GLAS variants (``complement='prior'`` and ``'zero'``, ``n_components=8``,
+``loss_scaling='sum'``, the scaling laplace-torch's structures use) to each of those
+lists, so the upstream contract runs unchanged against ``ActiveSubspaceLaplace``.
+
+Usage (needs a laplace-torch source tree, e.g. a clone of aleximmer/Laplace)::
+
+    python tests/upstream/inject.py /path/to/Laplace /tmp/upstream
+    cd /tmp/upstream && python -m pytest -q -k GLAS tests/test_baselaplace.py
+
+CI has no internet, so the project's own suite carries the same behaviours in
+``tests/test_laplace_torch_contract.py``.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+from pathlib import Path
+
+VARIANTS = """
+
+# --- injected by laplace-glas tests/upstream/inject.py -------------------------------
+import laplace_glas  # noqa: E402,F401
+from laplace_glas import ActiveSubspaceLaplace as _ASL  # noqa: E402
+
+
+class GLASPrior(_ASL):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("n_components", 8)
+        kwargs.setdefault("complement", "prior")
+        kwargs.setdefault("loss_scaling", "sum")
+        super().__init__(*args, **kwargs)
+
+
+class GLASZero(_ASL):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("n_components", 8)
+        kwargs.setdefault("complement", "zero")
+        kwargs.setdefault("loss_scaling", "sum")
+        super().__init__(*args, **kwargs)
+
+
+GLAS_VARIANTS = [GLASPrior, GLASZero]
+# --------------------------------------------------------------------------------------
+"""
+
+# lists of Laplace classes in parametrizations and module-level flavour lists
+_CLASS = r"(?:(?:Full|Kron|Diag|LowRank)Laplace|lrlaplace_param)"
+_CLASS_LIST = re.compile(rf"(\[\s*(?:{_CLASS}\s*,\s*)*{_CLASS}\s*,?\s*\])")
+
+
+def inject(source: str) -> str:
+    """Append the GLAS variants to every list of parametric Laplace classes."""
+    header_end = (
+        source.index("\n", source.index("torch.set_default_dtype")) + 1
+        if ("torch.set_default_dtype" in source)
+        else _after_imports(source)
+    )
+    head, body = source[:header_end], source[header_end:]
+    lines = body.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        # only the lists that choose which classes run, never the tests' own branches
+        if line.lstrip().startswith(
+            ("@pytest.mark.parametrize", "flavors =", "online_flavors =", "flavors_no_llla =")
+        ):
+            lines[i] = _CLASS_LIST.sub(_append_variants, line)
+    return head + VARIANTS + "".join(lines)
+
+
+def _append_variants(match: re.Match) -> str:
+    return match.group(1)[:-1].rstrip().rstrip(",") + ", *GLAS_VARIANTS]"
+
+
+def _after_imports(source: str) -> str:
+    lines = source.splitlines(keepends=True)
+    last = max(i for i, line in enumerate(lines) if line.startswith(("import ", "from ")))
+    return len("".join(lines[: last + 1]))
+
+
+def main(checkout: str, target: str) -> None:
+    src, dst = Path(checkout), Path(target)
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src / "tests", dst / "tests")
+    for name in (
+        "test_baselaplace.py",
+        "test_lllaplace.py",
+        "test_subnetlaplace.py",
+        "test_serialization.py",
+    ):
+        path = dst / "tests" / name
+        if path.exists():
+            path.write_text(inject(path.read_text()))
+    print(f"upstream tests with GLAS variants written to {dst / 'tests'}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
