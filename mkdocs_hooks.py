@@ -18,7 +18,12 @@ import griffe
 from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parent
-SERVED = ("benchmarks/RESULTS.md", "benchmarks/paper/*.md", "benchmarks/*/*.png")
+SERVED = (
+    "benchmarks/RESULTS.md",
+    "benchmarks/paper/*.md",
+    "benchmarks/alignment/*.md",
+    "benchmarks/*/*.png",
+)
 
 
 def on_files(files: Files, config) -> Files:

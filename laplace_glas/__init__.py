@@ -44,6 +44,7 @@ from laplace_glas.curvature.subspace import (
     mean_ggn_operator,
 )
 from laplace_glas.diagnostics import ReplicaCheck, ResidualReport, replica_check, residual_report
+from laplace_glas.jacobian_alignment import Alignment, alignment, ood_scores
 from laplace_glas.laplace import ActiveSubspaceLaplace, FittedWeightsChangedWarning, NotFittedError
 from laplace_glas.posterior import SubspaceOperator, optimal_prior_precision
 
@@ -67,6 +68,7 @@ del _old, _new
 
 __all__ = [
     "ActiveSubspaceLaplace",
+    "Alignment",
     "CoverageNotReachedWarning",
     "CoverageRow",
     "DimensionSelection",
@@ -79,11 +81,13 @@ __all__ = [
     "ResidualReport",
     "SubspaceOperator",
     "activity_scores",
+    "alignment",
     "compute_eigenpairs",
     "coverage",
     "cumulative_activity",
     "interval_width",
     "mean_ggn_operator",
+    "ood_scores",
     "optimal_prior_precision",
     "per_parameter",
     "replica_check",

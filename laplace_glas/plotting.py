@@ -11,7 +11,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["plot_coverage_vs_k", "plot_cumulative_activity", "plot_predictive_band"]
+__all__ = [
+    "plot_alignment",
+    "plot_coverage_vs_k",
+    "plot_cumulative_activity",
+    "plot_predictive_band",
+]
 
 
 def _pyplot():
@@ -142,6 +147,42 @@ def plot_predictive_band(
     )
     ax.set_xlabel("x")
     ax.set_ylabel("f(x)")
+    _legend_below(ax)
+    if title is not None:
+        ax.set_title(title)
+    return _finish(fig, path)
+
+
+def plot_alignment(
+    alignments: Mapping[str, Any],
+    path: str | Path | None = None,
+    title: str | None = None,
+    complement: str = "zero",
+) -> Any:
+    """Captured share ``||J U||_F^2 / ||J||_F^2`` against the 'glm' variance, per input.
+
+    ``alignments`` maps a label (e.g. ``"in-distribution"``, ``"shifted"``) to a
+    :class:`~laplace_glas.jacobian_alignment.Alignment`; ``complement`` picks the
+    variance: ``'zero'`` (``sum_j v_j ||J u_j||^2``) or ``'prior'`` (``+ residual /
+    tau``). The variance axis is logarithmic; the legend sits below the axes.
+    """
+    if complement not in ("zero", "prior"):
+        raise ValueError(f"complement must be 'zero' or 'prior', got {complement!r}.")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 4.4))
+    for label, result in alignments.items():
+        variance = result.variance if complement == "zero" else result.combined
+        ax.scatter(
+            result.captured.detach().cpu().numpy(),
+            variance.detach().cpu().clamp_min(1e-30).numpy(),
+            s=8,
+            alpha=0.6,
+            label=label,
+        )
+    ax.set_yscale("log")
+    ax.set_xlabel("captured share of ||J(x)||_F^2")
+    ax.set_ylabel(f"'glm' variance (complement='{complement}')")
+    ax.grid(True, alpha=0.3)
     _legend_below(ax)
     if title is not None:
         ax.set_title(title)

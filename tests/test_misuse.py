@@ -240,8 +240,9 @@ def test_load_state_dict_refuses_invalid_states_and_leaves_the_object_unchanged(
     state, _ = fitted_state
     make, match = CORRUPTIONS[case]
     target = fit(data, loss_scaling="sum")
-    before = {k: v for k, v in vars(target).items()}
+    # predicting first: a prediction records its Jacobian path (la.jacobian_path)
     f_before = target(torch.randn(3, 1, generator=torch.Generator().manual_seed(0)))
+    before = {k: v for k, v in vars(target).items()}
     with pytest.raises(ValueError, match=match):
         target.load_state_dict(make(state))
     assert vars(target).keys() == before.keys()
