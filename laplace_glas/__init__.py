@@ -1,7 +1,8 @@
 """laplace-glas: Generalized Laplace Active Subspace (GLAS) for laplace-torch.
 
 Importing the package registers ``hessian_structure='glas'`` with laplace-torch's
-``Laplace`` factory::
+``Laplace`` factory for ``subset_of_weights='all'``, ``'last_layer'`` (the factory's
+default) and ``'subnetwork'`` (:mod:`laplace_glas.subsets`)::
 
     import laplace_glas  # noqa: F401
     from laplace import Laplace
@@ -47,6 +48,7 @@ from laplace_glas.diagnostics import ReplicaCheck, ResidualReport, replica_check
 from laplace_glas.jacobian_alignment import Alignment, alignment, ood_scores
 from laplace_glas.laplace import ActiveSubspaceLaplace, FittedWeightsChangedWarning, NotFittedError
 from laplace_glas.posterior import SubspaceOperator, optimal_prior_precision
+from laplace_glas.subsets import LastLayerActiveSubspaceLaplace, SubnetActiveSubspaceLaplace
 
 __version__ = "0.1.0"
 
@@ -75,10 +77,12 @@ __all__ = [
     "Eigenpairs",
     "FittedWeightsChangedWarning",
     "LanczosConvergenceWarning",
+    "LastLayerActiveSubspaceLaplace",
     "NotFittedError",
     "NumericalRankWarning",
     "ReplicaCheck",
     "ResidualReport",
+    "SubnetActiveSubspaceLaplace",
     "SubspaceOperator",
     "activity_scores",
     "alignment",

@@ -604,6 +604,12 @@ def select_dimension(
         candidate reaches the level; the best coverage achieved is then selected.
 
     """
+    if la.likelihood not in ("regression", "classification"):
+        raise ValueError(
+            f"calibrate / select_dimension need regression or classification targets; "
+            f"likelihood={la.likelihood!r} has none to cover (reward models are trained "
+            "on preference labels, not on targets of the predicted rewards)."
+        )
     ks = _validate_ks(la, ks)
     X, y, batch_size = _gather(la, calib_loader)
     pairs = _candidates(la, ks, prior_precisions, empirical_bayes)

@@ -32,21 +32,21 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import numpy as np
 import torch
 from laplace.baselaplace import ParametricLaplace
-from laplace.curvature import AsdlGGN, BackPackGGN, CurvlinopsGGN
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, RandomSampler
 
 from laplace_glas.autodiff import autodiff_friendly
 from laplace_glas.calibration import DimensionSelection, select_dimension
+from laplace_glas.curvature.backends import curvature_operator, resolve_backend
 from laplace_glas.curvature.batches import XYBatches, batch_size, split_batch, subsample_loader
-from laplace_glas.curvature.dispatch import SOLVERS, select_operator
+from laplace_glas.curvature.dispatch import SOLVERS
 from laplace_glas.curvature.fitting import (
     MapLoss,
     count_terms,
@@ -58,7 +58,6 @@ from laplace_glas.curvature.subspace import (
     Eigenpairs,
     NumericalRankWarning,
     compute_eigenpairs,
-    mean_ggn_operator,
 )
 from laplace_glas.curvature.update import UpdatedCurvature
 from laplace_glas.persistence import glas_state, restore_glas_state
@@ -88,8 +87,8 @@ from laplace_glas.validation import seed as valid_seed
 __all__ = ["ActiveSubspaceLaplace", "FittedWeightsChangedWarning", "NotFittedError"]
 
 _LOSS_SCALINGS = ("mean", "sum")
+_LIKELIHOODS = ("regression", "classification", "reward_modeling")
 _COMPLEMENTS = ("zero", "prior")
-_GGN_BACKENDS = (CurvlinopsGGN, BackPackGGN, AsdlGGN)
 
 
 class NotFittedError(ValueError, AttributeError):
@@ -122,12 +121,16 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
     enable_backprop, dict_key_x, dict_key_y :
         As in laplace-torch's ``ParametricLaplace``. ``prior_precision`` is a scalar
         (the closed forms), or one positive value per parameter tensor or per weight
-        (:mod:`laplace_glas.prior_algebra`); ``likelihood`` is ``'regression'`` (Gaussian, MSE) or
-        ``'classification'`` (softmax cross-entropy).
+        (:mod:`laplace_glas.prior_algebra`); ``likelihood`` is ``'regression'``
+        (Gaussian, MSE), ``'classification'`` (softmax cross-entropy) or
+        ``'reward_modeling'`` (laplace-torch's: fitted as classification on preference
+        pairs, predicted as a regression of the reward unless ``fitting=True``).
     backend, backend_kwargs, asdl_fisher_kwargs :
-        Accepted for drop-in compatibility. The curvature is always the exact GGN,
-        computed matrix-free by curvlinops; a GGN backend is therefore accepted and
-        ignored, any other (EF, Hessian, Fisher-MC) is rejected.
+        As in laplace-torch. ``backend`` picks the matrix (GGN by default, empirical
+        Fisher for ``*EF``, Hessian for ``*Hessian``), always computed matrix-free
+        by curvlinops (:mod:`laplace_glas.curvature.backends`; BackPACK / ASDL classes
+        are mapped with a warning, a stochastic GGN or an unknown class is refused).
+        ``la.curvature`` records the choice.
     n_components : int, default=20
         ``k``, the number of leading GGN eigenpairs (``1 <= k < D``).
     loss_scaling : {'mean', 'sum'}, default='mean'
@@ -254,21 +257,14 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
                 "put a posterior on."
             )
         dtype = parameter_dtype(trainable)
-        likelihood = choice("likelihood", likelihood, ("regression", "classification"))
+        likelihood = choice("likelihood", likelihood, _LIKELIHOODS)
         self.loss_scaling = loss_scaling  # validated by the property
         complement = choice(
             "complement", complement, _COMPLEMENTS, " (no variance / the prior's outside span(U))"
         )
         solver = choice("solver", solver, SOLVERS)
         n_components = self._validate_n_components(n_components, n_params)
-        if backend is not None and not (
-            isinstance(backend, type) and issubclass(backend, _GGN_BACKENDS)
-        ):
-            name = getattr(backend, "__name__", repr(backend))
-            raise ValueError(
-                f"GLAS always uses the exact GGN (matrix-free, via curvlinops); the "
-                f"curvature backend {name} would ask for another matrix."
-            )
+        curvature = resolve_backend(backend, backend_kwargs)
         if generator is not None and (
             not isinstance(generator, torch.Generator) or generator.device.type != "cpu"
         ):
@@ -299,7 +295,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
         # a tensor), so it is checked here; prior_precision and temperature are checked
         # by this class's setters inside ParametricLaplace.__init__
         homoscedastic_noise(sigma_noise, dtype, likelihood)
-        validate_loss_fn(loss_fn, ignore_index if likelihood == "classification" else None)
+        validate_loss_fn(loss_fn, ignore_index if likelihood != "regression" else None)
 
         super().__init__(
             model,
@@ -316,6 +312,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
             asdl_fisher_kwargs=asdl_fisher_kwargs,
         )
         self.complement = complement
+        self.curvature = curvature
         self._n_components = n_components
         self.solver = solver
         self.block_size = block_size
@@ -352,6 +349,14 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
                 f"(hessian_structure='full') is exact and cheap."
             )
         return k
+
+    @property
+    def _curvature_likelihood(self) -> str:
+        """The likelihood of the curvature and of the training loss: laplace-torch fits
+        ``'reward_modeling'`` as ``'classification'`` (Bradley-Terry preference pairs:
+        a softmax over the pair's two rewards).
+        """
+        return "classification" if self.likelihood == "reward_modeling" else self.likelihood
 
     def _init_H(self) -> None:
         self.H: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -619,7 +624,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
         return loss_at_map(
             self.model,
             loader,
-            self.likelihood,
+            self._curvature_likelihood,
             ignore_index=self.ignore_index,
             dict_key_x=self.dict_key_x,
             dict_key_y=self.dict_key_y,
@@ -671,7 +676,11 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
             # after fit: the output shape per point is the model's; N is this loader's
             _out_shape = self._out_shape
             _n_data = count_terms(
-                train_loader, self.likelihood, self.ignore_index, self.dict_key_x, self.dict_key_y
+                train_loader,
+                self._curvature_likelihood,
+                self.ignore_index,
+                self.dict_key_x,
+                self.dict_key_y,
             )
             if _n_data == 0:
                 raise ValueError("The loader is empty (or all its targets are ignore_index).")
@@ -681,7 +690,11 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
         if subsample_size is not None:
             eigen_loader = subsample_loader(train_loader, subsample_size, generator)
             eigen_n = count_terms(
-                eigen_loader, self.likelihood, self.ignore_index, self.dict_key_x, self.dict_key_y
+                eigen_loader,
+                self._curvature_likelihood,
+                self.ignore_index,
+                self.dict_key_x,
+                self.dict_key_y,
             )
 
         batch_size_fn = None
@@ -693,7 +706,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
                 return batch_size(X, key_x)
 
         loss_func, scale, num_data = curvature_loss(
-            self.likelihood,
+            self._curvature_likelihood,
             eigen_n,
             _out_shape,
             ignore_index=self.ignore_index,
@@ -701,31 +714,16 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
             device=self._device,
             dtype=self._dtype,
         )
-        operator = mean_ggn_operator(
-            self.model,
-            loss_func,
-            self.params,
-            XYBatches(eigen_loader, self.dict_key_y),
-            num_data=num_data,
-            batch_size_fn=batch_size_fn,
-        )
         with autodiff_friendly(self.model):
-            operator, scale, solver, operator_name = select_operator(
-                operator,
+            operator, scale, solver, operator_name = self._curvature_operator(
+                loss_func,
                 scale,
-                self.solver,
-                model=self.model,
-                params=self.params,
-                loader=eigen_loader,
-                likelihood=self.likelihood,
+                eigen_loader,
                 n_terms=eigen_n,
+                num_data=num_data,
+                batch_size_fn=batch_size_fn,
                 k=k,
-                loss_fn=self.loss_fn,
-                ignore_index=self.ignore_index,
-                dict_key_x=self.dict_key_x,
-                dict_key_y=self.dict_key_y,
-                device=self._device,
-                dtype=self._dtype,
+                out_ndim=len(_out_shape),
                 progress_bar=progress_bar,
             )
             if _stored_curvature is not None:  # fit(override=False): add to the stored
@@ -754,6 +752,47 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
                 block_size=self.block_size,
                 operator_name=operator_name,
             )
+
+    def _curvature_operator(
+        self,
+        loss_func: nn.Module,
+        scale: float,
+        loader: Any,
+        *,
+        n_terms: int,
+        num_data: int,
+        batch_size_fn: Callable | None,
+        k: int,
+        out_ndim: int,
+        progress_bar: bool,
+    ) -> tuple[object, float, str, str]:
+        """The curvature operator of ``self.curvature`` (the backend's matrix), its
+        scale, the solver and the operator's name
+        (:func:`laplace_glas.curvature.backends.curvature_operator`).
+        """
+        return curvature_operator(
+            self.curvature,
+            loss_func,
+            scale,
+            self.solver,
+            model=self.model,
+            params=self.params,
+            data=XYBatches(loader, self.dict_key_y),
+            loader=loader,
+            num_data=num_data,
+            batch_size_fn=batch_size_fn,
+            likelihood=self._curvature_likelihood,
+            n_terms=n_terms,
+            k=k,
+            out_ndim=out_ndim,
+            loss_fn=self.loss_fn,
+            ignore_index=self.ignore_index,
+            dict_key_x=self.dict_key_x,
+            dict_key_y=self.dict_key_y,
+            device=self._device,
+            dtype=self._dtype,
+            progress_bar=progress_bar,
+        )
 
     # ------------------------------------------------------------------ posterior
     @property

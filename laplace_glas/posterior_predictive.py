@@ -75,9 +75,10 @@ class SubspacePredictive:
         ``la.mean`` (one pass over ``D`` numbers, no copy).
         """
         offset = 0
+        theta = self._network_weights()
         for param in self.params:
             n = param.numel()
-            fitted = self.mean[offset : offset + n]
+            fitted = theta[offset : offset + n]
             offset += n
             if fitted.device != param.device or not torch.equal(
                 param.detach().reshape(-1), fitted.detach()
@@ -91,6 +92,49 @@ class SubspacePredictive:
                 )
                 return False
         return True
+
+    def _network_weights(self) -> torch.Tensor:
+        """``theta*`` over ``self.params`` (all of the network's weights under
+        inference; a subnetwork posterior overrides it to embed its ``mean``).
+        """
+        return self.mean
+
+    def _network_directions(self) -> torch.Tensor:
+        """``U`` over ``self.params``: ``(D, k)`` (a subnetwork posterior embeds its
+        ``(D_s, k)`` eigenvectors).
+        """
+        return self.eigenvectors
+
+    def _prior_gram(self, X: Any, theta: torch.Tensor, joint: bool = False) -> torch.Tensor:
+        """``J J^T`` over the weights under inference, for ``complement='prior'``."""
+        return jacobian_gram(
+            self.model,
+            self._param_names,
+            self._param_shapes,
+            theta,
+            X,
+            joint=joint,
+            dict_key_x=self.dict_key_x,
+        )
+
+    def _weighted_prior_gram(
+        self, X: Any, theta: torch.Tensor, c: torch.Tensor, joint: bool = False
+    ) -> torch.Tensor:
+        """``c J J^T`` for a scalar ``c`` (:meth:`_prior_gram`), ``J diag(c) J^T`` for a
+        ``(D,)`` diagonal (layerwise or diagonal prior, all weights).
+        """
+        if c.ndim == 0:
+            return self._prior_gram(X, theta, joint=joint) * c
+        return jacobian_gram(
+            self.model,
+            self._param_names,
+            self._param_shapes,
+            theta,
+            X,
+            joint=joint,
+            dict_key_x=self.dict_key_x,
+            weights=c,
+        )
 
     def _check_inputs(self, X: Any) -> None:
         inputs = X[self.dict_key_x] if isinstance(X, MutableMapping) else X
@@ -141,16 +185,17 @@ class SubspacePredictive:
             raise ValueError(f"Unsupported link approximation {link_approx}.")
         if pred_type == PredType.NN and link_approx != LinkApprox.MC:
             raise ValueError("Only mc link approximation is supported for nn prediction type.")
-        self._check_bridge(pred_type, link_approx)
+        likelihood = self._predictive_likelihood(fitting)
+        self._check_bridge(pred_type, link_approx, likelihood)
         self._check_generator(generator)
         n_samples = positive_int("n_samples", n_samples, allow_none=False)
         self._check_inputs(x)
         x = self._to_device(x)
 
         if pred_type == PredType.NN:
-            if joint and self.likelihood == "regression":
+            if joint and likelihood == "regression":
                 raise ValueError("joint=True is only available for pred_type='glm'.")
-            if self.likelihood == "regression":
+            if likelihood == "regression":
                 fs = self._nn_functional_samples(x, n_samples, generator, **model_kwargs)
                 if n_samples < 2:
                     raise ValueError(
@@ -158,15 +203,15 @@ class SubspacePredictive:
                         f"'nn' predictive, got {n_samples}."
                     )
                 return fs.mean(dim=0), fs.var(dim=0)
-            probs = self._nn_predictive_samples(x, n_samples, generator, **model_kwargs)
-            return probs.mean(dim=0)
+            fs = self._nn_functional_samples(x, n_samples, generator, **model_kwargs)
+            return torch.softmax(fs, dim=-1).mean(dim=0)
 
-        if joint and self.likelihood == "regression":
+        if joint and likelihood == "regression":
             # as in laplace-torch, joint only applies to regression (ignored otherwise)
             return self._glm_moments(x, joint=True)[:2]
         f_mu, f_var, lead = self._glm_moments(x)
         C = f_mu.shape[-1]
-        if self.likelihood == "regression":
+        if likelihood == "regression":
             if diagonal_output:
                 return f_mu.reshape(*lead, C), f_var.diagonal(dim1=-2, dim2=-1).reshape(*lead, C)
             return f_mu.reshape(*lead, C), f_var.reshape(*lead, C, C)
@@ -181,7 +226,21 @@ class SubspacePredictive:
             probs = laplace_bridge(f_mu, f_var, normalize=link_approx == LinkApprox.BRIDGE_NORM)
         return probs.reshape(*lead, C)
 
-    def _check_bridge(self, pred_type: PredType | str, link_approx: LinkApprox | str) -> None:
+    def _predictive_likelihood(self, fitting: bool = False) -> str:
+        """The predictive's likelihood: laplace-torch's ``'reward_modeling'`` predicts
+        individual rewards as a regression, and preference pairs as a classification
+        when ``fitting=True``.
+        """
+        if self.likelihood == "reward_modeling":
+            return "classification" if fitting else "regression"
+        return self.likelihood
+
+    def _check_bridge(
+        self,
+        pred_type: PredType | str,
+        link_approx: LinkApprox | str,
+        likelihood: str = "classification",
+    ) -> None:
         """The Laplace bridge needs a logit covariance of full rank ``C``.
 
         It conditions ``N(f_mu, f_var)`` on ``sum(f) = 0`` and reads the per-class
@@ -192,7 +251,7 @@ class SubspacePredictive:
         if (
             pred_type == PredType.GLM
             and link_approx in (LinkApprox.BRIDGE, LinkApprox.BRIDGE_NORM)
-            and self.likelihood == "classification"
+            and likelihood == "classification"
             and self.complement == "zero"
             and self._n_components < self.n_outputs
         ):
@@ -217,10 +276,11 @@ class SubspacePredictive:
         self._check_inputs(X)
         at_fitted_weights = self._check_fitted_weights()
         X = self._to_device(X)
-        # Sigma = U diag(weights) U^T + diag(c): c = None (no term), 1/tau, or (D,)
+        # Sigma = U diag(weights) U^T + diag(c): c = None (no term), 1/tau, or (D,);
+        # U over the network's weights (a subnetwork posterior embeds its directions)
         U, weights, c = self._covariance_factors()
-        theta = self.mean if self.enable_backprop else self.mean.detach()
-        names, shapes = self._param_names, self._param_shapes
+        theta = self._network_weights()
+        theta = theta if self.enable_backprop else theta.detach()
         with torch.set_grad_enabled(self.enable_backprop), autodiff_friendly(self.model):
             f_mu, JU = self._jacobian_directions(X, U, theta, at_fitted_weights)
             if f_mu.ndim < 2:
@@ -231,36 +291,16 @@ class SubspacePredictive:
             lead = f_mu.shape[:-1]
             f_mu = f_mu.reshape(-1, f_mu.shape[-1])
             JU = JU.reshape(*f_mu.shape, JU.shape[-1])
-            diagonal = None if c is None or c.ndim == 0 else c
             if joint:
                 JU_flat = JU.reshape(-1, JU.shape[-1])
                 f_var = (JU_flat * weights) @ JU_flat.T
                 if c is not None:
-                    gram = jacobian_gram(
-                        self.model,
-                        names,
-                        shapes,
-                        theta,
-                        X,
-                        joint=True,
-                        dict_key_x=self.dict_key_x,
-                        weights=diagonal,
-                    )
-                    f_var = f_var + (gram if diagonal is not None else gram * c)
+                    f_var = f_var + self._weighted_prior_gram(X, theta, c, joint=True)
                 f_mu = f_mu.flatten()
             else:
                 f_var = torch.einsum("nck,k,nlk->ncl", JU, weights, JU)
                 if c is not None:
-                    gram = jacobian_gram(
-                        self.model,
-                        names,
-                        shapes,
-                        theta,
-                        X,
-                        dict_key_x=self.dict_key_x,
-                        weights=diagonal,
-                    )
-                    f_var = f_var + (gram if diagonal is not None else gram * c)
+                    f_var = f_var + self._weighted_prior_gram(X, theta, c)
         if not self.enable_backprop:
             f_mu, f_var = f_mu.detach(), f_var.detach()
         return f_mu, f_var, lead
@@ -453,7 +493,7 @@ class SubspacePredictive:
         **model_kwargs: dict[str, Any],
     ) -> torch.Tensor:
         fs = self._nn_functional_samples(X, n_samples, generator, **model_kwargs)
-        if self.likelihood == "classification":
+        if self._predictive_likelihood() == "classification":
             fs = torch.softmax(fs, dim=-1)
         return fs
 

@@ -37,6 +37,7 @@ from laplace_glas.posterior import (
     posterior_variances,
     sample_subspace,
 )
+from laplace_glas.posterior_predictive import SubspacePredictive
 from laplace_glas.prior_algebra import (
     DiagonalPriorPosterior,
     LowRankDiagonalOperator,
@@ -73,6 +74,12 @@ class SubspacePosterior:
         the first call, ``U^T P_0^{+-1} U`` costs ``O(L k^2)`` (a marglik step no
         longer touches ``U``).
         """
+        if type(self)._network_directions is not SubspacePredictive._network_directions:
+            raise ValueError(
+                f"A layerwise or diagonal prior_precision is not implemented for "
+                f"{type(self).__name__} (its directions are embedded in the network); "
+                "use a scalar prior_precision."
+            )
         U = self.eigenvectors
         grams = None
         p = self.prior_precision.reshape(-1)
@@ -104,10 +111,11 @@ class SubspacePosterior:
         if not self._prior_is_scalar:
             return self._diagonal_prior().covariance_factors()
         v = self.posterior_variances
+        U = self._network_directions()  # over the network's weights
         if self.complement == "prior":
             c = self._complement_variance
-            return self.eigenvectors, v - c, c
-        return self.eigenvectors, v, None
+            return U, v - c, c
+        return U, v, None
 
     @property
     def _tau(self) -> torch.Tensor:

@@ -266,9 +266,9 @@ def homoscedastic_noise(
             "scales, standardise the targets."
         )
     sigma = positive_scalar("sigma_noise", sigma_noise, dtype=dtype, power=2)
-    if likelihood == "classification" and sigma != 1:
+    if likelihood != "regression" and sigma != 1:
         raise ValueError(
-            f"sigma_noise is for regression; classification needs sigma_noise=1, got {sigma}."
+            f"sigma_noise is for regression; {likelihood} needs sigma_noise=1, got {sigma}."
         )
 
 

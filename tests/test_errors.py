@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import loader, mlp, regression_data
 from laplace import Laplace
-from laplace.curvature import CurvlinopsEF, CurvlinopsGGN, CurvlinopsHessian
+from laplace.curvature import CurvlinopsGGN
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -91,20 +91,13 @@ def test_unknown_complement(complement):
         glas(complement=complement)
 
 
-def test_reward_modeling_likelihood_is_rejected():
-    with pytest.raises(ValueError, match=r"'regression' or 'classification'.*reward_modeling"):
-        glas(likelihood="reward_modeling")
-
-
-def test_reward_modeling_likelihood_is_rejected_through_the_factory():
-    with pytest.raises(ValueError, match=r"'regression' or 'classification'.*reward_modeling"):
-        Laplace(
-            small_model(),
-            "reward_modeling",
-            subset_of_weights="all",
-            hessian_structure="glas",
-            n_components=2,
-        )
+def test_unknown_likelihood_is_rejected():
+    # 'reward_modeling' is supported (tests/test_reward_modeling.py)
+    with pytest.raises(
+        ValueError,
+        match=r"likelihood must be one of 'regression', 'classification', 'reward_modeling'",
+    ):
+        glas(likelihood="poisson")
 
 
 def test_model_without_parameters():
@@ -133,31 +126,12 @@ def test_not_a_module():
         glas(lambda x: x)
 
 
-@pytest.mark.parametrize("subset", ["last_layer", "subnetwork"])
-def test_factory_rejects_glas_on_a_weight_subset(subset):
-    with pytest.raises(ValueError, match=r"Unsupported Laplace combination|Subnetwork Laplace"):
-        Laplace(small_model(), "regression", subset_of_weights=subset, hessian_structure="glas")
-
-
-def test_factory_last_layer_message_names_the_combination():
-    with pytest.raises(ValueError, match=r"Unsupported Laplace combination: .*last_layer.*glas"):
+def test_factory_rejects_glas_on_a_subnetwork():
+    # laplace-torch's factory lets only 'full' / 'diag' through for subnetworks (the
+    # last layer is supported: tests/test_subsets.py)
+    with pytest.raises(ValueError, match=r"Subnetwork Laplace"):
         Laplace(
-            small_model(), "regression", subset_of_weights="last_layer", hessian_structure="glas"
-        )
-
-
-@pytest.mark.parametrize("backend", [CurvlinopsEF, CurvlinopsHessian])
-def test_non_ggn_backend_is_rejected(backend):
-    with pytest.raises(ValueError, match=rf"exact GGN.*{backend.__name__}"):
-        glas(backend=backend)
-    with pytest.raises(ValueError, match=r"exact GGN"):
-        Laplace(
-            small_model(),
-            "regression",
-            subset_of_weights="all",
-            hessian_structure="glas",
-            n_components=2,
-            backend=backend,
+            small_model(), "regression", subset_of_weights="subnetwork", hessian_structure="glas"
         )
 
 

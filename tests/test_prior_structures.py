@@ -544,3 +544,24 @@ def test_float32_posterior_with_a_structured_prior(toy_regression, structure):
     assert la.prior_precision.dtype == torch.float32 and bool(
         torch.isfinite(la.prior_precision).all()
     )
+
+
+def test_subnetwork_posterior_refuses_a_structured_prior_clearly():
+    from conftest import mlp
+
+    from laplace_glas import SubnetActiveSubspaceLaplace
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(6, 2, generator=g)
+    y = torch.randn(6, 1, generator=g)
+    model = mlp([2, 4, 1])
+    la = SubnetActiveSubspaceLaplace(
+        model, "regression", torch.tensor([0, 3, 5, 9, 12]), n_components=3
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la.fit(loader(X, y, batch_size=3))
+    la.prior_precision = torch.ones(la.n_params)  # one per subnetwork weight
+    for call in (lambda: la.log_marginal_likelihood(), lambda: la.sample(2), lambda: la(X)):
+        with pytest.raises(ValueError, match=r"not implemented for SubnetActiveSubspaceLaplace"):
+            call()

@@ -11,6 +11,8 @@
   (one forward and one batched backward pass), products without network passes.
 * :mod:`~laplace_glas.curvature.gram`: the dual eigen-solve through ``K = S S^T``.
 * :mod:`~laplace_glas.curvature.dispatch`: which operator and solver a fit uses.
+* :mod:`~laplace_glas.curvature.backends`: laplace-torch's ``backend`` as curvlinops'
+  GGN, empirical Fisher or Hessian operator.
 """
 
 from laplace_glas.curvature.subspace import (

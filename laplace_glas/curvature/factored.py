@@ -59,6 +59,7 @@ from torch.nn import functional as F
 from tqdm.auto import tqdm
 
 from laplace_glas.curvature.batches import batch_size, split_batch
+from laplace_glas.validation import check_model_output
 
 __all__ = [
     "EmbeddingFactor",
@@ -490,7 +491,7 @@ def _batch_factors(model, recorder, X, y, likelihood, ignore_index, scale, offse
     B = batch_size(X, dict_key_x)
     recorder.reset()
     with torch.enable_grad():
-        out = model(X)
+        out = check_model_output(model(X))
         if out[0].numel() > _MAX_ROWS:
             raise _Unsupported(
                 f"{out[0].numel()} output rows per example (more than {_MAX_ROWS}) for "

@@ -1,0 +1,266 @@
+"""laplace-torch's ``backend`` argument, mapped to curvlinops' matrix-free operators.
+
+laplace-torch builds dense or factored curvature blocks through a backend class
+(``CurvlinopsGGN``, ``BackPackEF``, ``AsdlHessian``, ...). GLAS never forms a ``D x D``
+matrix: it needs the *product* of the curvature with vectors. Each backend is
+therefore read as the matrix it stands for and served by curvlinops' operator of
+that matrix, of the mean loss over the ``N`` likelihood terms (unit noise):
+
+.. math::
+
+    G_1 &= \\frac{1}{N} \\sum_{n} J_n^\\top \\Lambda_n J_n
+    &&\\text{GGN: } \\texttt{CurvlinopsGGN, BackPackGGN, AsdlGGN}
+    \\;\\to\\; \\texttt{GGNLinearOperator} \\\\
+    F_1 &= \\frac{1}{N} \\sum_{n} g_n g_n^\\top, \\; g_n = \\nabla_\\theta \\ell_n
+    &&\\text{empirical Fisher: } \\texttt{CurvlinopsEF, BackPackEF, AsdlEF}
+    \\;\\to\\; \\texttt{EFLinearOperator} \\\\
+    H_1 &= \\frac{1}{N} \\sum_{n} \\nabla^2_\\theta \\ell_n
+    &&\\text{Hessian: } \\texttt{CurvlinopsHessian, AsdlHessian}
+    \\;\\to\\; \\texttt{HessianLinearOperator}
+
+with ``l_n = 0.5 ||f_n - y_n||^2`` (regression) or the cross-entropy of one target
+(classification): the matrices laplace-torch's ``FullLaplace`` with the same backend
+sums (``H = N * M_1``). One exception follows laplace-torch too: its regression
+empirical Fisher is ``1/2`` times the empirical Fisher of ``||f_n - y_n||^2``, i.e.
+``F_1 = (2/N) sum_n g_n g_n^T`` with the ``g_n`` above (twice the empirical Fisher of
+``l_n``), and GLAS uses the same matrix so that both posteriors agree.
+
+BackPACK and ASDL classes get a ``UserWarning`` saying that curvlinops computes the
+same matrix matrix-free. The Hessian is indefinite: its
+leading eigenpairs are its largest *algebraic* eigenvalues, and eigenvalues at or
+below ``rank_threshold * lambda_1`` (negative ones included) count as zero curvature.
+
+Refused with a ``ValueError`` naming the class: a stochastic GGN
+(``backend_kwargs={'stochastic': True}``, a Monte-Carlo Fisher whose draws would
+change between Lanczos products) and any class that is none of the above (e.g. a
+user's own ``CurvatureInterface``), which has no matrix-free operator here.
+
+Only the GGN has the factored fast paths (:mod:`~laplace_glas.curvature.factored`,
+:mod:`~laplace_glas.curvature.gram`); the empirical Fisher and the Hessian use
+curvlinops with Lanczos (or the block solver), recorded in
+``lanczos_info.operator`` as ``'curvlinops EF'`` / ``'curvlinops Hessian'``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from curvlinops import EFLinearOperator, HessianLinearOperator
+from laplace.curvature import (
+    AsdlEF,
+    AsdlGGN,
+    AsdlHessian,
+    BackPackEF,
+    BackPackGGN,
+    CurvlinopsEF,
+    CurvlinopsGGN,
+    CurvlinopsHessian,
+)
+from torch import nn
+
+from laplace_glas.curvature.dispatch import select_operator
+from laplace_glas.curvature.losses import TokenCrossEntropy
+from laplace_glas.curvature.subspace import mean_ggn_operator
+
+__all__ = ["CURVATURES", "CurvatureChoice", "curvature_operator", "resolve_backend"]
+
+CURVATURES = ("ggn", "ef", "hessian")
+"""The matrices a backend can stand for."""
+
+_CURVLINOPS = {CurvlinopsGGN: "ggn", CurvlinopsEF: "ef", CurvlinopsHessian: "hessian"}
+_MAPPED = {
+    BackPackGGN: "ggn",
+    AsdlGGN: "ggn",
+    BackPackEF: "ef",
+    AsdlEF: "ef",
+    AsdlHessian: "hessian",
+}
+_EF_LOSSES = (nn.MSELoss, nn.CrossEntropyLoss, nn.BCEWithLogitsLoss)
+_NAMES = {"ggn": "GGN", "ef": "empirical Fisher", "hessian": "Hessian"}
+_OPERATORS = {"ef": EFLinearOperator, "hessian": HessianLinearOperator}
+_OPERATOR_NAMES = {
+    "ggn": "GGNLinearOperator",
+    "ef": "EFLinearOperator",
+    "hessian": "HessianLinearOperator",
+}
+_OPERATOR_EF_LOSSES = (nn.MSELoss, nn.CrossEntropyLoss, nn.BCEWithLogitsLoss)
+_NAMES = {
+    "ggn": "GGNLinearOperator",
+    "ef": "EFLinearOperator",
+    "hessian": "HessianLinearOperator",
+}
+
+
+@dataclass(frozen=True)
+class CurvatureChoice:
+    """The matrix a ``backend`` stands for.
+
+    Attributes
+    ----------
+    kind : {'ggn', 'ef', 'hessian'}
+        The curvature GLAS eigen-decomposes.
+    backend : str
+        The name of the class given (``'CurvlinopsGGN'`` when None).
+
+    """
+
+    kind: str
+    backend: str
+
+    @property
+    def factorable(self) -> bool:
+        """Whether the factored GGN / dual Gram fast paths apply (GGN only)."""
+        return self.kind == "ggn"
+
+
+def resolve_backend(backend: Any, backend_kwargs: dict[str, Any] | None = None) -> CurvatureChoice:
+    """Which matrix laplace-torch's ``backend`` (a class or None) stands for.
+
+    Raises
+    ------
+    ValueError
+        For a stochastic GGN and for classes without a matrix-free operator.
+
+    """
+    if backend is None:
+        return CurvatureChoice("ggn", CurvlinopsGGN.__name__)
+    name = getattr(backend, "__name__", repr(backend))
+    if not isinstance(backend, type):
+        raise ValueError(
+            f"The curvature backend {name} is not a class: pass a laplace-torch curvature "
+            "class such as CurvlinopsGGN (default), CurvlinopsEF or CurvlinopsHessian."
+        )
+    kind = None
+    for table in (_CURVLINOPS, _MAPPED):
+        for cls, value in table.items():
+            if issubclass(backend, cls):
+                kind, base = value, cls
+                break
+        if kind is not None:
+            break
+    if kind is None:
+        raise ValueError(
+            f"The curvature backend {name} has no matrix-free operator in GLAS: use "
+            "CurvlinopsGGN (default), CurvlinopsEF or CurvlinopsHessian (or their "
+            "BackPACK / ASDL counterparts)."
+        )
+    if kind == "ggn" and (backend_kwargs or {}).get("stochastic", False):
+        raise ValueError(
+            f"{name} with stochastic=True is a Monte-Carlo Fisher; GLAS's eigen-solve needs "
+            "the same matrix in every product. Use the exact GGN (stochastic=False)."
+        )
+    if base in _MAPPED:
+        warnings.warn(
+            f"backend {name}: GLAS computes the same {_NAMES[kind]} matrix-free with "
+            f"curvlinops' {_OPERATOR_NAMES[kind]}; BackPACK / ASDL are not called.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return CurvatureChoice(kind, name)
+
+
+def curvature_operator(
+    choice: CurvatureChoice,
+    loss_func: nn.Module,
+    scale: float,
+    solver: str,
+    *,
+    model: nn.Module,
+    params: Sequence[torch.Tensor],
+    data: Iterable,
+    loader: Iterable,
+    num_data: int,
+    batch_size_fn: Callable | None,
+    likelihood: str,
+    n_terms: int,
+    k: int,
+    out_ndim: int = 1,
+    loss_fn: nn.Module | None = None,
+    ignore_index: int = -100,
+    dict_key_x: str = "input_ids",
+    dict_key_y: str = "labels",
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    progress_bar: bool = False,
+) -> tuple[object, float, str, str]:
+    """The operator of ``choice.kind``, its scale, the solver and the operator's name.
+
+    The GGN goes through :func:`~laplace_glas.curvature.dispatch.select_operator`
+    (factored / dual fast paths). The empirical Fisher and the Hessian are curvlinops'
+    ``EFLinearOperator`` / ``HessianLinearOperator`` of the same ``loss_func`` with the
+    same ``scale`` (``scale * M(loss_func) = M_1``, the mean-loss matrix of unit-noise
+    ``l_n``), solved by Lanczos unless ``solver='block'``; a request for the factored
+    or dual solver is answered with a warning. ``out_ndim`` is the number of output
+    axes of one data point (2 for sequence outputs, which the empirical Fisher refuses).
+    """
+    if choice.kind == "ggn":
+        operator = mean_ggn_operator(
+            model, loss_func, params, data, num_data=num_data, batch_size_fn=batch_size_fn
+        )
+        return select_operator(
+            operator,
+            scale,
+            solver,
+            model=model,
+            params=params,
+            loader=loader,
+            likelihood=likelihood,
+            n_terms=n_terms,
+            k=k,
+            loss_fn=loss_fn,
+            ignore_index=ignore_index,
+            dict_key_x=dict_key_x,
+            dict_key_y=dict_key_y,
+            device=device,
+            dtype=dtype,
+            progress_bar=progress_bar,
+        )
+    if solver in ("dual", "factored"):
+        warnings.warn(
+            f"solver={solver!r} needs the factored GGN; the {_NAMES[choice.kind]} "
+            f"({choice.backend}) uses curvlinops + Lanczos.",
+            UserWarning,
+            stacklevel=3,
+        )
+    if choice.kind == "ef":
+        loss_func = _ef_loss(loss_func, out_ndim)
+    operator = _OPERATORS[choice.kind](
+        model,
+        loss_func,
+        list(params),
+        data,
+        check_deterministic=False,
+        num_data=num_data,
+        batch_size_fn=batch_size_fn,
+    )
+    name = "curvlinops EF" if choice.kind == "ef" else "curvlinops Hessian"
+    return operator, scale, "block" if solver == "block" else "lanczos", name
+
+
+def _ef_loss(loss_func: nn.Module, out_ndim: int) -> nn.Module:
+    """The loss curvlinops' ``EFLinearOperator`` takes in place of ``loss_func``.
+
+    Its per-example gradients are those of ``MSELoss``, ``CrossEntropyLoss`` or
+    ``BCEWithLogitsLoss`` only; GLAS's token cross-entropy over ``(batch, classes)``
+    outputs is ``CrossEntropyLoss`` itself. Sequence outputs are refused: one
+    gradient per sequence is not the per-token empirical Fisher.
+    """
+    if isinstance(loss_func, TokenCrossEntropy):
+        if out_ndim != 1:
+            raise ValueError(
+                "The empirical Fisher backend needs classification outputs of shape "
+                "(batch, classes); sequence outputs (batch, seq_len, vocab) are not "
+                "supported. Use the GGN backend (CurvlinopsGGN, the default)."
+            )
+        return nn.CrossEntropyLoss(reduction="sum", ignore_index=loss_func.ignore_index)
+    if not isinstance(loss_func, _EF_LOSSES):
+        raise ValueError(
+            f"The empirical Fisher backend supports MSELoss, CrossEntropyLoss and "
+            f"BCEWithLogitsLoss as loss_fn (curvlinops' EFLinearOperator), got "
+            f"{type(loss_func).__name__}."
+        )
+    return loss_func

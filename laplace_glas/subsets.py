@@ -1,0 +1,410 @@
+"""GLAS on a subset of the weights: the last layer or a subnetwork.
+
+laplace-torch's ``subset_of_weights`` picks the weights ``theta_S`` the posterior is
+over; the others stay at the MAP. GLAS then takes the top-k eigenpairs of the
+mean-loss GGN *restricted to those weights*,
+
+.. math::
+
+    G_S = P_S^\\top G P_S = \\frac{1}{N} \\sum_n J_{n,S}^\\top \\Lambda_n J_{n,S},
+    \\qquad J_{n,S} = \\partial f_n / \\partial \\theta_S ,
+
+and every GLAS quantity (evidence, 'glm' / 'nn' predictives, samples; calibration
+for the last layer) is the one of :class:`~laplace_glas.ActiveSubspaceLaplace` with
+``D`` replaced by ``D_S = |S|``. In the ``k >= rank(G_S)`` limit with ``complement='prior'`` the
+posterior is laplace-torch's ``FullLLLaplace`` / ``FullSubnetLaplace``.
+
+* :class:`LastLayerActiveSubspaceLaplace` (``('last_layer', 'glas')``, the factory's
+  default subset): laplace-torch's ``LLLaplace`` conventions, i.e. the model is
+  wrapped in a ``laplace.utils.FeatureExtractor`` (a deep copy) and the last
+  ``nn.Linear`` is found on the first batch unless ``last_layer_name`` names it.
+  The weights under inference are that layer's, so the whole GLAS machinery
+  (factored GGN, dual solve, forward-mode JVPs) runs unchanged on them: products
+  and JVPs go through the network, with tangents only from the last layer on.
+* :class:`SubnetActiveSubspaceLaplace` (``('subnetwork', 'glas')``):
+  laplace-torch's ``SubnetLaplace`` conventions (``subnetwork_indices`` into
+  ``parameters_to_vector(model.parameters())``). ``G_S`` is applied matrix-free as
+  ``v_S -> (G P_S v_S)_S``, one product with the full GGN (curvlinops' or the
+  factored one) per product, solved by Lanczos (or the block solver); the 'glm'
+  predictive pushes the embedded directions ``P_S U``. ``n_params`` and ``mean``
+  are those of the subnetwork (``D_S`` entries, GLAS's ``D``); ``sample`` returns
+  full weight vectors (the other weights at the MAP), as laplace-torch's does.
+  laplace-torch's ``Laplace`` factory refuses ``subset_of_weights='subnetwork'``
+  with any ``hessian_structure`` but 'full' and 'diag' before it looks the class
+  up, so construct :class:`SubnetActiveSubspaceLaplace` directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from laplace.lllaplace import LLLaplace
+from laplace.subnetlaplace import SubnetLaplace
+from laplace.utils.feature_extractor import FeatureReduction
+from scipy.sparse.linalg import LinearOperator
+from torch import nn
+from torch.nn.utils import parameters_to_vector
+from torch.utils.data import DataLoader
+
+from laplace_glas.laplace import ActiveSubspaceLaplace
+from laplace_glas.posterior import sample_subspace
+from laplace_glas.predictive import jvp_directions, parameter_names
+from laplace_glas.validation import positive_int
+
+__all__ = [
+    "LastLayerActiveSubspaceLaplace",
+    "SubnetActiveSubspaceLaplace",
+    "SubsetOperator",
+]
+
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+# ---------------------------------------------------------------------- last layer
+class _LastLayerInit(LLLaplace):
+    """Hands ``last_layer_name`` / ``feature_reduction`` to ``LLLaplace.__init__``,
+    which :class:`ActiveSubspaceLaplace`'s ``__init__`` calls without them.
+    """
+
+    def __init__(self, model: nn.Module, likelihood: str, **kwargs: Any) -> None:
+        LLLaplace.__init__(
+            self,
+            model,
+            likelihood,
+            last_layer_name=self._pending_last_layer[0],
+            feature_reduction=self._pending_last_layer[1],
+            **kwargs,
+        )
+
+
+class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
+    """GLAS over the weights of the last ``nn.Linear`` (laplace-torch's ``LLLaplace``).
+
+    ``theta_L = theta_L* + U z``, ``U`` the top-k eigenvectors of the last-layer GGN
+    ``G_L = (1/N) sum_n J_{n,L}^T Lambda_n J_{n,L}``; everything else as in
+    :class:`~laplace_glas.ActiveSubspaceLaplace` with ``D = D_L`` (``n_params``).
+
+    Parameters
+    ----------
+    model, likelihood, sigma_noise, prior_precision, prior_mean, temperature,
+    enable_backprop, feature_reduction, dict_key_x, dict_key_y, backend,
+    last_layer_name, backend_kwargs, asdl_fisher_kwargs :
+        As in laplace-torch's ``LLLaplace`` (the model is deep-copied into a
+        ``FeatureExtractor``; ``asdl_fisher_kwargs`` must be None). GLAS
+        differentiates through the model's own forward pass, so ``feature_reduction``
+        is only stored (the model's forward already reduces its features).
+    **glas_kwargs :
+        ``n_components``, ``loss_scaling``, ``complement``, ``solver``, ... as in
+        :class:`~laplace_glas.ActiveSubspaceLaplace`; ``1 <= n_components < D_L``
+        (checked once the last layer is known).
+
+    """
+
+    _key = ("last_layer", "glas")
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: str,
+        sigma_noise: float | torch.Tensor = 1.0,
+        prior_precision: float | torch.Tensor = 1.0,
+        prior_mean: float | torch.Tensor = 0.0,
+        temperature: float = 1.0,
+        enable_backprop: bool = False,
+        feature_reduction: FeatureReduction | str | None = None,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        backend: type | None = None,
+        last_layer_name: str | None = None,
+        backend_kwargs: dict[str, Any] | None = None,
+        asdl_fisher_kwargs: dict[str, Any] | None = None,
+        **glas_kwargs: Any,
+    ) -> None:
+        if last_layer_name is not None and not isinstance(last_layer_name, str):
+            raise TypeError(f"last_layer_name must be a str or None, got {last_layer_name!r}.")
+        self._pending_last_layer = (last_layer_name, feature_reduction)
+        super().__init__(
+            model,
+            likelihood,
+            sigma_noise=sigma_noise,
+            prior_precision=prior_precision,
+            prior_mean=prior_mean,
+            temperature=temperature,
+            enable_backprop=enable_backprop,
+            dict_key_x=dict_key_x,
+            dict_key_y=dict_key_y,
+            backend=backend,
+            backend_kwargs=backend_kwargs,
+            asdl_fisher_kwargs=asdl_fisher_kwargs,
+            **glas_kwargs,
+        )
+        del self._pending_last_layer
+        if self.model.last_layer is not None:
+            self._use_last_layer()
+
+    def _use_last_layer(self) -> None:
+        """Put the posterior on the (now known) last layer's weights."""
+        self.params = [p for p in self.model.last_layer.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("The last layer has no parameters that require grad.")
+        self.n_params = sum(p.numel() for p in self.params)
+        self.n_layers = len(self.params)
+        self._param_names = parameter_names(self.model, self.params)
+        self._param_shapes = [p.shape for p in self.params]
+        self._n_components = self._validate_n_components(self._n_components, self.n_params)
+
+    def fit(
+        self,
+        train_loader: DataLoader,
+        override: bool = True,
+        progress_bar: bool | None = None,
+    ) -> None:
+        """Find the last layer (first batch) if needed, then fit GLAS on its weights.
+
+        See :meth:`ActiveSubspaceLaplace.fit`; ``override=False`` is refused as by
+        laplace-torch's ``LLLaplace``.
+        """
+        if not override:
+            raise ValueError("Last-layer Laplace approximations do not support `override=False`.")
+        self.model.eval()
+        if self.model.last_layer is None:
+            self.data = next(iter(train_loader))
+            self._find_last_layer(self.data)
+            self._use_last_layer()
+            # as LLLaplace: the hyperparameters given before D_L was known are checked now
+            self.prior_precision = self._prior_precision
+            self.prior_mean = self._prior_mean
+        super().fit(train_loader, override=override, progress_bar=progress_bar)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a fitted last-layer posterior (the last layer is found from the
+        saved batch first when this object has not seen data).
+        """
+        if self._last_layer_name != state_dict.get("_last_layer_name"):
+            raise ValueError("Different `last_layer_name` detected!")
+        data = state_dict.get("data")
+        if self.model.last_layer is None:
+            if data is None:
+                raise ValueError(
+                    "The saved state holds no batch to find the last layer from: construct "
+                    "this object with last_layer_name."
+                )
+            self._find_last_layer(data)
+            self._use_last_layer()
+        # the last layer is known now: LLLaplace must not look for it again
+        super().load_state_dict({**state_dict, "data": None})
+        self.data = data
+
+
+# ---------------------------------------------------------------------- subnetwork
+class SubsetOperator(LinearOperator):
+    """``G_S = P_S^T G P_S`` of a ``D x D`` operator ``G`` as a SciPy operator.
+
+    ``G_S V = (G P_S V)_S``: embed, one product with ``G``, pick the rows ``S``.
+    """
+
+    def __init__(self, operator: Any, indices: torch.Tensor, dtype: torch.dtype):
+        self._operator = (
+            operator.to_scipy(dtype=_NUMPY[dtype]) if hasattr(operator, "to_scipy") else operator
+        )
+        self._indices = indices.cpu().numpy()
+        self._full = self._operator.shape[0]
+        n = len(self._indices)
+        super().__init__(dtype=_NUMPY[dtype], shape=(n, n))
+
+    def _matmat(self, X: np.ndarray) -> np.ndarray:
+        full = np.zeros((self._full, X.shape[1]), dtype=self.dtype)
+        full[self._indices] = X
+        return np.asarray(self._operator.matmat(full))[self._indices]
+
+    def _matvec(self, x: np.ndarray) -> np.ndarray:
+        return self._matmat(x.reshape(-1, 1)).reshape(-1)
+
+    def _adjoint(self) -> SubsetOperator:
+        return self
+
+
+class _SubnetInit(SubnetLaplace):
+    """Hands ``subnetwork_indices`` to ``SubnetLaplace.__init__`` (which takes neither
+    ``enable_backprop`` nor the dict keys; those are set afterwards).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: str,
+        *,
+        enable_backprop: bool = False,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        **kwargs: Any,
+    ) -> None:
+        self.dict_key_x, self.dict_key_y = dict_key_x, dict_key_y
+        SubnetLaplace.__init__(self, model, likelihood, self._pending_indices, **kwargs)
+        self.enable_backprop = enable_backprop
+        self.dict_key_x, self.dict_key_y = dict_key_x, dict_key_y
+
+
+class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
+    """GLAS over a subnetwork (laplace-torch's ``SubnetLaplace``).
+
+    ``theta_S = theta_S* + U z`` with ``U`` the top-k eigenvectors of
+    ``G_S = P_S^T G P_S``; the other weights stay at the MAP. ``n_params`` is
+    ``D_S`` and ``mean`` the subnetwork's MAP (``mean_subnet``, as laplace-torch
+    names it, is the same tensor); the full network's count is ``n_params_model``.
+
+    Parameters
+    ----------
+    model, likelihood, subnetwork_indices, sigma_noise, prior_precision, prior_mean,
+    temperature, backend, backend_kwargs, asdl_fisher_kwargs :
+        As in laplace-torch's ``SubnetLaplace``: ``subnetwork_indices`` is a
+        non-empty 1-D ``torch.LongTensor`` of distinct indices into
+        ``parameters_to_vector(model.parameters())``.
+    enable_backprop, dict_key_x, dict_key_y :
+        As in laplace-torch's ``ParametricLaplace``.
+    **glas_kwargs :
+        As in :class:`~laplace_glas.ActiveSubspaceLaplace`; ``1 <= n_components < D_S``.
+        The factored GGN (``solver='auto'``) serves the products with ``G``; the
+        subnetwork's eigenpairs then come from Lanczos (the dual solve needs the whole
+        network's factors).
+
+    """
+
+    _key = ("subnetwork", "glas")
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: str,
+        subnetwork_indices: torch.LongTensor,
+        sigma_noise: float | torch.Tensor = 1.0,
+        prior_precision: float | torch.Tensor = 1.0,
+        prior_mean: float | torch.Tensor = 0.0,
+        temperature: float = 1.0,
+        enable_backprop: bool = False,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        backend: type | None = None,
+        backend_kwargs: dict[str, Any] | None = None,
+        asdl_fisher_kwargs: dict[str, Any] | None = None,
+        **glas_kwargs: Any,
+    ) -> None:
+        self._pending_indices = subnetwork_indices
+        self._theta_map: torch.Tensor | None = None
+        super().__init__(
+            model,
+            likelihood,
+            sigma_noise=sigma_noise,
+            prior_precision=prior_precision,
+            prior_mean=prior_mean,
+            temperature=temperature,
+            enable_backprop=enable_backprop,
+            dict_key_x=dict_key_x,
+            dict_key_y=dict_key_y,
+            backend=backend,
+            backend_kwargs=backend_kwargs,
+            asdl_fisher_kwargs=asdl_fisher_kwargs,
+            **glas_kwargs,
+        )
+        del self._pending_indices
+        self.n_params_model = self.n_params
+        self.n_params = self.n_params_subnet
+        self._n_components = self._validate_n_components(self._n_components, self.n_params)
+
+    @property
+    def subnetwork_indices(self) -> torch.Tensor:
+        """Indices of the subnetwork in ``parameters_to_vector(model.parameters())``."""
+        return self.backend.subnetwork_indices
+
+    @property
+    def mean_subnet(self) -> torch.Tensor:
+        """The subnetwork's MAP weights (``(D_S,)``; the same tensor as ``mean``)."""
+        return self.mean
+
+    def fit(
+        self,
+        train_loader: DataLoader,
+        override: bool = True,
+        progress_bar: bool | None = None,
+    ) -> None:
+        """See :meth:`ActiveSubspaceLaplace.fit`; the eigenpairs are those of ``G_S``."""
+        super().fit(train_loader, override=override, progress_bar=progress_bar)
+        self._theta_map = self.mean  # the whole network's MAP, set by fit
+        self.mean = self._theta_map[self._index_on_device()]
+
+    def _index_on_device(self) -> torch.Tensor:
+        return self.subnetwork_indices.to(self._device)
+
+    def _curvature_operator(
+        self, loss_func: nn.Module, scale: float, loader: Any, **kwargs: Any
+    ) -> tuple[object, float, str, str]:
+        operator, scale, solver, name = super()._curvature_operator(
+            loss_func, scale, loader, **kwargs
+        )
+        subset = SubsetOperator(operator, self.subnetwork_indices, self._dtype)
+        solver = "block" if solver == "block" else "lanczos"
+        return subset, scale, solver, f"{name}, subnetwork of {self.n_params}"
+
+    def _network_weights(self) -> torch.Tensor:
+        if self._theta_map is None:  # restored by load_state_dict: the model's weights
+            self._theta_map = parameters_to_vector(self.params).detach()
+        return self._theta_map
+
+    def _network_directions(self) -> torch.Tensor:
+        U = self.eigenvectors
+        full = U.new_zeros(self.n_params_model, U.shape[1])
+        full[self._index_on_device()] = U
+        return full
+
+    def _prior_gram(self, X: Any, theta: torch.Tensor, joint: bool = False) -> torch.Tensor:
+        """``J_S J_S^T`` from ``D_S`` forward-mode JVPs along the embedded unit vectors."""
+        eye = torch.eye(self.n_params, device=self._device, dtype=self._dtype)
+        units = eye.new_zeros(self.n_params_model, self.n_params)
+        units[self._index_on_device()] = eye
+        _, J = jvp_directions(
+            self.model,
+            self._param_names,
+            self._param_shapes,
+            theta,
+            X,
+            units,
+            chunk_size=self.jvp_chunk_size,
+        )
+        J = J.reshape(-1, J.shape[-2], J.shape[-1])  # (n, C, D_S)
+        if joint:
+            J = J.reshape(-1, J.shape[-1])
+            return J @ J.T
+        return J @ J.transpose(1, 2)
+
+    def calibrate(self, *args: Any, **kwargs: Any) -> Any:
+        """Not available for subnetworks: the coverage sweeps of
+        :mod:`laplace_glas.calibration` perturb all of ``self.params``; use
+        :meth:`optimize_prior_precision` and a fixed ``n_components`` instead.
+        """
+        raise ValueError(
+            "calibrate is not available for SubnetActiveSubspaceLaplace (its coverage "
+            "sweeps perturb the whole network); tune prior_precision with "
+            "optimize_prior_precision() and set n_components directly."
+        )
+
+    def sample(
+        self, n_samples: int = 100, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """``(n_samples, D)`` whole-network weight vectors: the subnetwork drawn from
+        the posterior, the other weights at the MAP (laplace-torch's convention).
+        """
+        self._check_H_init()
+        n_samples = positive_int("n_samples", n_samples, allow_none=False)
+        self._check_generator(generator)
+        draws = sample_subspace(
+            self.eigenvectors,
+            self.posterior_variances,
+            n_samples,
+            self._complement_variance,
+            generator,
+        )
+        full = self._network_weights().reshape(1, -1).repeat(n_samples, 1)
+        full[:, self._index_on_device()] = self.mean.reshape(1, -1) + draws
+        return full
