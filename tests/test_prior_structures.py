@@ -565,3 +565,25 @@ def test_subnetwork_posterior_refuses_a_structured_prior_clearly():
     for call in (lambda: la.log_marginal_likelihood(), lambda: la.sample(2), lambda: la(X)):
         with pytest.raises(ValueError, match=r"not implemented for SubnetActiveSubspaceLaplace"):
             call()
+
+
+@pytest.mark.parametrize("likelihood", ["regression", "classification"])
+def test_last_layer_structured_prior_equals_full_ll_laplace(likelihood):
+    """Last-layer GLAS with a diagonal prior equals FullLLLaplace in the k >= rank limit
+    (laplace-torch's last-layer Laplace takes scalar or diagonal priors)."""
+    from test_subsets import fitted as fitted_subset
+
+    glas, full, Xtest, _ = fitted_subset("last_layer", likelihood)
+    g = torch.Generator().manual_seed(7)
+    prior = 0.3 + 2 * torch.rand(glas.n_params, generator=g, dtype=torch.float64)
+    glas.prior_precision = prior
+    full.prior_precision = prior
+    torch.testing.assert_close(
+        glas.log_marginal_likelihood(), full.log_marginal_likelihood(), rtol=1e-8, atol=0
+    )
+    torch.testing.assert_close(
+        glas.posterior_covariance.to_dense(), full.posterior_covariance, rtol=1e-7, atol=1e-12
+    )
+    _, v_g = glas._glm_predictive_distribution(Xtest)
+    _, v_f = full._glm_predictive_distribution(Xtest)
+    torch.testing.assert_close(v_g, v_f, rtol=1e-7, atol=1e-12)
