@@ -15,6 +15,11 @@ narrowest interval (smallest set). The sweep is vectorised over ``k``: the linea
 predictive computes ``J U`` once for all ``k`` and accumulates the variance along the
 eigen-directions; the sampling predictive draws one set of ``z`` and truncates it.
 
+A posterior with a layerwise or diagonal prior precision is swept at that prior (the
+candidate ``prior_precision=None`` in the table), through the posterior's own
+predictive truncated to each ``k`` (``z`` is correlated there: no shared draw); scalar
+grid values and the scalar empirical-Bayes optimum remain candidates beside it.
+
 Why observation noise is left out by default (the paper's convention): under
 mean-loss scaling each retained direction ``u_j`` with ``lambda_j >> tau`` adds about
 ``(J u_j)^2 / lambda_j`` of variance at a training input, whose average is
@@ -31,6 +36,7 @@ so every rank selects the same ``(k, tau)``.
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 import statistics
@@ -46,6 +52,7 @@ from laplace_glas.curvature.batches import batch_size as batch_rows
 from laplace_glas.curvature.batches import concatenate_inputs, split_batch
 from laplace_glas.curvature.distributed import data_parallel, reduce_coverage_rows
 from laplace_glas.curvature.fitting import check_labels
+from laplace_glas.links import gaussian_samples
 from laplace_glas.posterior import optimal_prior_precision
 from laplace_glas.predictive import (
     batched_outputs,
@@ -81,7 +88,7 @@ class CoverageRow:
     """
 
     k: int
-    prior_precision: float
+    prior_precision: float | None  # None: the posterior's layerwise / diagonal prior
     coverage: float
     mean_width: float
     nll: float
@@ -96,8 +103,9 @@ class DimensionSelection:
     ----------
     k : int
         Selected number of eigen-directions.
-    prior_precision : float
-        Selected prior precision.
+    prior_precision : float or None
+        Selected prior precision (None: the posterior's own layerwise or diagonal
+        prior precision).
     reached : bool
         Whether the selection reaches the nominal coverage. If False, ``k`` and
         ``prior_precision`` are those of the best coverage achieved.
@@ -111,7 +119,7 @@ class DimensionSelection:
     """
 
     k: int
-    prior_precision: float
+    prior_precision: float | None
     reached: bool
     coverage: float
     level: float
@@ -147,7 +155,7 @@ class DimensionSelection:
             f"GLAS dimension selection ({self.loss_scaling} scaling, pred_type="
             f"'{self.pred_type}', noise {'added' if self.include_noise else 'not added'}): "
             f"nominal {self.level:.0%} {status}; k = {self.k}, prior precision = "
-            f"{self.prior_precision:.4g}, coverage = {self.coverage:.3f}",
+            f"{_prior_label(self.prior_precision)}, coverage = {self.coverage:.3f}",
             f"{'k':>4} {'prior prec':>11} {'coverage':>9} {unit:>9} {'NLL':>9}",
         ]
         for r in self.rows:
@@ -155,7 +163,7 @@ class DimensionSelection:
             eb = " (EB)" if r.empirical_bayes else ""
             star = "*" if self.numerical_rank is not None and r.k > self.numerical_rank else " "
             lines.append(
-                f"{r.k:>4}{star}{r.prior_precision:>11.4g} {r.coverage:>9.3f} "
+                f"{r.k:>4}{star}{_prior_label(r.prior_precision):>11} {r.coverage:>9.3f} "
                 f"{r.mean_width:>9.4g} {r.nll:>9.4g}{eb}{mark}"
             )
         if self.numerical_rank is not None and any(r.k > self.numerical_rank for r in self.rows):
@@ -164,6 +172,10 @@ class DimensionSelection:
                 "carry the prior's variance, not resolved curvature."
             )
         return "\n".join(lines)
+
+
+def _prior_label(prior_precision: float | None) -> str:
+    return "own" if prior_precision is None else f"{prior_precision:.4g}"
 
 
 def _preferred(rows: Sequence[CoverageRow], level: float) -> CoverageRow:
@@ -224,8 +236,11 @@ def _candidates(
     # every candidate k, also those above the posterior's current n_components
     curvature = la._curvature_up_to(max(ks)).detach()
     square_norm = float((la.mean - la.prior_mean).detach().square().sum())
-    grid = [float(la._tau)] if prior_precisions is None else [float(t) for t in prior_precisions]
-    if any(not (t > 0 and math.isfinite(t)) for t in grid):
+    if prior_precisions is not None:
+        grid = [float(t) for t in prior_precisions]
+    else:  # the posterior's own prior: tau, or None for a layerwise / diagonal one
+        grid = [float(la._tau) if la.prior_precision.numel() == 1 else None]
+    if any(t is not None and not (t > 0 and math.isfinite(t)) for t in grid):
         raise ValueError("Prior precisions must be positive and finite.")
     if not grid and not empirical_bayes:
         raise ValueError(
@@ -310,14 +325,23 @@ def coverage_table(
                     f"output of shape {tuple(f.shape)}."
                 )
             gram_diag = None
-            if prior_complement:
+            if prior_complement and any(t is not None for _, t, _ in pairs):
                 rows_at_once = 32 if batch_size is None else min(32, batch_size)
                 gram_diag = jacobian_gram(
                     la.model, names, shapes, theta, X, chunk_size=rows_at_once
                 ).diagonal(dim1=-2, dim2=-1)
             JU2 = JU.square()
             z_score = statistics.NormalDist().inv_cdf(0.5 + level / 2)
-            for tau in sorted({t for _, t, _ in pairs}):
+
+            def gaussian_row(k: int, tau: float | None, eb: bool, var_f: torch.Tensor) -> None:
+                var_f = var_f.clamp(min=0)
+                var = var_f + sigma2 if include_noise else var_f
+                half = z_score * var.sqrt()
+                covered = ((y - f).abs() <= half).double().mean()
+                nll = _gaussian_nll(y, f, var_f + sigma2)
+                rows.append(CoverageRow(k, tau, float(covered), float(2 * half.mean()), nll, eb))
+
+            for tau in sorted({t for _, t, _ in pairs if t is not None}):
                 weights = 1.0 / (a + tau)
                 if prior_complement:
                     weights = weights - 1.0 / tau
@@ -328,13 +352,12 @@ def coverage_table(
                     var_f = cumulative[..., k - 1]
                     if gram_diag is not None:
                         var_f = var_f + gram_diag / tau
-                    var_f = var_f.clamp(min=0)
-                    var = var_f + sigma2 if include_noise else var_f
-                    half = z_score * var.sqrt()
-                    covered = ((y - f).abs() <= half).double().mean()
-                    nll = _gaussian_nll(y, f, var_f + sigma2)
-                    rows.append(
-                        CoverageRow(k, tau, float(covered), float(2 * half.mean()), nll, eb)
+                    gaussian_row(k, tau, eb, var_f)
+            for k, t, eb in pairs:
+                if t is None:  # the posterior's own layerwise / diagonal prior
+                    moments = _own_prior_moments(la, X, k, batch_size)
+                    gaussian_row(
+                        k, None, eb, moments[1].diagonal(dim1=-2, dim2=-1).reshape(y.shape)
                     )
         else:
             rows = _sampled_rows(
@@ -437,21 +460,17 @@ def _sampled_rows(
 
     rows = []
     for k, tau, eb in pairs:
-        scale = (1.0 / (a[:k] + tau)).sqrt()
-        coeffs = z[:, :k] * scale  # (S, k)
-        complement = None
-        if e is not None:
-            Uk = U[:, :k]
-            complement = (e - (e @ Uk) @ Uk.T) / math.sqrt(tau)  # (S, D)
-        if pred_type == "glm":
-            fs = f0 + torch.einsum("...k,sk->s...", JU[..., :k], coeffs)
-            if complement is not None:
-                _, Je = _linearised(la, X, complement.T, batch_size)
+        if tau is None:  # the posterior's own layerwise / diagonal prior
+            fs = _own_prior_draws(la, X, k, pred_type, n_samples, generator, batch_size)
+        elif pred_type == "glm":
+            fs = f0 + torch.einsum("...k,sk->s...", JU[..., :k], _coefficients(z, a, k, tau))
+            if e is not None:
+                _, Je = _linearised(la, X, _complement_draws(e, U, k, tau).T, batch_size)
                 fs = fs + Je.movedim(-1, 0)
         else:
-            thetas = theta + coeffs @ U[:, :k].T
-            if complement is not None:
-                thetas = thetas + complement
+            thetas = theta + _coefficients(z, a, k, tau) @ U[:, :k].T
+            if e is not None:
+                thetas = thetas + _complement_draws(e, U, k, tau)
             fs = _sampled_outputs(la, thetas, X, batch_size)
         if classification:
             if not rows:  # every candidate has the same output shape: check the labels once
@@ -473,6 +492,58 @@ def _sampled_rows(
         nll = _gaussian_nll(y, fs.mean(0), fs.var(0) + sigma2)
         rows.append(CoverageRow(k, tau, float(covered), float((hi - lo).mean()), nll, eb))
     return rows
+
+
+def _coefficients(z: torch.Tensor, a: torch.Tensor, k: int, tau: float) -> torch.Tensor:
+    """``z_j / sqrt(a_j + tau)`` for ``j <= k``: ``(S, k)`` subspace coefficients."""
+    return z[:, :k] * (1.0 / (a[:k] + tau)).sqrt()
+
+
+def _complement_draws(e: torch.Tensor, U: torch.Tensor, k: int, tau: float) -> torch.Tensor:
+    """``(I - U_k U_k^T) e / sqrt(tau)``: ``(S, D)`` draws of the prior complement."""
+    Uk = U[:, :k]
+    return (e - (e @ Uk) @ Uk.T) / math.sqrt(tau)
+
+
+def _truncated(la: Any, k: int) -> Any:
+    """A shallow copy of ``la`` using its leading ``k`` eigenpairs (nothing recomputed)."""
+    view = copy.copy(la)
+    view._n_components = k
+    return view
+
+
+def _own_prior_moments(
+    la: Any, X: torch.Tensor, k: int, batch_size: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Size]:
+    """'glm' mean ``(n, C)``, covariance ``(n, C, C)`` and leading output shape of
+    ``la`` truncated to ``k`` under its own (layerwise or diagonal) prior, over row
+    chunks of ``X``.
+    """
+    view = _truncated(la, k)
+    parts = [view._glm_moments(rows) for rows in row_chunks(X, batch_size)]
+    lead = torch.Size([sum(p[2][0] for p in parts), *parts[0][2][1:]])
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), lead
+
+
+def _own_prior_draws(
+    la: Any,
+    X: torch.Tensor,
+    k: int,
+    pred_type: str,
+    n_samples: int,
+    generator: torch.Generator | None,
+    batch_size: int | None,
+) -> torch.Tensor:
+    """``(S, n, ..., C)`` draws of ``f(X)`` of ``la`` truncated to ``k`` under its own
+    prior: network outputs at weight samples ('nn'), or Gaussian draws of the
+    linearised model ('glm').
+    """
+    view = _truncated(la, k)
+    if pred_type == "nn":
+        return _sampled_outputs(view, view.sample(n_samples, generator), X, batch_size)
+    f_mu, f_var, lead = _own_prior_moments(la, X, k, batch_size)
+    draws = gaussian_samples(f_mu, f_var, n_samples, generator)
+    return draws.reshape(n_samples, *lead, f_mu.shape[-1])
 
 
 def _check_calibration_labels(fs: torch.Tensor, y: torch.Tensor, ignore_index: int) -> None:
@@ -607,7 +678,8 @@ def _current_row(
 ) -> CoverageRow:
     la._check_H_init()
     X, y, batch_size = _gather(la, loader)
-    pairs = [(la.n_components, float(la._tau), False)]
+    tau = float(la._tau) if la.prior_precision.numel() == 1 else None
+    pairs = [(la.n_components, tau, False)]
     rows = coverage_table(
         la, X, y, pairs, level, pred_type, n_samples, generator, include_noise, batch_size
     )

@@ -1,14 +1,16 @@
 """ActiveSubspaceLaplace: the GLAS posterior behind laplace-torch's interface.
 
 The class is thin: the predictive methods live in the mixin
-:mod:`laplace_glas.posterior_predictive`, the eigen-solve in
+:mod:`laplace_glas.posterior_predictive`, the posterior operators, evidence terms,
+sampling and prior tuning in the mixin :mod:`laplace_glas.subspace_posterior` (with the
+layerwise / diagonal prior algebra in :mod:`laplace_glas.prior_algebra`), the eigen-solve in
 :mod:`laplace_glas.curvature.subspace`, the data pass of ``fit`` and the choice of the
 GGN's loss in :mod:`laplace_glas.curvature.fitting`, the closed forms in
 :mod:`laplace_glas.posterior`, the forward-mode JVPs in :mod:`laplace_glas.predictive`,
 the state-dict checks in :mod:`laplace_glas.persistence` and the argument checks in
 :mod:`laplace_glas.validation`. What is here is the laplace-torch contract: the
-``Laplace(model, likelihood, 'all', 'glas')`` registration, ``fit``, the evidence,
-prior tuning, sampling and (de)serialisation.
+``Laplace(model, likelihood, 'all', 'glas')`` registration, ``fit``, the
+hyperparameters and (de)serialisation.
 
 Conventions (laplace-torch's): ``H`` is the *summed*, unit-noise curvature; the
 observation noise and the temperature enter through ``_H_factor`` when ``H`` is read.
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 import torchmetrics
 from laplace.baselaplace import ParametricLaplace
-from laplace.utils.enums import LinkApprox, PredType, PriorStructure, TuningMethod
+from laplace.utils.enums import LinkApprox, PredType
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, RandomSampler
@@ -72,17 +74,11 @@ from laplace_glas.curvature.subspace import (
 )
 from laplace_glas.curvature.update import UpdatedCurvature
 from laplace_glas.persistence import glas_state, restore_glas_state
-from laplace_glas.posterior import (
-    SubspaceOperator,
-    log_det_ratio,
-    optimal_prior_precision,
-    posterior_variances,
-    sample_subspace,
-)
 from laplace_glas.posterior_predictive import FittedWeightsChangedWarning, SubspacePredictive
 from laplace_glas.predictive import (
     parameter_names,
 )
+from laplace_glas.subspace_posterior import SubspacePosterior
 from laplace_glas.validation import (
     ArgumentTypeError,
     choice,
@@ -94,8 +90,8 @@ from laplace_glas.validation import (
     parameter_dtype,
     positive_int,
     positive_scalar,
+    prior_precision_values,
     reiterable,
-    scalar_prior_precision,
     scalar_value,
     tolerance,
 )
@@ -115,7 +111,7 @@ class NotFittedError(ValueError, AttributeError):
     """
 
 
-class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
+class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLaplace):
     """Generalized Laplace Active Subspace (GLAS) posterior over all weights.
 
     The posterior lives in the span of the top-k eigenvectors ``U`` of the GGN ``G``
@@ -136,11 +132,12 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
     ----------
     model, likelihood, sigma_noise, prior_precision, prior_mean, temperature,
     enable_backprop, dict_key_x, dict_key_y :
-        As in laplace-torch's ``ParametricLaplace``. The closed forms need a scalar
-        ``prior_precision``; ``likelihood`` is ``'regression'`` (Gaussian, MSE),
-        ``'classification'`` (softmax cross-entropy) or ``'reward_modeling'``
-        (laplace-torch's: fitted as classification on preference pairs, predicted
-        as a regression of the reward unless ``fitting=True``).
+        As in laplace-torch's ``ParametricLaplace``. ``prior_precision`` is a scalar
+        (the closed forms), or one positive value per parameter tensor or per weight
+        (:mod:`laplace_glas.prior_algebra`); ``likelihood`` is ``'regression'``
+        (Gaussian, MSE), ``'classification'`` (softmax cross-entropy) or
+        ``'reward_modeling'`` (laplace-torch's: fitted as classification on preference
+        pairs, predicted as a regression of the reward unless ``fitting=True``).
     backend, backend_kwargs, asdl_fisher_kwargs :
         As in laplace-torch. ``backend`` picks the matrix (GGN by default, empirical
         Fisher for ``*EF``, Hessian for ``*Hessian``), always computed matrix-free
@@ -480,7 +477,9 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
 
     @property
     def prior_precision(self) -> torch.Tensor:
-        """The scalar prior precision ``tau`` (laplace-torch's ``(1,)`` tensor)."""
+        """The prior precision: laplace-torch's ``(1,)`` tensor ``tau``, or one positive
+        value per parameter tensor (``(n_layers,)``) or per weight (``(D,)``).
+        """
         return self._prior_precision
 
     @prior_precision.setter
@@ -488,7 +487,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         # refused before it is set, so that a failed call (e.g. log_marginal_likelihood
         # with a per-layer prior) leaves the posterior as it was; a tensor is stored as
         # given (it may carry gradients for the evidence)
-        scalar_prior_precision(prior_precision, self._dtype)
+        prior_precision_values(prior_precision, self.n_layers, self.n_params, self._dtype)
         if isinstance(prior_precision, torch.Tensor):
             prior_precision = prior_precision.reshape(-1)
         else:
@@ -544,45 +543,6 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         if not finite:
             raise ValueError("prior_mean must be finite (no NaN or inf).")
         ParametricLaplace.prior_mean.fset(self, prior_mean)
-
-    @property
-    def _tau(self) -> torch.Tensor:
-        prior_precision = self.prior_precision
-        scalar_prior_precision(prior_precision)
-        return prior_precision.reshape(())
-
-    def _proper_tau(self, what: str) -> torch.Tensor:
-        """``tau``, refused where ``what`` needs a proper prior (``tau > 0``)."""
-        tau = self._tau
-        if tau == 0:
-            raise ValueError(
-                f"{what} needs a proper prior: prior_precision is 0. Set a positive "
-                "prior_precision (e.g. with optimize_prior_precision())."
-            )
-        return tau
-
-    @property
-    def posterior_variances(self) -> torch.Tensor:
-        """``v_j = 1 / (s lambda_j / T + tau)``: ``(k,)`` variances of ``z``.
-
-        With ``prior_precision = 0`` every kept direction needs curvature ``a_j > 0``
-        (else its variance is infinite and this raises ``ValueError``).
-        """
-        curvature, tau = self.subspace_curvature, self._tau
-        if tau == 0 and bool((curvature <= 0).any()):
-            raise ValueError(
-                "With prior_precision = 0 the posterior is improper: "
-                f"{int((curvature <= 0).sum())} of the {curvature.numel()} kept directions "
-                "have zero curvature (infinite variance). Set a positive prior_precision "
-                "or use fewer components."
-            )
-        return posterior_variances(curvature, tau)
-
-    @property
-    def _complement_variance(self) -> torch.Tensor:
-        if self.complement == "prior":
-            return 1.0 / self._proper_tau("complement='prior' (the prior's variance off U)")
-        return torch.zeros((), device=self._device, dtype=self._dtype)
 
     # ------------------------------------------------------------------ fit
     def fit(
@@ -918,195 +878,6 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
         self._check_H_init()
         return super().log_likelihood
 
-    @property
-    def posterior_precision(self) -> SubspaceOperator:
-        """``P = U diag(a + tau) U^T + c (I - U U^T)`` as a matrix-free operator.
-
-        ``c = tau`` for ``complement='prior'``; ``c = inf`` for the restricted GLAS
-        posterior (``to_dense()`` then refuses). Call ``.to_dense()`` for the D x D
-        matrix.
-        """
-        tau = self._tau
-        complement = tau if self.complement == "prior" else math.inf
-        return SubspaceOperator(self.eigenvectors, self.subspace_curvature + tau, complement)
-
-    @property
-    def posterior_covariance(self) -> SubspaceOperator:
-        """``Sigma = U diag(v) U^T + c (I - U U^T)``, ``c = 0`` or ``1/tau``; matrix-free."""
-        return SubspaceOperator(
-            self.eigenvectors, self.posterior_variances, self._complement_variance
-        )
-
-    @property
-    def log_det_posterior_precision(self) -> torch.Tensor:
-        """``sum_j log(a_j + tau) + (D - k) log tau``.
-
-        The complement enters as the prior's precision for both complements: it is
-        the log-determinant that makes ``log_det_ratio`` the subspace Occam term
-        ``sum_j log(1 + a_j / tau)``.
-        """
-        tau = self._proper_tau("log_det_posterior_precision")
-        k = self._n_components
-        return torch.log(self.subspace_curvature + tau).sum() + (self.n_params - k) * tau.log()
-
-    @property
-    def log_det_prior_precision(self) -> torch.Tensor:
-        """``D log tau`` (needs ``tau > 0``)."""
-        return self.n_params * self._proper_tau("log_det_prior_precision").log()
-
-    @property
-    def log_det_ratio(self) -> torch.Tensor:
-        """``log det P - log det P_0 = sum_j log(1 + s lambda_j / (T tau))`` (the
-        evidence's Occam term; needs ``tau > 0``).
-        """
-        return log_det_ratio(self.subspace_curvature, self._proper_tau("The evidence"))
-
-    def square_norm(self, value: torch.Tensor) -> torch.Tensor:
-        """``(theta - theta*)^T P (theta - theta*)``.
-
-        For ``complement='zero'`` only the component in ``span(U)`` counts (the
-        posterior is a density on the affine subspace ``theta* + span(U)``).
-        """
-        self._check_H_init()
-        self._check_weight_vectors(value)
-        delta = value - self.mean
-        z = delta @ self.eigenvectors
-        inside = (z.square() * (self.subspace_curvature + self._tau)).sum(-1)
-        if self.complement == "zero":
-            return inside
-        outside = delta.square().sum(-1) - z.square().sum(-1)
-        return inside + self._tau * outside
-
-    def log_prob(self, value: torch.Tensor, normalized: bool = True) -> torch.Tensor:
-        """Log density of ``value`` ``(D,)`` or ``(n, D)`` under the posterior.
-
-        For ``complement='prior'`` this is the Gaussian density in R^D. For
-        ``complement='zero'`` it is the ``k``-dimensional Gaussian density of the
-        projection onto the subspace (the posterior has no density in R^D).
-        """
-        square_norm = self.square_norm(value)
-        if not normalized:
-            return -square_norm / 2
-        if self.complement == "prior":
-            dim, log_det = self.n_params, self.log_det_posterior_precision
-        else:
-            dim = self._n_components
-            log_det = -torch.log(self.posterior_variances).sum()
-        return -dim / 2 * math.log(2 * math.pi) + log_det / 2 - square_norm / 2
-
-    def sample(
-        self, n_samples: int = 100, generator: torch.Generator | None = None
-    ) -> torch.Tensor:
-        """Draw ``(n_samples, D)`` weight vectors ``theta* + U z (+ complement)``."""
-        self._check_H_init()
-        n_samples = positive_int("n_samples", n_samples, allow_none=False)
-        self._check_generator(generator)
-        draws = sample_subspace(
-            self.eigenvectors,
-            self.posterior_variances,
-            n_samples,
-            self._complement_variance,
-            generator,
-        )
-        return self.mean.reshape(1, -1) + draws
-
-    def _check_weight_vectors(self, value: Any) -> None:
-        """``value`` must be ``(D,)`` or ``(n, D)`` floating weight vectors."""
-        if (
-            not isinstance(value, torch.Tensor)
-            or not value.is_floating_point()
-            or value.ndim not in (1, 2)
-            or value.shape[-1] != self.n_params
-        ):
-            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(
-                f"Expected weight vectors of shape (D,) or (n, D) with D={self.n_params} "
-                f"(floating point), got {shape}."
-            )
-        if not torch.isfinite(value).all():
-            raise ValueError("The weight vectors contain NaN or inf.")
-
-    # ------------------------------------------------------------------ evidence
-    def optimize_prior_precision(
-        self,
-        pred_type: PredType | str = PredType.GLM,
-        method: TuningMethod | str = TuningMethod.MARGLIK,
-        n_steps: int = 100,
-        lr: float = 1e-1,
-        init_prior_prec: float | torch.Tensor = 1.0,
-        prior_structure: PriorStructure | str = PriorStructure.SCALAR,
-        val_loader: DataLoader | None = None,
-        loss: torchmetrics.Metric | Callable[[torch.Tensor], torch.Tensor | float] | None = None,
-        log_prior_prec_min: float = -4,
-        log_prior_prec_max: float = 4,
-        grid_size: int = 100,
-        link_approx: LinkApprox | str = LinkApprox.PROBIT,
-        n_samples: int = 100,
-        verbose: bool = False,
-        progress_bar: bool = False,
-        log_prior_prec_base: float = 10.0,
-    ) -> None:
-        """Tune the (scalar) prior precision.
-
-        ``method='marglik'`` solves the 1-D stationarity condition of the evidence
-        in closed form (``tau m = sum_j a_j / (a_j + tau)``, see
-        :func:`laplace_glas.posterior.optimal_prior_precision`): ``n_steps``, ``lr``
-        and ``init_prior_prec`` of laplace-torch's gradient ascent are not needed
-        and are ignored. ``method='gridsearch'`` is laplace-torch's validation-loss
-        grid search. Only ``prior_structure='scalar'`` is supported.
-        """
-        self._check_H_init()
-        if prior_structure != PriorStructure.SCALAR or (
-            isinstance(init_prior_prec, torch.Tensor) and init_prior_prec.numel() != 1
-        ):
-            raise ValueError(
-                "GLAS supports a scalar prior precision only (prior_structure='scalar')."
-            )
-        if method == TuningMethod.GRIDSEARCH:
-            if val_loader is not None:
-                reiterable("val_loader", val_loader)
-                if next(iter(val_loader), None) is None:
-                    raise ValueError("val_loader is empty: there is nothing to score the grid on.")
-            grid_size = positive_int("grid_size", grid_size, allow_none=False)
-            base = finite_number("log_prior_prec_base", log_prior_prec_base, 0.0)
-            if base in (0.0, 1.0):
-                raise ValueError(f"log_prior_prec_base must be > 0 and != 1, got {base}.")
-            if not log_prior_prec_min < log_prior_prec_max:
-                raise ValueError(
-                    "log_prior_prec_min must be below log_prior_prec_max, got "
-                    f"{log_prior_prec_min} and {log_prior_prec_max}."
-                )
-        if method == TuningMethod.MARGLIK:
-            if val_loader is not None:
-                warnings.warn("`val_loader` is ignored when method='marglik'.", stacklevel=2)
-            delta = self.mean - self.prior_mean
-            with torch.no_grad():
-                tau = optimal_prior_precision(
-                    self.subspace_curvature.detach(), float(delta.detach().square().sum())
-                )
-            self.prior_precision = tau
-            if verbose:
-                print(f"Optimized prior precision is {self.prior_precision}.")
-            return
-        super().optimize_prior_precision(
-            pred_type,
-            method,
-            n_steps,
-            lr,
-            init_prior_prec,
-            prior_structure,
-            val_loader,
-            loss,
-            log_prior_prec_min,
-            log_prior_prec_max,
-            grid_size,
-            link_approx,
-            n_samples,
-            verbose,
-            progress_bar,
-            log_prior_prec_base,
-        )
-
     def _gridsearch(
         self,
         loss: torchmetrics.Metric | Callable,
@@ -1162,7 +933,8 @@ class ActiveSubspaceLaplace(SubspacePredictive, ParametricLaplace):
             empirical_bayes=empirical_bayes,
         )
         self.n_components = selection.k
-        self.prior_precision = selection.prior_precision
+        if selection.prior_precision is not None:  # None: the own structured prior
+            self.prior_precision = selection.prior_precision
         return selection
 
     # ------------------------------------------------------------------ persistence

@@ -20,7 +20,12 @@ import torch
 
 from laplace_glas.curvature.fitting import loss_fn_name
 from laplace_glas.curvature.subspace import Eigenpairs
-from laplace_glas.validation import homoscedastic_noise, positive_scalar, scalar_prior_precision
+from laplace_glas.validation import (
+    homoscedastic_noise,
+    positive_scalar,
+    prior_precision_values,
+    scalar_prior_precision,
+)
 
 __all__ = [
     "GLAS_KEYS",
@@ -107,8 +112,12 @@ def check_state(
     loss_scalings: tuple[str, ...],
     complements: tuple[str, ...],
     dtype: torch.dtype | None = None,
+    n_layers: int | None = None,
 ) -> None:
     """Validate a GLAS state dict against the posterior it is loaded into.
+
+    With ``n_layers``, a prior precision of one value per parameter tensor or per
+    weight is accepted as well (positive and finite).
 
     Raises
     ------
@@ -183,7 +192,14 @@ def check_state(
     # the checks the setters run when the state is assigned, in the model's dtype, so
     # that no setter can refuse a value halfway through the load
     prior_precision, sigma_noise = state["prior_precision"], state["sigma_noise"]
-    _hyperparameter("prior_precision", lambda: scalar_prior_precision(prior_precision, dtype))
+    _hyperparameter(
+        "prior_precision",
+        lambda: (
+            scalar_prior_precision(prior_precision, dtype)
+            if n_layers is None
+            else prior_precision_values(prior_precision, n_layers, n_params, dtype)
+        ),
+    )
     _hyperparameter("sigma_noise", lambda: homoscedastic_noise(sigma_noise, dtype, likelihood))
     _hyperparameter(
         "temperature", lambda: positive_scalar("temperature", state["temperature"], dtype=dtype)
@@ -285,6 +301,7 @@ def restore_glas_state(
         loss_scalings=loss_scalings,
         complements=complements,
         dtype=la._dtype,
+        n_layers=la.n_layers,
     )
     if la.loss_scaling != state["loss_scaling"]:
         warnings.warn(

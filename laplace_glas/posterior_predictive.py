@@ -15,8 +15,9 @@ with ``J U`` from ``k`` forward-mode JVPs ('glm'; ``J J^T`` only when ``c > 0``)
 network outputs at weight samples ('nn').
 
 The mixin reads the posterior through ``mean``, ``eigenvectors``,
-``posterior_variances``, ``_complement_variance`` and ``sample`` of the class it is
-mixed into; the model runs in eval mode inside (see
+``posterior_variances``, ``_complement_variance``, ``_covariance_factors`` (``Sigma =
+V diag(w) V^T + diag(d)``, which covers layerwise and diagonal priors) and ``sample``
+of the class it is mixed into; the model runs in eval mode inside (see
 :func:`laplace_glas.autodiff.autodiff_friendly`).
 """
 
@@ -114,6 +115,25 @@ class SubspacePredictive:
             X,
             joint=joint,
             dict_key_x=self.dict_key_x,
+        )
+
+    def _weighted_prior_gram(
+        self, X: Any, theta: torch.Tensor, c: torch.Tensor, joint: bool = False
+    ) -> torch.Tensor:
+        """``c J J^T`` for a scalar ``c`` (:meth:`_prior_gram`), ``J diag(c) J^T`` for a
+        ``(D,)`` diagonal (layerwise or diagonal prior, all weights).
+        """
+        if c.ndim == 0:
+            return self._prior_gram(X, theta, joint=joint) * c
+        return jacobian_gram(
+            self.model,
+            self._param_names,
+            self._param_shapes,
+            theta,
+            X,
+            joint=joint,
+            dict_key_x=self.dict_key_x,
+            weights=c,
         )
 
     def _check_inputs(self, X: Any) -> None:
@@ -256,8 +276,9 @@ class SubspacePredictive:
         self._check_inputs(X)
         at_fitted_weights = self._check_fitted_weights()
         X = self._to_device(X)
-        U = self._network_directions()
-        v = self.posterior_variances
+        # Sigma = U diag(weights) U^T + diag(c): c = None (no term), 1/tau, or (D,);
+        # U over the network's weights (a subnetwork posterior embeds its directions)
+        U, weights, c = self._covariance_factors()
         theta = self._network_weights()
         theta = theta if self.enable_backprop else theta.detach()
         with torch.set_grad_enabled(self.enable_backprop), autodiff_friendly(self.model):
@@ -270,21 +291,16 @@ class SubspacePredictive:
             lead = f_mu.shape[:-1]
             f_mu = f_mu.reshape(-1, f_mu.shape[-1])
             JU = JU.reshape(*f_mu.shape, JU.shape[-1])
-            weights = v
-            if self.complement == "prior":
-                weights = v - self._complement_variance
             if joint:
                 JU_flat = JU.reshape(-1, JU.shape[-1])
                 f_var = (JU_flat * weights) @ JU_flat.T
-                if self.complement == "prior":
-                    gram = self._prior_gram(X, theta, joint=True)
-                    f_var = f_var + gram * self._complement_variance
+                if c is not None:
+                    f_var = f_var + self._weighted_prior_gram(X, theta, c, joint=True)
                 f_mu = f_mu.flatten()
             else:
                 f_var = torch.einsum("nck,k,nlk->ncl", JU, weights, JU)
-                if self.complement == "prior":
-                    gram = self._prior_gram(X, theta)
-                    f_var = f_var + gram * self._complement_variance
+                if c is not None:
+                    f_var = f_var + self._weighted_prior_gram(X, theta, c)
         if not self.enable_backprop:
             f_mu, f_var = f_mu.detach(), f_var.detach()
         return f_mu, f_var, lead
@@ -405,6 +421,13 @@ class SubspacePredictive:
     def functional_variance(self, Js: torch.Tensor) -> torch.Tensor:
         """``J Sigma J^T`` per input: ``(batch, C, C)`` from Jacobians ``(batch, C, D)``."""
         self._check_jacobians(Js)
+        if not self._prior_is_scalar:
+            V, weights, diagonal = self._covariance_factors()
+            JV = Js @ V
+            f_var = torch.einsum("nck,k,nlk->ncl", JV, weights, JV)
+            if diagonal is not None:
+                f_var = f_var + torch.einsum("ncp,p,nkp->nck", Js, diagonal, Js)
+            return f_var
         JU = Js @ self.eigenvectors
         if self.complement == "zero":
             return torch.einsum("nck,k,nlk->ncl", JU, self.posterior_variances, JU)
@@ -418,6 +441,11 @@ class SubspacePredictive:
         self._check_jacobians(Js)
         n_batch, n_outs, n_params = Js.shape
         Js = Js.reshape(n_batch * n_outs, n_params)
+        if not self._prior_is_scalar:
+            V, weights, diagonal = self._covariance_factors()
+            JV = Js @ V
+            f_cov = (JV * weights) @ JV.T
+            return f_cov if diagonal is None else f_cov + (Js * diagonal) @ Js.T
         JU = Js @ self.eigenvectors
         if self.complement == "zero":
             return (JU * self.posterior_variances) @ JU.T

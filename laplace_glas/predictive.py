@@ -166,8 +166,11 @@ def jacobian_gram(
     chunk_size: int = 32,
     model_kwargs: dict | None = None,
     dict_key_x: str = "input_ids",
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``J J^T`` at ``theta``: ``(batch, C, C)``, or ``(batch*C, batch*C)`` if ``joint``.
+
+    With ``weights`` ``w`` ``(D,)``: ``J diag(w) J^T`` (a diagonal prior's covariance).
 
     For outputs ``(batch, ..., C)`` the leading axes are flattened: ``(batch * ..., C, C)``.
 
@@ -192,11 +195,11 @@ def jacobian_gram(
     if joint:
         J = jac(x)
         J = J.reshape(-1, J.shape[-1])
-        return J @ J.T
+        return (J if weights is None else J * weights) @ J.T
     grams = []
     for rows in row_chunks(x, chunk_size, dict_key_x):
         J = jac(rows)
-        grams.append(J @ J.transpose(1, 2))
+        grams.append((J if weights is None else J * weights) @ J.transpose(1, 2))
     return torch.cat(grams)
 
 

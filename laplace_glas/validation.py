@@ -29,6 +29,7 @@ __all__ = [
     "parameter_dtype",
     "positive_int",
     "positive_scalar",
+    "prior_precision_values",
     "reiterable",
     "scalar_prior_precision",
     "scalar_value",
@@ -214,6 +215,41 @@ def scalar_prior_precision(prior_precision: Any, dtype: torch.dtype | None = Non
             f"(isotropic) prior precision; got one of shape {tuple(prior_precision.shape)}."
         )
     positive_scalar("prior_precision", prior_precision, allow_zero=True, dtype=dtype)
+
+
+def prior_precision_values(
+    prior_precision: Any, n_layers: int, n_params: int, dtype: torch.dtype | None = None
+) -> None:
+    """A prior precision GLAS can use: one number ``tau >= 0`` (see
+    :func:`scalar_prior_precision`), or a 1-D tensor of ``n_layers`` (one per parameter
+    tensor) or ``n_params`` (one per weight) positive, finite values.
+    """
+    if isinstance(prior_precision, torch.Tensor) and prior_precision.ndim > 1:
+        raise ValueError(
+            "prior_precision must be a number or a 1-D tensor (as in laplace-torch), got "
+            f"one of shape {tuple(prior_precision.shape)}."
+        )
+    if not isinstance(prior_precision, torch.Tensor) or prior_precision.numel() == 1:
+        scalar_prior_precision(prior_precision, dtype)
+        return
+    if prior_precision.ndim != 1 or prior_precision.numel() not in (n_layers, n_params):
+        raise ValueError(
+            "prior_precision must be one number, one value per parameter tensor "
+            f"(n_layers={n_layers}) or one per weight (D={n_params}); got one of shape "
+            f"{tuple(prior_precision.shape)}."
+        )
+    if not prior_precision.is_floating_point():
+        raise TypeError(
+            f"prior_precision must be a floating-point tensor, got {prior_precision.dtype}."
+        )
+    values = prior_precision.detach()
+    if dtype is not None:
+        values = values.to(dtype)
+    if not bool(torch.isfinite(values).all()) or not bool((values > 0).all()):
+        raise ValueError(
+            "A layerwise or diagonal prior_precision must be positive and finite in every "
+            f"entry; got min {float(values.min()):.3g}, max {float(values.max()):.3g}."
+        )
 
 
 def homoscedastic_noise(

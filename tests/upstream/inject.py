@@ -76,9 +76,12 @@ _CLASS_LIST = re.compile(rf"(\[\s*(?:{_CLASS}\s*,\s*)*{_CLASS}\s*,?\s*\])")
 
 def inject(source: str) -> str:
     """Append the GLAS variants to every list of parametric Laplace classes."""
+    # after a module-level default-dtype switch (the variants are built after it),
+    # otherwise after the imports
+    marker = "\ntorch.set_default_dtype"
     header_end = (
-        source.index("\n", source.index("torch.set_default_dtype")) + 1
-        if ("torch.set_default_dtype" in source)
+        source.index("\n", source.index(marker) + 1) + 1
+        if marker in source
         else _after_imports(source)
     )
     head, body = source[:header_end], source[header_end:]
