@@ -235,11 +235,14 @@ class SubspaceOperator:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        """``torch.allclose`` and ``torch.equal`` accept operators (laplace-torch's tests
-        compare posterior precisions with them); they form the ``D x D`` matrices, like
-        the dense comparisons they replace. Other torch functions are refused.
+        """``torch.allclose``, ``torch.equal`` and ``torch.einsum`` accept operators
+        (laplace-torch's code and tests apply them to posterior precisions and
+        covariances); they form the ``D x D`` matrices, like the dense computations they
+        replace. Other torch functions are refused.
         """
         kwargs = kwargs or {}
+        if func is torch.einsum:  # e.g. J Sigma J^T written with a dense covariance
+            return func(*(a.to_dense() if isinstance(a, SubspaceOperator) else a for a in args))
         if func in (torch.allclose, torch.equal):
             a, b = args[:2]
             (a, ca), (b, cb) = _comparable(a), _comparable(b)

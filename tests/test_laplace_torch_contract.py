@@ -317,3 +317,37 @@ def test_one_element_temperature_tensors_give_scalar_results(shape):
     torch.testing.assert_close(la.log_marginal_likelihood(), reference)
     _, var = la(X[:3])
     assert var.shape == (3, 1, 1)
+
+
+@pytest.mark.parametrize("missing", ["x", "y"])
+def test_missing_dict_keys_raise_laplace_torchs_key_error(missing):
+    # upstream test_dict_data: the default dict_key_x / dict_key_y are absent
+    X, y = data64(8, 15)
+    keys = {"x": ("inputs", "labels"), "y": ("input_ids", "target")}[missing]
+    batches = [{keys[0]: X, keys[1]: y}]
+
+    class DictModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = model64()
+
+        def forward(self, data):
+            return self.net(data[keys[0]])
+
+    with pytest.raises(KeyError) as info:
+        glas(DictModel()).fit(batches)
+    assert isinstance(info.value, ValueError)
+    name = "dict_key_x='input_ids'" if missing == "x" else "dict_key_y='labels'"
+    assert name in str(info.value) and "its keys are" in str(info.value)
+
+
+def test_einsum_with_the_covariance_operator_uses_its_dense_matrix():
+    # upstream test_functional_variance_fast writes J Sigma J^T with torch.einsum
+    X, y = data64(10, 16)
+    la = glas(model64())
+    la.fit(loader(X, y))
+    J = torch.randn(3, 1, la.n_params, dtype=torch.float64)
+    ours = torch.einsum("ncp,pq,ncq->nc", J, la.posterior_covariance, J)
+    dense = la.posterior_covariance.to_dense()
+    torch.testing.assert_close(ours, torch.einsum("ncp,pq,ncq->nc", J, dense, J))
+    torch.testing.assert_close(ours[:, 0], la.functional_variance(J)[:, 0, 0])

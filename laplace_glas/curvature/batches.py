@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 __all__ = [
+    "MissingKeyError",
     "XYBatches",
     "batch_size",
     "check_finite",
@@ -24,11 +25,22 @@ __all__ = [
 ]
 
 
+class MissingKeyError(KeyError, ValueError):
+    """A dict batch lacks the key ``dict_key_x`` or ``dict_key_y`` names.
+
+    A ``KeyError``, as laplace-torch's own lookup raises, and a ``ValueError`` with a
+    message that names the key and the batch's keys.
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 def split_batch(data: Any, dict_key_y: str = "labels") -> tuple[Any, torch.Tensor]:
     """``(X, y)`` of one batch; a mapping stays whole as ``X``."""
     if isinstance(data, MutableMapping):
         if dict_key_y not in data:
-            raise ValueError(
+            raise MissingKeyError(
                 f"A dict batch has no target under dict_key_y={dict_key_y!r}; its keys are "
                 f"{sorted(map(str, data.keys()))}."
             )
@@ -46,6 +58,11 @@ def split_batch(data: Any, dict_key_y: str = "labels") -> tuple[Any, torch.Tenso
 def batch_size(X: Any, dict_key_x: str = "input_ids") -> int:
     """Number of data points in an input batch."""
     if isinstance(X, MutableMapping):
+        if dict_key_x not in X:
+            raise MissingKeyError(
+                f"A dict batch has no input under dict_key_x={dict_key_x!r}; its keys are "
+                f"{sorted(map(str, X.keys()))}."
+            )
         return int(X[dict_key_x].shape[0])
     return int(X.shape[0])
 
