@@ -57,6 +57,7 @@ def _variant(base, complement, k=8):
             super().__init__(*args, **kwargs)
 
     Variant.__name__ = Variant.__qualname__ = f"{base.__name__}_{complement}"
+    globals()[Variant.__name__] = Variant  # picklable by name (torch.save of a posterior)
     return Variant
 
 
