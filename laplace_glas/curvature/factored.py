@@ -612,6 +612,22 @@ def _check_first_batch(model, params, names, X, out, rows, factors, n_params, dt
         )
 
 
+def _parameter_offsets(
+    model: nn.Module, params: list[torch.Tensor]
+) -> tuple[dict[nn.Module, dict[str, int]], list[str], int]:
+    """Where each layer's weight and bias start in the ``D``-vector, the parameters'
+    qualified names, and ``D``.
+    """
+    owners = _owners(model)
+    offsets: dict[nn.Module, dict[str, int]] = {}
+    start = 0
+    for p in params:
+        _, module, attr = owners[id(p)]
+        offsets.setdefault(module, {})[attr] = start
+        start += p.numel()
+    return offsets, [owners[id(p)][0] for p in params], start
+
+
 def build_factored_ggn(
     model: nn.Module,
     params: Sequence[torch.Tensor],
@@ -666,15 +682,7 @@ def build_factored_ggn(
     if reason is not None:
         return reason
     params = list(params)
-    owners = _owners(model)
-    n_params = sum(p.numel() for p in params)
-    offsets: dict[nn.Module, dict[str, int]] = {}
-    start = 0
-    for p in params:
-        _, module, attr = owners[id(p)]
-        offsets.setdefault(module, {})[attr] = start
-        start += p.numel()
-    names = [owners[id(p)][0] for p in params]
+    offsets, names, n_params = _parameter_offsets(model, params)
     budget = default_factor_budget(1, n_params, 4) if budget_bytes is None else budget_bytes
     scale = float(n_terms) ** -0.5
     recorder = _Recorder(offsets)
@@ -802,14 +810,7 @@ def factored_jacobian_directions(
     if reason is not None:
         return reason
     params = list(params)
-    owners = _owners(model)
-    offsets: dict[nn.Module, dict[str, int]] = {}
-    start = 0
-    for p in params:
-        _, module, attr = owners[id(p)]
-        offsets.setdefault(module, {})[attr] = start
-        start += p.numel()
-    names = [owners[id(p)][0] for p in params]
+    offsets, names, start = _parameter_offsets(model, params)
     recorder = _Recorder(offsets)
     try:
         B = batch_size(x, dict_key_x)
