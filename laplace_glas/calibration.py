@@ -20,6 +20,11 @@ candidate ``prior_precision=None`` in the table), through the posterior's own
 predictive truncated to each ``k`` (``z`` is correlated there: no shared draw); scalar
 grid values and the scalar empirical-Bayes optimum remain candidates beside it.
 
+A subnetwork posterior (scalar prior) is swept through its hooks: the directions
+embedded in the network's weights, the network's MAP weights as the point of
+linearisation, the subnetwork's Jacobian Gram for ``complement='prior'`` and
+complement draws put on the subnetwork's weights.
+
 Why observation noise is left out by default (the paper's convention): under
 mean-loss scaling each retained direction ``u_j`` with ``lambda_j >> tau`` adds about
 ``(J u_j)^2 / lambda_j`` of variance at a training input, whose average is
@@ -56,7 +61,6 @@ from laplace_glas.links import gaussian_samples
 from laplace_glas.posterior import optimal_prior_precision
 from laplace_glas.predictive import (
     batched_outputs,
-    jacobian_gram,
     jvp_directions,
     row_chunks,
 )
@@ -310,15 +314,18 @@ def coverage_table(
         raise ValueError("n_samples must be >= 2.")
     batch_size = positive_int("batch_size", batch_size)
     k_max = max(k for k, _, _ in pairs)
+    # U over the posterior's weights (complement draws), V over the network's (the
+    # same tensor unless the posterior is a subnetwork's: V embeds U)
     U = la.H[0][:, :k_max]
+    V = la._network_directions_up_to(k_max)
     a = la._curvature_up_to(k_max).detach()
     sigma2 = float(la.sigma_noise.square()) if la.likelihood == "regression" else 0.0
     prior_complement = la.complement == "prior"
-    names, shapes, theta = la._param_names, la._param_shapes, la.mean.detach()
+    theta = la._network_weights().detach()
     rows = []
     with torch.no_grad(), autodiff_friendly(la.model):
         if la.likelihood == "regression" and pred_type == "glm":
-            f, JU = _linearised(la, X, U, batch_size)
+            f, JU = _linearised(la, X, V, batch_size)
             if f.shape != y.shape:
                 raise ValueError(
                     f"Calibration targets of shape {tuple(y.shape)} do not match the model "
@@ -327,9 +334,7 @@ def coverage_table(
             gram_diag = None
             if prior_complement and any(t is not None for _, t, _ in pairs):
                 rows_at_once = 32 if batch_size is None else min(32, batch_size)
-                gram_diag = jacobian_gram(
-                    la.model, names, shapes, theta, X, chunk_size=rows_at_once
-                ).diagonal(dim1=-2, dim2=-1)
+                gram_diag = la._prior_gram_diagonal(X, theta, rows_at_once)
             JU2 = JU.square()
             z_score = statistics.NormalDist().inv_cdf(0.5 + level / 2)
 
@@ -365,6 +370,7 @@ def coverage_table(
                 X,
                 y,
                 U,
+                V,
                 a,
                 pairs,
                 level,
@@ -384,7 +390,7 @@ def _linearised(
     """``f(X; theta*)`` and ``J(X) V`` for ``(D, m)`` directions ``V``, over row chunks
     of ``X`` (``la.jvp_chunk_size`` directions at a time).
     """
-    names, shapes, theta = la._param_names, la._param_shapes, la.mean.detach()
+    names, shapes, theta = la._param_names, la._param_shapes, la._network_weights().detach()
     parts = [
         jvp_directions(la.model, names, shapes, theta, rows, directions, la.jvp_chunk_size)
         for rows in row_chunks(X, batch_size, la.dict_key_x)
@@ -425,6 +431,7 @@ def _sampled_rows(
     X: torch.Tensor,
     y: torch.Tensor,
     U: torch.Tensor,
+    V: torch.Tensor,
     a: torch.Tensor,
     pairs: Sequence[tuple[int, float, bool]],
     level: float,
@@ -434,18 +441,23 @@ def _sampled_rows(
     include_noise: bool,
     batch_size: int | None,
 ) -> list[CoverageRow]:
-    """Coverage from predictive samples that share one draw of ``z``."""
-    theta = la.mean.detach()
+    """Coverage from predictive samples that share one draw of ``z``.
+
+    ``U`` ``(n_params, k_max)``: the eigenvectors over the posterior's weights (the
+    complement draws are projected with them); ``V`` ``(D, k_max)``: the same over the
+    network's weights (embedded for a subnetwork posterior).
+    """
+    theta = la._network_weights().detach()
     k_max = U.shape[1]
     z = _standard_normal((n_samples, k_max), la, generator)
     e = None
     if la.complement == "prior":
-        e = _standard_normal((n_samples, theta.numel()), la, generator)
+        e = _standard_normal((n_samples, U.shape[0]), la, generator)
     classification = la.likelihood == "classification"
     ignore_index = getattr(la, "ignore_index", -100)
     f0, JU = (None, None)
     if pred_type == "glm":
-        f0, JU = _linearised(la, X, U, batch_size)
+        f0, JU = _linearised(la, X, V, batch_size)
     noise = None
     if include_noise and not classification:
         noise = la.sigma_noise * _standard_normal((n_samples, *y.shape), la, generator)
@@ -465,12 +477,13 @@ def _sampled_rows(
         elif pred_type == "glm":
             fs = f0 + torch.einsum("...k,sk->s...", JU[..., :k], _coefficients(z, a, k, tau))
             if e is not None:
-                _, Je = _linearised(la, X, _complement_draws(e, U, k, tau).T, batch_size)
+                complement = la._embed_weight_draws(_complement_draws(e, U, k, tau))
+                _, Je = _linearised(la, X, complement.T, batch_size)
                 fs = fs + Je.movedim(-1, 0)
         else:
-            thetas = theta + _coefficients(z, a, k, tau) @ U[:, :k].T
+            thetas = theta + _coefficients(z, a, k, tau) @ V[:, :k].T
             if e is not None:
-                thetas = thetas + _complement_draws(e, U, k, tau)
+                thetas = thetas + la._embed_weight_draws(_complement_draws(e, U, k, tau))
             fs = _sampled_outputs(la, thetas, X, batch_size)
         if classification:
             if not rows:  # every candidate has the same output shape: check the labels once

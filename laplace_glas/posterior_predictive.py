@@ -105,6 +105,28 @@ class SubspacePredictive:
         """
         return self.eigenvectors
 
+    def _network_directions_up_to(self, k: int) -> torch.Tensor:
+        """The leading ``k`` computed eigenvectors over ``self.params``: ``(D, k)``, also
+        beyond ``n_components`` (the calibration sweeps; a subnetwork posterior embeds
+        its ``(D_s, k)`` ones).
+        """
+        return self.H[0][:, :k]
+
+    def _embed_weight_draws(self, draws: torch.Tensor) -> torch.Tensor:
+        """``(S, n_params)`` draws over the posterior's weights as ``(S, D)`` over
+        ``self.params`` (the identity here; a subnetwork posterior puts zeros on the
+        weights outside it).
+        """
+        return draws
+
+    def _prior_gram_diagonal(self, X: Any, theta: torch.Tensor, chunk_size: int) -> torch.Tensor:
+        """The diagonal ``(n, C)`` of :meth:`_prior_gram`, ``chunk_size`` inputs at a time
+        (the calibration sweeps with ``complement='prior'``).
+        """
+        return jacobian_gram(
+            self.model, self._param_names, self._param_shapes, theta, X, chunk_size=chunk_size
+        ).diagonal(dim1=-2, dim2=-1)
+
     def _prior_gram(self, X: Any, theta: torch.Tensor, joint: bool = False) -> torch.Tensor:
         """``J J^T`` over the weights under inference, for ``complement='prior'``."""
         return jacobian_gram(

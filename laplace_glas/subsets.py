@@ -9,8 +9,8 @@ mean-loss GGN *restricted to those weights*,
     G_S = P_S^\\top G P_S = \\frac{1}{N} \\sum_n J_{n,S}^\\top \\Lambda_n J_{n,S},
     \\qquad J_{n,S} = \\partial f_n / \\partial \\theta_S ,
 
-and every GLAS quantity (evidence, 'glm' / 'nn' predictives, samples; calibration
-for the last layer) is the one of :class:`~laplace_glas.ActiveSubspaceLaplace` with
+and every GLAS quantity (evidence, 'glm' / 'nn' predictives, samples, calibration)
+is the one of :class:`~laplace_glas.ActiveSubspaceLaplace` with
 ``D`` replaced by ``D_S = |S|``. In the ``k >= rank(G_S)`` limit with ``complement='prior'`` the
 posterior is laplace-torch's ``FullLLLaplace`` / ``FullSubnetLaplace``.
 
@@ -29,6 +29,10 @@ posterior is laplace-torch's ``FullLLLaplace`` / ``FullSubnetLaplace``.
   predictive pushes the embedded directions ``P_S U``. ``n_params`` and ``mean``
   are those of the subnetwork (``D_S`` entries, GLAS's ``D``); ``sample`` returns
   full weight vectors (the other weights at the MAP), as laplace-torch's does.
+  ``calibrate`` / :func:`~laplace_glas.calibration.select_dimension` sweep ``(k, tau)``
+  (scalar prior precision) through the same embedded directions, the network's MAP
+  weights and, for ``complement='prior'``, the subnetwork's Jacobian Gram ``J_S J_S^T``
+  and complement draws put on the subnetwork's weights.
   laplace-torch's ``Laplace`` factory refuses ``subset_of_weights='subnetwork'``
   with any ``hessian_structure`` but 'full' and 'diag' before it looks the class
   up, so construct :class:`SubnetActiveSubspaceLaplace` directly.
@@ -50,7 +54,7 @@ from torch.utils.data import DataLoader
 
 from laplace_glas.laplace import ActiveSubspaceLaplace
 from laplace_glas.posterior import sample_subspace
-from laplace_glas.predictive import jvp_directions, parameter_names
+from laplace_glas.predictive import jvp_directions, parameter_names, row_chunks
 from laplace_glas.validation import positive_int
 
 __all__ = [
@@ -353,10 +357,26 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
         return self._theta_map
 
     def _network_directions(self) -> torch.Tensor:
-        U = self.eigenvectors
+        return self._network_directions_up_to(self._n_components)
+
+    def _network_directions_up_to(self, k: int) -> torch.Tensor:
+        U = self.H[0][:, :k]
         full = U.new_zeros(self.n_params_model, U.shape[1])
         full[self._index_on_device()] = U
         return full
+
+    def _embed_weight_draws(self, draws: torch.Tensor) -> torch.Tensor:
+        full = draws.new_zeros(draws.shape[0], self.n_params_model)
+        full[:, self._index_on_device()] = draws
+        return full
+
+    def _prior_gram_diagonal(self, X: Any, theta: torch.Tensor, chunk_size: int) -> torch.Tensor:
+        return torch.cat(
+            [
+                self._prior_gram(rows, theta).diagonal(dim1=-2, dim2=-1)
+                for rows in row_chunks(X, chunk_size, self.dict_key_x)
+            ]
+        )
 
     def _prior_gram(self, X: Any, theta: torch.Tensor, joint: bool = False) -> torch.Tensor:
         """``J_S J_S^T`` from ``D_S`` forward-mode JVPs along the embedded unit vectors."""
@@ -377,17 +397,6 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
             J = J.reshape(-1, J.shape[-1])
             return J @ J.T
         return J @ J.transpose(1, 2)
-
-    def calibrate(self, *args: Any, **kwargs: Any) -> Any:
-        """Not available for subnetworks: the coverage sweeps of
-        :mod:`laplace_glas.calibration` perturb all of ``self.params``; use
-        :meth:`optimize_prior_precision` and a fixed ``n_components`` instead.
-        """
-        raise ValueError(
-            "calibrate is not available for SubnetActiveSubspaceLaplace (its coverage "
-            "sweeps perturb the whole network); tune prior_precision with "
-            "optimize_prior_precision() and set n_components directly."
-        )
 
     def sample(
         self, n_samples: int = 100, generator: torch.Generator | None = None

@@ -9,6 +9,9 @@ with the untouched laplace-torch object.
 
 from __future__ import annotations
 
+import copy
+import math
+import statistics
 import warnings
 
 import pytest
@@ -20,13 +23,14 @@ from laplace.laplace import _all_subclasses
 from laplace.lllaplace import FullLLLaplace
 from laplace.subnetlaplace import FullSubnetLaplace
 from test_subspace import explicit_jacobian
-from torch.nn.utils import vector_to_parameters
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from laplace_glas import (
     ActiveSubspaceLaplace,
     LastLayerActiveSubspaceLaplace,
     SubnetActiveSubspaceLaplace,
 )
+from laplace_glas.calibration import CoverageNotReachedWarning, coverage, select_dimension
 
 TAU = 0.7
 SIGMA = 0.5
@@ -244,8 +248,134 @@ def test_subnetwork_state_dict_round_trip():
     torch.testing.assert_close(other.log_marginal_likelihood(), glas.log_marginal_likelihood())
 
 
-def test_subnetwork_refuses_calibration_by_name():
-    glas, _, _, _ = fitted("subnetwork", "regression")
-    _, X, y, _ = problem("regression")
-    with pytest.raises(ValueError, match="calibrate is not available for SubnetActive"):
-        glas.calibrate(loader(X, y, batch_size=3))
+def calibration_data(likelihood, model, n=40):
+    g = torch.Generator().manual_seed(11)
+    X = torch.randn(n, 3, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        f = model(X)
+    if likelihood == "regression":
+        return X, f + SIGMA * torch.randn(f.shape, generator=g, dtype=torch.float64)
+    return X, torch.distributions.Categorical(logits=f).sample()
+
+
+@pytest.mark.parametrize("complement", ["zero", "prior"])
+@pytest.mark.parametrize("include_noise", [False, True])
+def test_subnetwork_glm_sweep_equals_its_own_predictive(complement, include_noise):
+    """Each row of the subnetwork's regression sweep is the coverage of its own 'glm'
+    predictive truncated to k at that prior precision."""
+    glas, _, _, _ = fitted("subnetwork", "regression", complement=complement)
+    Xc, yc = calibration_data("regression", problem("regression")[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CoverageNotReachedWarning)
+        sel = select_dimension(
+            glas,
+            loader(Xc, yc, batch_size=16),
+            0.8,
+            ks=[1, 3, 6, 9],
+            prior_precisions=[0.3, 2.0],
+            pred_type="glm",
+            include_noise=include_noise,
+            empirical_bayes=False,
+        )
+    assert len(sel.rows) == 8
+    z = statistics.NormalDist().inv_cdf(0.9)
+    for row in sel.rows:
+        view = copy.deepcopy(glas)
+        view.n_components, view.prior_precision = row.k, row.prior_precision
+        f, var = view(Xc, pred_type="glm")
+        var = var.diagonal(dim1=-2, dim2=-1)
+        half = z * (var + SIGMA**2 if include_noise else var).sqrt()
+        expected = ((yc - f).abs() <= half).double().mean().item()
+        assert row.coverage == pytest.approx(expected, abs=1e-12)
+        assert row.mean_width == pytest.approx(2 * half.mean().item(), rel=1e-10)
+        assert coverage(view, loader(Xc, yc), 0.8, include_noise=include_noise) == pytest.approx(
+            expected, abs=1e-12
+        )
+
+
+@pytest.mark.parametrize("complement", ["zero", "prior"])
+@pytest.mark.parametrize("pred_type", ["glm", "nn"])
+def test_subnetwork_classification_sweep_by_hand(complement, pred_type):
+    """Classification rows from the shared draws redone by hand: the subnetwork's
+    weights ``mean + U_k (z / sqrt(a + tau)) + (I - U_k U_k^T) e / sqrt(tau)`` (the
+    complement only for 'prior'), the others at the MAP; 'nn' evaluates the network
+    there, 'glm' its linearisation (explicit Jacobian); credible sets of the mean
+    softmax."""
+    glas, _, _, _ = fitted("subnetwork", "classification", complement=complement)
+    model = problem("classification")[0]
+    Xc, yc = calibration_data("classification", model)
+    S, ks, taus, level = 40, [2, 5, 9], [0.3, 2.0], 0.8
+    sel = select_dimension(
+        glas,
+        loader(Xc, yc, batch_size=16),
+        level,
+        ks=ks,
+        prior_precisions=taus,
+        pred_type=pred_type,
+        n_samples=S,
+        generator=torch.Generator().manual_seed(5),
+        empirical_bayes=False,
+    )
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(S, max(ks), generator=g, dtype=torch.float64)
+    e = torch.randn(S, len(SUBNET), generator=g, dtype=torch.float64)
+    theta = parameters_to_vector(model.parameters()).detach()
+    J = explicit_jacobian(model, Xc)  # (n C, D)
+    with torch.no_grad():
+        f0 = model(Xc)
+    assert len(sel.rows) == len(ks) * len(taus)
+    for row in sel.rows:
+        view = copy.deepcopy(glas)
+        view.n_components, view.prior_precision = row.k, row.prior_precision
+        U, v = view.eigenvectors, view.posterior_variances
+        sub = (z[:, : row.k] * v.sqrt()) @ U.T
+        if complement == "prior":
+            sub = sub + (e - (e @ U) @ U.T) / math.sqrt(row.prior_precision)
+        delta = torch.zeros(S, theta.numel(), dtype=torch.float64)
+        delta[:, SUBNET] = sub
+        if pred_type == "glm":
+            fs = f0 + (delta @ J.T).reshape(S, *f0.shape)
+        else:
+            fs = torch.stack(
+                [torch.func.functional_call(model, unflat(model, theta + d), (Xc,)) for d in delta]
+            ).detach()
+        probs = torch.softmax(fs, -1).mean(0)
+        order = probs.argsort(-1, descending=True)
+        sorted_p = probs.gather(1, order)
+        in_set = torch.zeros_like(probs, dtype=torch.bool).scatter(
+            1, order, (sorted_p.cumsum(-1) - sorted_p) < level
+        )
+        expected = in_set.gather(1, yc[:, None]).double().mean().item()
+        assert row.coverage == pytest.approx(expected, abs=1e-12)
+        assert row.mean_width == pytest.approx(in_set.sum(-1).double().mean().item(), abs=1e-12)
+        nll = -probs.gather(1, yc[:, None]).log().mean().item()
+        assert row.nll == pytest.approx(nll, rel=1e-9)
+
+
+def unflat(model, theta):
+    out, i = {}, 0
+    for name, p in model.named_parameters():
+        out[name] = theta[i : i + p.numel()].reshape(p.shape)
+        i += p.numel()
+    return out
+
+
+@pytest.mark.parametrize("likelihood", ["regression", "classification"])
+def test_subnetwork_calibrate_applies_the_selection(likelihood):
+    glas = fitted("subnetwork", likelihood, complement="prior")[0]
+    Xc, yc = calibration_data(likelihood, problem(likelihood)[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CoverageNotReachedWarning)
+        sel = glas.calibrate(
+            loader(Xc, yc, batch_size=16),
+            0.8,
+            ks=[1, 4, 9],
+            prior_precisions=[0.3, 2.0],
+            n_samples=30,
+            generator=torch.Generator().manual_seed(0),
+        )
+    assert any(r.empirical_bayes for r in sel.rows)
+    assert glas.n_components == sel.k and sel.k in (1, 4, 9)
+    assert float(glas.prior_precision) == pytest.approx(sel.prior_precision)
+    assert glas.eigenvectors.shape == (len(SUBNET), sel.k)
+    assert glas.sample(3).shape[1] == sum(p.numel() for p in glas.model.parameters())
