@@ -531,6 +531,12 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
 
     @prior_mean.setter
     def prior_mean(self, prior_mean: float | torch.Tensor) -> None:
+        if isinstance(prior_mean, torch.Tensor) and prior_mean.ndim > 1:
+            raise ValueError(
+                "prior_mean must be a scalar or a vector of D="
+                f"{self.n_params} entries (as in laplace-torch), got shape "
+                f"{tuple(prior_mean.shape)}."
+            )
         if isinstance(prior_mean, torch.Tensor) and prior_mean.numel() not in (1, self.n_params):
             raise ValueError(
                 f"prior_mean must be a scalar or have D={self.n_params} entries, got shape "

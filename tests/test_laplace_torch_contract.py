@@ -351,3 +351,13 @@ def test_einsum_with_the_covariance_operator_uses_its_dense_matrix():
     dense = la.posterior_covariance.to_dense()
     torch.testing.assert_close(ours, torch.einsum("ncp,pq,ncq->nc", J, dense, J))
     torch.testing.assert_close(ours[:, 0], la.functional_variance(J)[:, 0, 0])
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, "D")])
+def test_two_dimensional_prior_means_are_refused_by_name(shape):
+    # found by hypothesis: laplace-torch's own message does not name the argument
+    model = model64()
+    D = sum(p.numel() for p in model.parameters())
+    prior_mean = torch.zeros(*(D if s == "D" else s for s in shape), dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"prior_mean must be a scalar or a vector"):
+        glas(model, prior_mean=prior_mean)
