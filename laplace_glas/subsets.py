@@ -148,6 +148,43 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
         if self.model.last_layer is not None:
             self._use_last_layer()
 
+    @property
+    def prior_precision(self) -> torch.Tensor:
+        """A scalar or one value per last-layer weight (laplace-torch's ``LLLaplace`` has
+        no layerwise prior); checked against ``D_L`` once the last layer is known.
+        """
+        return self._prior_precision
+
+    @prior_precision.setter
+    def prior_precision(self, prior_precision: float | torch.Tensor) -> None:
+        if (
+            isinstance(prior_precision, torch.Tensor)
+            and prior_precision.numel() > 1
+            and self.n_params is not None
+            and prior_precision.numel() != self.n_params
+        ):
+            raise ValueError(
+                "prior_precision of a last-layer GLAS must be a scalar or have one value "
+                f"per last-layer weight (D_L={self.n_params}), got shape "
+                f"{tuple(prior_precision.shape)}: laplace-torch's LLLaplace has no layerwise "
+                "prior."
+            )
+        ActiveSubspaceLaplace.prior_precision.fset(self, prior_precision)
+
+    def optimize_prior_precision(self, *args: Any, **kwargs: Any) -> None:
+        """:meth:`ActiveSubspaceLaplace.optimize_prior_precision`; ``prior_structure=
+        'layerwise'`` is refused up front (the last layer takes a scalar or diagonal
+        prior), leaving the prior as it was.
+        """
+        structure = kwargs.get("prior_structure", args[5] if len(args) > 5 else "scalar")
+        if str(getattr(structure, "value", structure)) == "layerwise":
+            raise ValueError(
+                "prior_structure='layerwise' is not available for a last-layer GLAS "
+                "(laplace-torch's LLLaplace takes a scalar or diagonal prior); use 'scalar' "
+                "or 'diag'."
+            )
+        return super().optimize_prior_precision(*args, **kwargs)
+
     def _use_last_layer(self) -> None:
         """Put the posterior on the (now known) last layer's weights."""
         self.params = [p for p in self.model.last_layer.parameters() if p.requires_grad]

@@ -379,3 +379,37 @@ def test_subnetwork_calibrate_applies_the_selection(likelihood):
     assert float(glas.prior_precision) == pytest.approx(sel.prior_precision)
     assert glas.eigenvectors.shape == (len(SUBNET), sel.k)
     assert glas.sample(3).shape[1] == sum(p.numel() for p in glas.model.parameters())
+
+
+def test_last_layer_refuses_a_layerwise_prior_by_name():
+    # found by a new-user trial: laplace-torch's LLLaplace failed later, at prediction
+    model, X, y, Xtest = problem("regression")
+    with pytest.raises(ValueError, match=r"no layerwise prior"):
+        LastLayerActiveSubspaceLaplace(
+            model,
+            "regression",
+            last_layer_name="2",
+            n_components=3,
+            prior_precision=torch.ones(2, dtype=torch.float64),
+        )
+    la = Laplace(
+        model,
+        "regression",
+        hessian_structure="glas",
+        n_components=3,
+        prior_precision=torch.ones(2, dtype=torch.float64),
+    )  # the last layer is not known yet: checked when fit finds it
+    with pytest.raises(ValueError, match=r"no layerwise prior"):
+        la.fit(loader(X, y, batch_size=3))
+    la = LastLayerActiveSubspaceLaplace(model, "regression", last_layer_name="2", n_components=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la.fit(loader(X, y, batch_size=3))
+    before, prediction = la.prior_precision.clone(), la(Xtest)
+    with pytest.raises(ValueError, match=r"prior_structure='layerwise' is not available"):
+        la.optimize_prior_precision(method="marglik", prior_structure="layerwise")
+    assert torch.equal(la.prior_precision, before)
+    for a, b in zip(prediction, la(Xtest)):
+        torch.testing.assert_close(a, b)
+    la.optimize_prior_precision(method="marglik", prior_structure="diag", n_steps=5)
+    assert la.prior_precision.shape == (LAST_LAYER,)
