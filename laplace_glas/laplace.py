@@ -276,7 +276,9 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
             "complement", complement, _COMPLEMENTS, " (no variance / the prior's outside span(U))"
         )
         solver = choice("solver", solver, SOLVERS)
-        n_components = self._validate_n_components(n_components, n_params)
+        # a subset class whose weights are not known yet checks k when they are
+        bound = n_params if self._k_bound_known_at_init else math.inf
+        n_components = self._validate_n_components(n_components, bound)
         curvature = resolve_backend(backend, backend_kwargs)
         if generator is not None and (
             not isinstance(generator, torch.Generator) or generator.device.type != "cpu"
@@ -347,6 +349,8 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
         self._param_shapes = [p.shape for p in self.params]
 
     # ------------------------------------------------------------------ helpers
+    _k_bound_known_at_init = True  # D is known at construction (False: checked later)
+
     @staticmethod
     def _validate_n_components(k: Any, n_params: int) -> int:
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
@@ -393,7 +397,8 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
 
     @n_components.setter
     def n_components(self, k: int) -> None:
-        k = self._validate_n_components(k, self.n_params)
+        # n_params is None while a last-layer posterior has not found its layer
+        k = self._validate_n_components(k, math.inf if self.n_params is None else self.n_params)
         if self._eigenpairs is not None and k > self._eigenpairs.k:
             raise ValueError(
                 f"Only {self._eigenpairs.k} eigenpairs were computed; n_components={k} "

@@ -107,6 +107,7 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
     """
 
     _key = ("last_layer", "glas")
+    _k_bound_known_at_init = False  # D_L: checked against n_components once known
 
     def __init__(
         self,

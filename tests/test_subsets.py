@@ -170,9 +170,12 @@ def test_n_components_is_checked_against_the_subset_size():
     model, X, y, _ = problem("regression")
     with pytest.raises(ValueError, match=r"n_components=10 must be smaller .* D=10"):
         SubnetActiveSubspaceLaplace(model, "regression", SUBNET, n_components=10)
-    la = Laplace(model, "regression", hessian_structure="glas", n_components=12)
-    with pytest.raises(ValueError, match=r"n_components=12 must be smaller .* D=12"):
-        la.fit(loader(X, y, batch_size=3))
+    for k in (12, 40):  # 40 is beyond the whole network's D = 32 too: D_L is named
+        la = Laplace(model, "regression", hessian_structure="glas", n_components=k)
+        with pytest.raises(ValueError, match=rf"n_components={k} must be smaller .* D=12"):
+            la.fit(loader(X, y, batch_size=3))
+    with pytest.raises(ValueError, match=r"n_components=40 must be smaller .* D=12"):
+        LastLayerActiveSubspaceLaplace(model, "regression", last_layer_name="2", n_components=40)
     with pytest.raises(ValueError, match="Subnetwork indices must lie between 0 and n_params=32"):
         SubnetActiveSubspaceLaplace(model, "regression", torch.tensor([0, 40]), n_components=1)
 
@@ -413,3 +416,13 @@ def test_last_layer_refuses_a_layerwise_prior_by_name():
         torch.testing.assert_close(a, b)
     la.optimize_prior_precision(method="marglik", prior_structure="diag", n_steps=5)
     assert la.prior_precision.shape == (LAST_LAYER,)
+
+
+def test_n_components_can_be_set_before_the_last_layer_is_found():
+    model, X, y, _ = problem("regression")
+    la = Laplace(model, "regression", hessian_structure="glas", n_components=3)
+    la.n_components = 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la.fit(loader(X, y, batch_size=3))
+    assert la.n_components == 5 and la.eigenvectors.shape == (LAST_LAYER, 5)
