@@ -34,7 +34,7 @@ from laplace.utils.enums import LinkApprox, PredType
 from laplace_glas.autodiff import autodiff_friendly
 from laplace_glas.curvature.factored import factored_jacobian_directions
 from laplace_glas.links import gaussian_samples, laplace_bridge
-from laplace_glas.predictive import batched_outputs, jacobian_gram, jvp_directions
+from laplace_glas.predictive import batched_outputs, jacobian_gram, jvp_directions, row_chunks
 from laplace_glas.validation import ArgumentTypeError, positive_int
 
 __all__ = ["FittedWeightsChangedWarning", "SubspacePredictive"]
@@ -123,9 +123,12 @@ class SubspacePredictive:
         """The diagonal ``(n, C)`` of :meth:`_prior_gram`, ``chunk_size`` inputs at a time
         (the calibration sweeps with ``complement='prior'``).
         """
-        return jacobian_gram(
-            self.model, self._param_names, self._param_shapes, theta, X, chunk_size=chunk_size
-        ).diagonal(dim1=-2, dim2=-1)
+        return torch.cat(
+            [
+                self._prior_gram(rows, theta).diagonal(dim1=-2, dim2=-1)
+                for rows in row_chunks(X, chunk_size, self.dict_key_x)
+            ]
+        )
 
     def _prior_gram(self, X: Any, theta: torch.Tensor, joint: bool = False) -> torch.Tensor:
         """``J J^T`` over the weights under inference, for ``complement='prior'``."""

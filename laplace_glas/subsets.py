@@ -54,7 +54,7 @@ from torch.utils.data import DataLoader
 
 from laplace_glas.laplace import ActiveSubspaceLaplace
 from laplace_glas.posterior import sample_subspace
-from laplace_glas.predictive import jvp_directions, parameter_names, row_chunks
+from laplace_glas.predictive import jvp_directions, parameter_names
 from laplace_glas.validation import positive_int
 
 __all__ = [
@@ -407,14 +407,6 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
         full = draws.new_zeros(draws.shape[0], self.n_params_model)
         full[:, self._index_on_device()] = draws
         return full
-
-    def _prior_gram_diagonal(self, X: Any, theta: torch.Tensor, chunk_size: int) -> torch.Tensor:
-        return torch.cat(
-            [
-                self._prior_gram(rows, theta).diagonal(dim1=-2, dim2=-1)
-                for rows in row_chunks(X, chunk_size, self.dict_key_x)
-            ]
-        )
 
     def _prior_gram(self, X: Any, theta: torch.Tensor, joint: bool = False) -> torch.Tensor:
         """``J_S J_S^T`` from ``D_S`` forward-mode JVPs along the embedded unit vectors."""
