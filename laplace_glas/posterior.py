@@ -23,6 +23,7 @@ import torch
 from scipy.optimize import brentq
 
 __all__ = [
+    "FactoredMatrix",
     "SubspaceOperator",
     "log_det_ratio",
     "optimal_prior_precision",
@@ -126,7 +127,31 @@ def sample_subspace(
     return draws
 
 
-class SubspaceOperator:
+class FactoredMatrix:
+    """A ``D x D`` matrix held as factors around a ``(D, k)`` matrix ``vectors``: its
+    shape, dtype and device are those of ``vectors`` (base of the posterior operators).
+    """
+
+    vectors: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(D, D)``."""
+        D = self.vectors.shape[0]
+        return (D, D)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the factors."""
+        return self.vectors.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the factors."""
+        return self.vectors.device
+
+
+class SubspaceOperator(FactoredMatrix):
     """The symmetric matrix ``A = U diag(d) U^T + c (I - U U^T)``, never formed.
 
     Used for the posterior covariance (``d = v``, ``c = 0`` or ``1/tau``) and the
@@ -150,22 +175,6 @@ class SubspaceOperator:
         self.vectors = vectors
         self.values = values
         self.complement = torch.as_tensor(complement, dtype=vectors.dtype, device=vectors.device)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """``(D, D)``."""
-        D = self.vectors.shape[0]
-        return (D, D)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """Dtype of the factors."""
-        return self.vectors.dtype
-
-    @property
-    def device(self) -> torch.device:
-        """Device of the factors."""
-        return self.vectors.device
 
     def _check_finite(self) -> None:
         if not torch.isfinite(self.complement):

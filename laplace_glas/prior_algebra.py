@@ -48,7 +48,7 @@ from functools import cached_property
 
 import torch
 
-from laplace_glas.posterior import SubspaceOperator
+from laplace_glas.posterior import FactoredMatrix, SubspaceOperator
 
 __all__ = [
     "DiagonalPriorPosterior",
@@ -102,7 +102,7 @@ def log_det_capacitance(
     return 2 * chol.diagonal().log().sum()
 
 
-class LowRankDiagonalOperator:
+class LowRankDiagonalOperator(FactoredMatrix):
     """The symmetric matrix ``M = diag(d) + V diag(w) V^T``, never formed.
 
     The posterior precision (``d = p``, ``V = U``, ``w = a``) and covariance
@@ -124,22 +124,6 @@ class LowRankDiagonalOperator:
         self.diagonal_part = diagonal
         self.vectors = vectors
         self.weights = weights
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """``(D, D)``."""
-        D = self.vectors.shape[0]
-        return (D, D)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """Dtype of the factors."""
-        return self.vectors.dtype
-
-    @property
-    def device(self) -> torch.device:
-        """Device of the factors."""
-        return self.vectors.device
 
     def __matmul__(self, x: torch.Tensor) -> torch.Tensor:
         """``M @ x`` for ``x`` of shape ``(D,)`` or ``(D, m)`` in ``O(D k m)``."""
