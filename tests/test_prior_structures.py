@@ -307,8 +307,10 @@ def test_constant_structured_prior_equals_the_scalar_closed_forms(request):
             torch.testing.assert_close(lw, s, rtol=1e-9, atol=1e-14)
 
 
-def test_nn_predictive_of_a_linear_model_matches_glm():
-    """For a linear model the 'nn' predictive is the 'glm' one (up to sampling)."""
+def linear_model_posterior(n_components: int):
+    """GLAS ('prior' complement, sum scaling) of a fitted 3-1 linear regression, and the
+    generator that drew its data (for the test inputs that follow).
+    """
     g = torch.Generator().manual_seed(0)
     model = torch.nn.Linear(3, 1).double()
     X = torch.randn(40, 3, generator=g, dtype=torch.float64)
@@ -319,11 +321,17 @@ def test_nn_predictive_of_a_linear_model_matches_glm():
         subset_of_weights="all",
         hessian_structure="glas",
         sigma_noise=0.5,
-        n_components=2,
+        n_components=n_components,
         complement="prior",
         loss_scaling="sum",
     )
     la.fit(loader(X, y))
+    return la, g
+
+
+def test_nn_predictive_of_a_linear_model_matches_glm():
+    """For a linear model the 'nn' predictive is the 'glm' one (up to sampling)."""
+    la, g = linear_model_posterior(n_components=2)
     la.prior_precision = torch.tensor([0.5, 3.0], dtype=torch.float64)  # weight, bias
     Xtest = torch.randn(5, 3, generator=g, dtype=torch.float64)
     _, var_glm = la(Xtest, pred_type="glm")
@@ -475,21 +483,7 @@ def test_calibrate_keeps_the_structured_prior_and_sets_k(request):
 def test_nn_calibration_of_a_linear_model_matches_its_glm_calibration():
     """'nn' rows at the own prior sample the structured posterior: for a linear model
     their interval widths agree with the closed-form 'glm' rows (sampling error)."""
-    g = torch.Generator().manual_seed(0)
-    model = torch.nn.Linear(3, 1).double()
-    X = torch.randn(40, 3, generator=g, dtype=torch.float64)
-    y = X @ torch.tensor([[1.0], [-2.0], [0.5]], dtype=torch.float64)
-    la = Laplace(
-        model,
-        "regression",
-        subset_of_weights="all",
-        hessian_structure="glas",
-        sigma_noise=0.5,
-        n_components=3,
-        complement="prior",
-        loss_scaling="sum",
-    )
-    la.fit(loader(X, y))
+    la, g = linear_model_posterior(n_components=3)
     la.prior_precision = torch.tensor([0.5, 3.0], dtype=torch.float64)
     Xc = torch.randn(25, 3, generator=g, dtype=torch.float64)
     yc = Xc @ torch.tensor([[1.0], [-2.0], [0.5]], dtype=torch.float64)
