@@ -136,6 +136,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--out", type=Path, default=None, help="write the table as Markdown to this file"
     )
+    parser.add_argument(
+        "--base",
+        type=Path,
+        default=None,
+        help="pre-trained GPT-2 checkpoint: loaded when the file exists (same data and "
+        "sizes), else written after pre-training; lets several runs share one pre-training",
+    )
+    parser.add_argument(
+        "--pretrain-only", action="store_true", help="stop after pre-training (with --base)"
+    )
     args = parser.parse_args(argv)
     quick = args.quick
     defaults = {
@@ -247,8 +257,9 @@ class TokenLogits(nn.Module):
 
 
 # ---------------------------------------------------------------------- models
-def pretrain(transformers, tokenizer, smiles, args, generator) -> nn.Module:
-    config = transformers.GPT2Config(
+def gpt2_config(transformers, tokenizer, args):
+    """The GPT-2 configuration of the pre-trained base (``--n-embd``, ``--n-layer``)."""
+    return transformers.GPT2Config(
         vocab_size=tokenizer.vocab_size,
         n_positions=64,
         n_embd=args.n_embd,
@@ -260,7 +271,10 @@ def pretrain(transformers, tokenizer, smiles, args, generator) -> nn.Module:
         eos_token_id=tokenizer.eos_id,
         pad_token_id=PAD,
     )
-    model = transformers.GPT2LMHeadModel(config)
+
+
+def pretrain(transformers, tokenizer, smiles, args, generator) -> nn.Module:
+    model = transformers.GPT2LMHeadModel(gpt2_config(transformers, tokenizer, args))
     ids, mask = encode(tokenizer, smiles)
     data = causal_lm_batch(ids, mask, ignore_index=IGNORE)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
@@ -277,6 +291,27 @@ def pretrain(transformers, tokenizer, smiles, args, generator) -> nn.Module:
         opt.step()
         sched.step()
     return model.eval()
+
+
+def load_or_pretrain(transformers, tokenizer, smiles, args, generator) -> nn.Module:
+    """The pre-trained base: read from ``--base`` when that file exists (its vocabulary
+    and sizes must match this run's), else pre-trained (and saved there if given)."""
+    if args.base is not None and args.base.exists():
+        saved = torch.load(args.base, weights_only=True)
+        wanted = {"vocab": tokenizer.vocab_size, "n_embd": args.n_embd, "n_layer": args.n_layer}
+        if saved["meta"] != wanted:
+            raise SystemExit(
+                f"{args.base} holds a base for {saved['meta']}, this run needs {wanted}."
+            )
+        model = transformers.GPT2LMHeadModel(gpt2_config(transformers, tokenizer, args))
+        model.load_state_dict(saved["state"])
+        return model.eval()
+    model = pretrain(transformers, tokenizer, smiles, args, generator)
+    if args.base is not None:
+        meta = {"vocab": tokenizer.vocab_size, "n_embd": args.n_embd, "n_layer": args.n_layer}
+        args.base.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"meta": meta, "state": model.state_dict()}, args.base)
+    return model
 
 
 def lora_finetune(peft, base, loader, args, seed) -> TokenLogits:
@@ -518,9 +553,11 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     t0 = time.perf_counter()
-    base = pretrain(transformers, tokenizer, pool, args, generator)
+    base = load_or_pretrain(transformers, tokenizer, pool, args, generator)
     n_base = sum(p.numel() for p in base.parameters())
     print(f"pre-trained GPT-2 ({n_base:,} weights) in {time.perf_counter() - t0:.0f} s")
+    if args.pretrain_only:
+        return
     state = {k: v.clone() for k, v in base.state_dict().items()}
 
     all_rows = []
