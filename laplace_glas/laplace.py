@@ -159,12 +159,15 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
         forward and one batched backward pass (:mod:`laplace_glas.curvature.factored`)
         and eigen-solved through the ``NR x NR`` Gram matrix (``'dual'``) when it fits
         ``max(768 MiB, k D itemsize)`` and is cheaper, else by Lanczos on the
-        factored products (``'factored'``); any other model falls back to
-        curvlinops + Lanczos (recorded in ``lanczos_info.operator``). The factors
-        take at most ``max(2 GiB, 4 k D itemsize)``. ``'lanczos'``: ARPACK's Lanczos
-        (``scipy.sparse.linalg.eigsh``) on curvlinops' operator, one GGN product per
-        data pass, the reference. ``'block'``: block Krylov with Rayleigh-Ritz on
-        curvlinops' operator (``block_size`` products per data pass).
+        factored products (``'factored'``); any other model gets Lanczos on the
+        linearised GGN (:mod:`laplace_glas.curvature.linearized`: each batch's forward
+        graph kept, no forward pass per product), or on curvlinops' operator where the
+        kept graphs would exceed their budget (recorded in ``lanczos_info.operator``).
+        The factors, and the kept graphs, take at most ``max(2 GiB, 4 k D itemsize)``.
+        ``'lanczos'``: ARPACK's Lanczos (``scipy.sparse.linalg.eigsh``) on curvlinops'
+        operator, one GGN product per data pass, the reference. ``'block'``: block
+        Krylov with Rayleigh-Ritz on the factored, linearised or curvlinops operator
+        (``block_size`` products per data pass).
     block_size : int, optional
         Columns per data pass of the block solver (default ``max(k, 8)``).
     tol : float, default=0.0

@@ -371,7 +371,7 @@ def test_outputs_per_scored_token_fall_back_from_the_factored_operator():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         la.fit(batches)
-    assert la.lanczos_info.operator.startswith("curvlinops (not factored: model outputs")
+    assert la.lanczos_info.operator.startswith("linearised (not factored: model outputs")
     assert la.n_data == int(keep.sum())
     ref = explicit_token_ggn(model.lm, x, y)
     torch.testing.assert_close(la.eigenvalues, top(ref, 4), rtol=1e-7, atol=1e-10)

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import laplace_glas.curvature.dispatch as dispatch
 from laplace_glas import (
     ActiveSubspaceLaplace,
     FittedWeightsChangedWarning,
@@ -418,17 +419,34 @@ class OutputScale(nn.Module):
     ("solver", "match"),
     [("lanczos", r"residuals .* not reproducible"), ("block", r"did not converge for 3 of the 3")],
 )
-def test_irreproducible_products_warn_about_the_residuals(data, solver, match):
-    """The curvlinops operator passes over the data once per product. (The factored
-    operator, which solver='auto' and 'block' use where the model qualifies, reads the
-    data once, so its products are consistent: a model with a free-standing parameter
-    keeps curvlinops here.)
+def test_irreproducible_products_warn_about_the_residuals(data, solver, match, monkeypatch):
+    """The curvlinops operator passes over the data once per product. (The factored and
+    linearised operators, which solver='auto' and 'block' use within their memory
+    budget, read the data once, so their products are consistent: a model with a
+    free-standing parameter and no budget keep curvlinops here.)
     """
+    monkeypatch.setattr(dispatch, "default_factor_budget", lambda k, n, itemsize: 1)
     torch.manual_seed(0)
     model = OutputScale(mlp([1, 8, 1]))
     la = ActiveSubspaceLaplace(model, "regression", n_components=K, solver=solver)
     with pytest.warns(LanczosConvergenceWarning, match=match):
         la.fit(Augmenting(*data))
+    assert la.lanczos_info.operator.startswith("curvlinops")
+
+
+@pytest.mark.parametrize("solver", ["auto", "block"])
+def test_the_linearised_operator_reads_an_augmenting_loader_once(data, solver):
+    """Within its budget the linearised operator keeps one draw of the augmentation:
+    its products are those of one fixed data set, so the solve converges without a
+    warning and the eigenpairs' residuals are small."""
+    torch.manual_seed(0)
+    model = OutputScale(mlp([1, 8, 1]))
+    la = ActiveSubspaceLaplace(model, "regression", n_components=K, solver=solver)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LanczosConvergenceWarning)
+        la.fit(Augmenting(*data))
+    assert la.lanczos_info.operator.startswith("linearised (not factored")
+    assert float(la.lanczos_info.residuals.max()) < 1e-3
 
 
 def test_reproducible_products_do_not_warn(data):

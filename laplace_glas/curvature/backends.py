@@ -35,9 +35,10 @@ Refused with a ``ValueError`` naming the class: a stochastic GGN
 change between Lanczos products) and any class that is none of the above (e.g. a
 user's own ``CurvatureInterface``), which has no matrix-free operator here.
 
-Only the GGN has the factored fast paths (:mod:`~laplace_glas.curvature.factored`,
-:mod:`~laplace_glas.curvature.gram`); the empirical Fisher and the Hessian use
-curvlinops with Lanczos (or the block solver), recorded in
+Only the GGN has the fast paths (:mod:`~laplace_glas.curvature.factored`,
+:mod:`~laplace_glas.curvature.gram`, :mod:`~laplace_glas.curvature.linearized`); the
+empirical Fisher and the Hessian use curvlinops with Lanczos (or the block solver),
+recorded in
 ``lanczos_info.operator`` as ``'curvlinops EF'`` / ``'curvlinops Hessian'``.
 """
 
@@ -211,6 +212,10 @@ def curvature_operator(
             likelihood=likelihood,
             n_terms=n_terms,
             k=k,
+            loss_func=loss_func,
+            data=data,
+            num_data=num_data,
+            batch_size_fn=batch_size_fn,
             loss_fn=loss_fn,
             ignore_index=ignore_index,
             dict_key_x=dict_key_x,

@@ -7,7 +7,7 @@ curvlinops wants ``(X, y)`` pairs; :class:`XYBatches` adapts one to the other.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ __all__ = [
     "MissingKeyError",
     "XYBatches",
     "batch_size",
+    "batch_to_device",
     "check_finite",
     "concatenate_inputs",
     "dataset_size",
@@ -112,6 +113,20 @@ def check_finite(what: str, tensor: Any, batch_index: int) -> None:
             raise ValueError(f"{what} of batch {batch_index} contains NaN or inf.")
 
 
+def batch_to_device(X: Any, device: torch.device | str) -> Any:
+    """``X`` on ``device``: a tensor, or the tensor values of a mapping (other values and
+    other inputs unchanged).
+    """
+    if isinstance(X, torch.Tensor):
+        return X.to(device)
+    if isinstance(X, Mapping):
+        return {
+            key: value.to(device) if isinstance(value, torch.Tensor) else value
+            for key, value in X.items()
+        }
+    return X
+
+
 class XYBatches:
     """Re-iterable view of a loader as ``(X, y)`` pairs, for curvlinops."""
 
@@ -122,6 +137,10 @@ class XYBatches:
     def __iter__(self) -> Iterator[tuple[Any, torch.Tensor]]:
         for data in self.loader:
             yield split_batch(data, self.dict_key_y)
+
+    def __len__(self) -> int:
+        """The loader's number of batches (``TypeError`` if it has no length)."""
+        return len(self.loader)
 
 
 def dataset_size(

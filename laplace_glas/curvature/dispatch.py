@@ -6,24 +6,27 @@
   (:mod:`~laplace_glas.curvature.factored`) where the model and loss qualify, with
   the dual Gram solve (:mod:`~laplace_glas.curvature.gram`) when :func:`choose_solver`
   finds it fits the memory budget and costs fewer flops than Lanczos on the factored
-  products; otherwise curvlinops' operator with Lanczos. The choice is recorded in
-  ``la.lanczos_info.solver`` and ``.operator`` (with the reason for a fallback).
+  products; otherwise Lanczos on the linearised operator
+  (:mod:`~laplace_glas.curvature.linearized`: kept forward graphs, no forward pass per
+  product), or on curvlinops' operator when the kept graphs exceed their budget. The
+  choice is recorded in ``la.lanczos_info.solver`` and ``.operator`` (with the reasons
+  for a fallback).
 * ``'dual'`` / ``'factored'``: the dual solve / Lanczos on the factored operator,
-  falling back (with a warning) to curvlinops + Lanczos where the model does not
-  qualify.
-* ``'lanczos'``: curvlinops + ARPACK, the reference; ``'block'``: curvlinops + block
-  Krylov.
+  falling back (with a warning) to Lanczos on the linearised or curvlinops operator
+  where the model does not qualify.
+* ``'lanczos'``: curvlinops + ARPACK, the reference; ``'block'``: block Krylov on the
+  factored, linearised or curvlinops operator (the first that applies).
 
 The budget rule: the factors (activations and ``R`` output-side gradients per
-weight layer) may take ``max(2 GiB, 4 k D itemsize)`` bytes, the Gram matrix
-``max(768 MiB, k D itemsize)``; beyond them the next option is used, so memory stays
-``O(k D)`` plus the activations.
+weight layer), and the linearised operator's kept graphs, may each take
+``max(2 GiB, 4 k D itemsize)`` bytes, the Gram matrix ``max(768 MiB, k D itemsize)``;
+beyond them the next option is used, so memory stays ``O(k D)`` plus the activations.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -34,6 +37,7 @@ from laplace_glas.curvature.factored import (
     default_factor_budget,
 )
 from laplace_glas.curvature.gram import gram_fits, gram_flops
+from laplace_glas.curvature.linearized import build_linearized_ggn
 
 __all__ = ["SOLVERS", "choose_solver", "select_operator"]
 
@@ -72,6 +76,10 @@ def select_operator(
     likelihood: str,
     n_terms: int,
     k: int,
+    loss_func: nn.Module | None = None,
+    data: Iterable | None = None,
+    num_data: int | None = None,
+    batch_size_fn: Callable | None = None,
     loss_fn: nn.Module | None = None,
     ignore_index: int = -100,
     dict_key_x: str = "input_ids",
@@ -85,9 +93,11 @@ def select_operator(
     description for the record.
 
     ``curvlinops_operator`` (with ``scale``) is returned for ``solver='lanczos'`` (the
-    reference) and whenever :func:`~.factored.build_factored_ggn` fails; the other
-    solvers get the factored operator where the model qualifies (``'block'`` then
-    multiplies its blocks with two GEMMs per layer instead of a pass over the data).
+    reference); the other solvers get the factored operator where the model qualifies
+    (``'block'`` then multiplies its blocks with two GEMMs per layer instead of a pass
+    over the data), else the linearised operator of ``loss_func`` on ``data`` (the
+    batches curvlinops reads, with its ``num_data`` and ``batch_size_fn``; same
+    ``scale``) within the budget, else ``curvlinops_operator``.
     """
     if solver == "lanczos":
         return curvlinops_operator, scale, solver, "curvlinops"
@@ -107,15 +117,31 @@ def select_operator(
         loss_fn=loss_fn,
         progress_bar=progress_bar,
     )
-    if isinstance(built, str):
-        if solver == "block":  # the block solver works on either operator
-            return curvlinops_operator, scale, "block", f"curvlinops (not factored: {built})"
-        if solver != "auto":
-            warnings.warn(
-                f"solver={solver!r} needs the factored GGN, which this fit cannot use "
-                f"({built}); using curvlinops + Lanczos.",
-                UserWarning,
-                stacklevel=3,
-            )
-        return curvlinops_operator, scale, "lanczos", f"curvlinops (not factored: {built})"
-    return built, 1.0, {"factored": "lanczos"}.get(solver, solver), "factored"
+    if not isinstance(built, str):
+        return built, 1.0, {"factored": "lanczos"}.get(solver, solver), "factored"
+    operator, name = curvlinops_operator, f"curvlinops (not factored: {built})"
+    if data is not None and loss_func is not None:
+        linearized = build_linearized_ggn(
+            model,
+            loss_func,
+            params,
+            data,
+            num_data=num_data,
+            batch_size_fn=batch_size_fn,
+            device=device,
+            budget_bytes=default_factor_budget(k, n_params, itemsize),
+            progress_bar=progress_bar,
+        )
+        if isinstance(linearized, str):
+            name = f"curvlinops (not factored: {built}; not linearised: {linearized})"
+        else:
+            operator, name = linearized, f"linearised (not factored: {built})"
+    if solver in ("dual", "factored"):
+        warnings.warn(
+            f"solver={solver!r} needs the factored GGN, which this fit cannot use "
+            f"({built}); using Lanczos on the {name.split(' (')[0]} operator.",
+            UserWarning,
+            stacklevel=3,
+        )
+    # the block solver works on any operator
+    return operator, scale, "block" if solver == "block" else "lanczos", name

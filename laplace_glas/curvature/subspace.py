@@ -343,7 +343,7 @@ def _solve_block(
 
     def matmat(V: torch.Tensor) -> torch.Tensor:
         """``scale * G V`` in the model's precision (the solver stores images in it)."""
-        if hasattr(operator, "to_scipy") or isinstance(operator, FactoredGGN):  # stay in torch
+        if hasattr(operator, "to_scipy") or hasattr(operator, "matmat_torch"):  # stay in torch
             GV = operator @ V.to(dtype)
         else:
             GV = torch.as_tensor(operator.matmat(V.cpu().numpy().astype(_TORCH_TO_NUMPY[dtype])))
@@ -451,7 +451,7 @@ def compute_eigenpairs(
 
     Parameters
     ----------
-    operator : GGNLinearOperator, FactoredGGN or scipy.sparse.linalg.LinearOperator
+    operator : GGNLinearOperator, FactoredGGN, LinearizedGGN or scipy LinearOperator
         Symmetric PSD operator of size ``D``; a curvlinops operator is converted with
         ``to_scipy(dtype)`` so that ARPACK runs in the model's precision. A
         :class:`~laplace_glas.curvature.factored.FactoredGGN` also serves the dual solve.
