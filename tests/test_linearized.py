@@ -145,7 +145,9 @@ def test_products_equal_the_explicit_ggn(name):
     torch.testing.assert_close(block, G @ V, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(columns, G @ V, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(torch.from_numpy(scipy_column), G @ V[:, 0], rtol=1e-10, atol=1e-12)
-    assert op.n_products == 4 + 4 + 1  # the build's probe counts no product
+    assert op.n_products == 4 + 4 + 1  # the build's check counts no product
+    op.column_chunk = 3  # chunks of 3 and 1 columns
+    torch.testing.assert_close(op @ V, G @ V, rtol=1e-10, atol=1e-12)
 
 
 def test_unused_parameter_has_zero_curvature():

@@ -29,8 +29,9 @@ itself, so any loss curvlinops takes works here too, and the matrix is curvlinop
 of the same loss, to rounding.
 
 Blocks of ``m`` columns go through ``torch.autograd.grad(..., is_grads_batched=True)``
-(one vmapped backward pass per batch); a model whose backward pass vmap cannot batch
-falls back to one column at a time.
+(one vmapped backward pass per batch, in column chunks whose temporaries, about one
+batch's kept bytes per column, stay near 512 MiB); a model whose backward pass vmap
+cannot batch falls back to one column at a time.
 
 Memory: the kept graphs hold the activations of every batch and of its first
 backward pass. :func:`build_linearized_ggn` counts the tensors the graphs save
@@ -56,6 +57,7 @@ from laplace_glas.curvature.batches import batch_to_device
 __all__ = ["LinearizedGGN", "build_linearized_ggn"]
 
 _NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
+_COLUMN_BYTES = 2**29  # batched backward passes: temporaries of about 512 MiB per batch
 
 
 @dataclass
@@ -129,6 +131,9 @@ class LinearizedGGN(LinearOperator):
         self.build_time = float(build_time)
         self.n_products = 0
         self.batched = True  # is_grads_batched until vmap refuses the backward pass
+        # a batched backward pass needs about one batch's kept bytes per column
+        per_batch = max(1, self.saved_bytes // max(1, len(self.linearizations)))
+        self.column_chunk = max(1, _COLUMN_BYTES // per_batch)
 
     # -- torch
     def _product(self, lin: _Linearization, V: torch.Tensor, batched: bool) -> torch.Tensor:
@@ -161,14 +166,17 @@ class LinearizedGGN(LinearOperator):
         self.n_products += m
         result = torch.zeros(m, self.shape[0], dtype=self.torch_dtype, device=self.device)
         for lin in self.linearizations:
-            if m > 1 and self.batched:
-                try:
-                    result += self._product(lin, V, batched=True)
-                    continue
-                except RuntimeError:
-                    self.batched = False  # vmap cannot batch this backward pass
-            for j in range(m):
-                result[j] += self._product(lin, V[:, j : j + 1], batched=False)[0]
+            for start in range(0, m, self.column_chunk):
+                chunk = V[:, start : start + self.column_chunk]
+                rows = result[start : start + self.column_chunk]
+                if chunk.shape[1] > 1 and self.batched:
+                    try:
+                        rows += self._product(lin, chunk, batched=True)
+                        continue
+                    except RuntimeError:
+                        self.batched = False  # vmap cannot batch this backward pass
+                for j in range(chunk.shape[1]):
+                    rows[j] += self._product(lin, chunk[:, j : j + 1], batched=False)[0]
         return result.T
 
     def __matmul__(self, V):  # torch tensors stay torch (block solver)
