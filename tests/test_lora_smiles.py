@@ -73,3 +73,26 @@ def study_methods():
 def test_metrics_refuse_logits(study):
     with pytest.raises(ValueError, match="probabilities"):
         study.metrics(torch.tensor([[2.0, -1.0, 0.5]]), torch.tensor([0]))
+
+
+@pytest.mark.skipif(not HAS_LLM, reason="transformers/peft not installed (the 'llm' extra)")
+def test_base_checkpoint_is_written_once_and_loaded_after(study, tmp_path):
+    transformers, _ = study.require_llm()
+    smiles = ["CCO", "CCN", "c1ccccc1", "CC(=O)O", "CCCl", "OCC(N)C"] * 4
+    tokenizer = study.SmilesTokenizer().fit(smiles)
+    base = tmp_path / "base.pt"
+    args = study.parse_args(["--quick", "--pretrain-steps", "3", "--base", str(base)])
+    trained = study.load_or_pretrain(
+        transformers, tokenizer, smiles, args, torch.Generator().manual_seed(0)
+    )
+    assert base.exists()
+    loaded = study.load_or_pretrain(
+        transformers, tokenizer, smiles, args, torch.Generator().manual_seed(1)
+    )
+    for (name, a), (_, b) in zip(
+        trained.state_dict().items(), loaded.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    other = study.parse_args(["--quick", "--n-embd", "16", "--base", str(base)])
+    with pytest.raises(SystemExit, match="holds a base for"):
+        study.load_or_pretrain(transformers, tokenizer, smiles, other, torch.Generator())
