@@ -41,3 +41,28 @@ def test_lstm_device_check_quick_on_cpu():
         cells = [c.strip() for c in row.split("|")[2:5]]
         assert all(c not in ("", "–") for c in cells), row  # device, reference and ratio
         assert float(cells[0]) > 0 and float(cells[1]) > 0
+
+
+def test_linearized_cost_runs_and_the_operators_agree():
+    """benchmarks/linearized_cost.py at toy size: every model gets a product row whose
+    linearised and curvlinops products agree, and a fit row on the linearised operator."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "linearized_cost.py"),
+            *("--n", "8", "--batch", "4", "--k", "2", "--block", "2", "--repeats", "1"),
+            *("--models", "LSTM tagger", "transformer encoder"),
+        ],
+        cwd=ROOT / "benchmarks",
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line.split("|") for line in result.stdout.splitlines() if line.startswith("| ")]
+    products = [r for r in rows if r[1].strip() in ("LSTM tagger", "transformer encoder")]
+    assert len(products) == 4  # a product row and a fit row per model
+    for row in products[:2]:
+        assert float(row[-2]) < 1e-5  # relative difference of the products
+    for row in products[2:]:
+        assert "linearised" in row[2] and float(row[-2]) < 1e-4  # eigenvalues
