@@ -52,6 +52,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
+from laplace_glas.curvature.torch_operator import NUMPY_DTYPES
 from laplace_glas.laplace import ActiveSubspaceLaplace
 from laplace_glas.posterior import sample_subspace
 from laplace_glas.predictive import jvp_directions, parameter_names
@@ -62,8 +63,6 @@ __all__ = [
     "SubnetActiveSubspaceLaplace",
     "SubsetOperator",
 ]
-
-_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 # ---------------------------------------------------------------------- last layer
@@ -248,13 +247,14 @@ class SubsetOperator(LinearOperator):
     """
 
     def __init__(self, operator: Any, indices: torch.Tensor, dtype: torch.dtype):
+        np_dtype = NUMPY_DTYPES[dtype]
         self._operator = (
-            operator.to_scipy(dtype=_NUMPY[dtype]) if hasattr(operator, "to_scipy") else operator
+            operator.to_scipy(dtype=np_dtype) if hasattr(operator, "to_scipy") else operator
         )
         self._indices = indices.cpu().numpy()
         self._full = self._operator.shape[0]
         n = len(self._indices)
-        super().__init__(dtype=_NUMPY[dtype], shape=(n, n))
+        super().__init__(dtype=np_dtype, shape=(n, n))
 
     def _matmat(self, X: np.ndarray) -> np.ndarray:
         full = np.zeros((self._full, X.shape[1]), dtype=self.dtype)

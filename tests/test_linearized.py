@@ -220,15 +220,9 @@ class OnceDifferentiableTanh(torch.autograd.Function):
         return grad * (1 - y * y)
 
 
-class UnbatchableTanh(torch.autograd.Function):
+class UnbatchableTanh(OnceDifferentiableTanh):
     """A backward pass that vmap cannot batch (an in-place copy of a batched gradient
     into a fresh tensor), differentiable twice."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = torch.tanh(x)
-        ctx.save_for_backward(y)
-        return y
 
     @staticmethod
     def backward(ctx, grad):

@@ -12,6 +12,8 @@
 * :mod:`~laplace_glas.curvature.gram`: the dual eigen-solve through ``K = S S^T``.
 * :mod:`~laplace_glas.curvature.linearized`: GGN products from kept forward graphs
   (no forward pass per product), for the models the factored operator does not cover.
+* :mod:`~laplace_glas.curvature.torch_operator`: the SciPy / torch operator base of the
+  factored, linearised and all-reduced operators.
 * :mod:`~laplace_glas.curvature.dispatch`: which operator and solver a fit uses.
 * :mod:`~laplace_glas.curvature.backends`: laplace-torch's ``backend`` as curvlinops'
   GGN, empirical Fisher or Hessian operator.

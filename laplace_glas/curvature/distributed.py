@@ -57,10 +57,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from laplace.utils.utils import validate
-from scipy.sparse.linalg import LinearOperator
 
 from laplace_glas.curvature.factored import FactoredGGN
 from laplace_glas.curvature.fitting import MapLoss
+from laplace_glas.curvature.torch_operator import NUMPY_DTYPES, TorchOperator
 
 __all__ = [
     "AllReducedGGN",
@@ -74,8 +74,6 @@ __all__ = [
     "reduce_map_loss",
     "sum_count",
 ]
-
-_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 @dataclass(frozen=True)
@@ -175,7 +173,7 @@ def agree_on_operator(factored: bool, shards: Shards, device: torch.device | str
     return bool(flag.item())
 
 
-class AllReducedGGN(LinearOperator):
+class AllReducedGGN(TorchOperator):
     """``G_1 V = sum_r G_r V``: a rank's operator followed by an all-reduce.
 
     Parameters
@@ -197,7 +195,7 @@ class AllReducedGGN(LinearOperator):
     """
 
     def __init__(self, local: Any, shards: Shards, dtype: torch.dtype, device: torch.device | str):
-        super().__init__(dtype=_NUMPY[dtype], shape=tuple(local.shape))
+        super().__init__(dtype=NUMPY_DTYPES[dtype], shape=tuple(local.shape))
         self.local = local
         self.shards = shards
         self.torch_dtype = dtype
@@ -221,21 +219,6 @@ class AllReducedGGN(LinearOperator):
         self.n_reductions += 1
         self.bytes_reduced += GV.numel() * GV.element_size()
         return GV
-
-    def __matmul__(self, V: Any) -> Any:
-        if isinstance(V, torch.Tensor):
-            return self.matmat_torch(V)
-        return super().__matmul__(V)
-
-    def _matmat(self, X: np.ndarray) -> np.ndarray:
-        V = torch.as_tensor(np.ascontiguousarray(X), device=self.device, dtype=self.torch_dtype)
-        return self.matmat_torch(V).cpu().numpy()
-
-    def _matvec(self, x: np.ndarray) -> np.ndarray:
-        return self._matmat(x.reshape(-1, 1)).reshape(-1)
-
-    def _adjoint(self) -> AllReducedGGN:
-        return self
 
 
 def distribute_operator(

@@ -52,13 +52,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from scipy.sparse.linalg import LinearOperator
 from torch import nn
 from torch.func import functional_call, jvp
 from torch.nn import functional as F
 from tqdm.auto import tqdm
 
 from laplace_glas.curvature.batches import batch_size, split_batch
+from laplace_glas.curvature.torch_operator import NUMPY_DTYPES, TorchOperator
 from laplace_glas.validation import check_model_output
 
 __all__ = [
@@ -72,7 +72,6 @@ __all__ = [
     "unsupported_reason",
 ]
 
-_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 _CHUNK_ELEMENTS = 2**25  # temporaries of one product chunk: 128 MiB in float32
 _MAX_ROWS = 1024  # R = output rows per example above which the factors are not built
 _PREDICTIVE_BUDGET = 2**29  # factors of one prediction batch: 512 MiB
@@ -205,7 +204,7 @@ class ExplicitFactor:
 
 
 # ---------------------------------------------------------------------- operator
-class FactoredGGN(LinearOperator):
+class FactoredGGN(TorchOperator):
     """``G_1 = S^T S`` from per-layer factors, as a SciPy operator (and in torch).
 
     Parameters
@@ -228,7 +227,7 @@ class FactoredGGN(LinearOperator):
 
     def __init__(self, factors: Sequence, n_params: int, n_rows: int):
         ref = next(f.g if hasattr(f, "g") else f.J for f in factors)
-        super().__init__(dtype=_NUMPY[ref.dtype], shape=(n_params, n_params))
+        super().__init__(dtype=NUMPY_DTYPES[ref.dtype], shape=(n_params, n_params))
         self.factors = list(factors)
         self.n_rows = int(n_rows)
         self.n_examples = int(ref.shape[0])
@@ -276,22 +275,6 @@ class FactoredGGN(LinearOperator):
         X = V.to(device=self.device, dtype=self.torch_dtype).T.contiguous()
         self.n_products += X.shape[0]
         return self.apply_transpose(self.apply_S(X)).T
-
-    def __matmul__(self, V):  # torch tensors stay torch (block solver)
-        if isinstance(V, torch.Tensor):
-            return self.matmat_torch(V)
-        return super().__matmul__(V)
-
-    # -- scipy
-    def _matmat(self, X: np.ndarray) -> np.ndarray:
-        V = torch.from_numpy(np.ascontiguousarray(X, dtype=self.dtype))
-        return self.matmat_torch(V).cpu().numpy()
-
-    def _matvec(self, x: np.ndarray) -> np.ndarray:
-        return self._matmat(x.reshape(-1, 1)).reshape(-1)
-
-    def _adjoint(self) -> FactoredGGN:
-        return self
 
 
 # ---------------------------------------------------------------------- support

@@ -45,6 +45,7 @@ from laplace_glas.curvature.factored import (
     FactoredGGN,
     OuterFactor,
 )
+from laplace_glas.curvature.torch_operator import NUMPY_DTYPES
 
 __all__ = ["dual_eigenpairs", "gram_bytes", "gram_fits", "gram_flops", "gram_matrix"]
 
@@ -52,7 +53,6 @@ GRAM_MIN_BUDGET = 768 * 2**20
 """Bytes the Gram matrix may always take (see :func:`gram_fits`)."""
 _CHUNK_ELEMENTS = 2**25
 _ARPACK_MAX_K = 16  # above, block Krylov on K (k columns per read of K) is faster
-_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 @functools.cache
@@ -146,7 +146,7 @@ class SymmetricGram:
         self.cpu = torch.device(device).type == "cpu"
         self.M, self.dtype, self.device = M, dtype, device
         if self.cpu:
-            self.K = np.zeros((M, M), dtype=_NUMPY[dtype], order="F")
+            self.K = np.zeros((M, M), dtype=NUMPY_DTYPES[dtype], order="F")
             self._syrk, self._symv, self._symm = blas.get_blas_funcs(
                 ("syrk", "symv", "symm"), (self.K,)
             )

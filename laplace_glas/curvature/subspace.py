@@ -31,6 +31,7 @@ from laplace_glas.curvature.block_krylov import block_krylov_eigenpairs
 from laplace_glas.curvature.dispatch import choose_solver
 from laplace_glas.curvature.factored import FactoredGGN
 from laplace_glas.curvature.gram import dual_eigenpairs
+from laplace_glas.curvature.torch_operator import NUMPY_DTYPES
 
 __all__ = [
     "Eigenpairs",
@@ -39,8 +40,6 @@ __all__ = [
     "compute_eigenpairs",
     "mean_ggn_operator",
 ]
-
-_TORCH_TO_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 class LanczosConvergenceWarning(UserWarning):
@@ -283,7 +282,7 @@ def _solve_lanczos(
     converged count (descending order).
     """
     D = operator.shape[0]
-    np_dtype = _TORCH_TO_NUMPY[dtype]
+    np_dtype = NUMPY_DTYPES[dtype]
     scipy_operator = (
         operator.to_scipy(dtype=np_dtype) if hasattr(operator, "to_scipy") else operator
     )
@@ -346,7 +345,7 @@ def _solve_block(
         if hasattr(operator, "to_scipy") or hasattr(operator, "matmat_torch"):  # stay in torch
             GV = operator @ V.to(dtype)
         else:
-            GV = torch.as_tensor(operator.matmat(V.cpu().numpy().astype(_TORCH_TO_NUMPY[dtype])))
+            GV = torch.as_tensor(operator.matmat(V.cpu().numpy().astype(NUMPY_DTYPES[dtype])))
         GV = GV.to(device=V.device, dtype=dtype).mul_(scale)
         pbar.update(V.shape[1])
         if not torch.isfinite(GV).all():
