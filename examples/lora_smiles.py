@@ -147,6 +147,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pretrain-only", action="store_true", help="stop after pre-training (with --base)"
     )
     args = parser.parse_args(argv)
+    if args.pretrain_only and args.base is None:
+        parser.error("--pretrain-only needs --base PATH (where the pre-trained model goes)")
     quick = args.quick
     defaults = {
         "n_smiles": (20000, 1000),
@@ -293,12 +295,24 @@ def pretrain(transformers, tokenizer, smiles, args, generator) -> nn.Module:
     return model.eval()
 
 
+def base_meta(tokenizer, args) -> dict:
+    """What a saved base must match: vocabulary, sizes, pre-training data and steps."""
+    return {
+        "vocab": tokenizer.vocab_size,
+        "n_embd": args.n_embd,
+        "n_layer": args.n_layer,
+        "n_smiles": args.n_smiles,
+        "pretrain_steps": args.pretrain_steps,
+        "data": args.data.name,
+    }
+
+
 def load_or_pretrain(transformers, tokenizer, smiles, args, generator) -> nn.Module:
     """The pre-trained base: read from ``--base`` when that file exists (its vocabulary
     and sizes must match this run's), else pre-trained (and saved there if given)."""
     if args.base is not None and args.base.exists():
         saved = torch.load(args.base, weights_only=True)
-        wanted = {"vocab": tokenizer.vocab_size, "n_embd": args.n_embd, "n_layer": args.n_layer}
+        wanted = base_meta(tokenizer, args)
         if saved["meta"] != wanted:
             raise SystemExit(
                 f"{args.base} holds a base for {saved['meta']}, this run needs {wanted}."
@@ -308,9 +322,8 @@ def load_or_pretrain(transformers, tokenizer, smiles, args, generator) -> nn.Mod
         return model.eval()
     model = pretrain(transformers, tokenizer, smiles, args, generator)
     if args.base is not None:
-        meta = {"vocab": tokenizer.vocab_size, "n_embd": args.n_embd, "n_layer": args.n_layer}
         args.base.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"meta": meta, "state": model.state_dict()}, args.base)
+        torch.save({"meta": base_meta(tokenizer, args), "state": model.state_dict()}, args.base)
     return model
 
 

@@ -96,3 +96,9 @@ def test_base_checkpoint_is_written_once_and_loaded_after(study, tmp_path):
     other = study.parse_args(["--quick", "--n-embd", "16", "--base", str(base)])
     with pytest.raises(SystemExit, match="holds a base for"):
         study.load_or_pretrain(transformers, tokenizer, smiles, other, torch.Generator())
+
+
+def test_pretrain_only_needs_a_base_path(study, capsys):
+    with pytest.raises(SystemExit):
+        study.parse_args(["--pretrain-only"])
+    assert "--pretrain-only needs --base" in capsys.readouterr().err

@@ -20,7 +20,8 @@
 The budget rule: the factors (activations and ``R`` output-side gradients per
 weight layer), and the linearised operator's kept graphs, may each take
 ``max(2 GiB, 4 k D itemsize)`` bytes, the Gram matrix ``max(768 MiB, k D itemsize)``;
-beyond them the next option is used, so memory stays ``O(k D)`` plus the activations.
+beyond them the next option is used, so memory stays ``O(k D)`` plus the activations
+(for the linearised operator: plus its kept graphs, as far as its count of them goes).
 """
 
 from __future__ import annotations

@@ -23,11 +23,11 @@ curvlinops' normalisation (``|b| / num_data`` for ``reduction='mean'``, 1 for
 ``'sum'``). ``J_b^T u`` is built once with ``create_graph=True``; it is linear in the
 dummy ``u``, so differentiating it against ``u`` gives ``J_b v`` (the double-backward
 identity) and a product costs two backward passes over kept graphs and no forward
-pass (on the GPT-2 + LoRA of ``benchmarks/linearized_cost.py`` about two forward
-passes' time, against three for curvlinops: 1.3-1.5x faster single products, 1.7-1.9x
-faster Lanczos fits, at 1.6-2.6x the peak memory). The loss Hessian ``Lambda_b`` comes from the loss
-itself, so any loss curvlinops takes works here too, and the matrix is curvlinops' GGN
-of the same loss, to rounding.
+pass (about two forward passes' time against three for curvlinops on the GPT-2 +
+LoRA of ``benchmarks/linearized_cost.py``; over its three models, single products
+1.3-1.5x and Lanczos fits 1.65-1.86x faster, at 1.6-2.6x the peak memory). The loss
+Hessian ``Lambda_b`` comes from the loss itself, so any loss curvlinops takes works
+here too, and the matrix is curvlinops' GGN of the same loss, to rounding.
 
 Blocks of ``m`` columns go through ``torch.autograd.grad(..., is_grads_batched=True)``
 (one vmapped backward pass per batch, in column chunks whose temporaries, about one
@@ -35,15 +35,20 @@ batch's kept bytes per column, stay near 512 MiB); a model whose backward pass v
 cannot batch falls back to one column at a time.
 
 Memory: the kept graphs hold the activations of every batch and of its first
-backward pass. :func:`build_linearized_ggn` counts the tensors the graphs save
-(``torch.autograd.graph.saved_tensors_hooks``, each storage once, the model's own
-parameters and buffers not counted) and gives up, returning the reason, when they
-exceed ``budget_bytes``; the caller then uses curvlinops.
+backward pass, plus per batch the outputs, the loss gradient and ``J_b^T u`` (``D``
+numbers). :func:`build_linearized_ggn` counts them (the tensors the graphs save
+through ``torch.autograd.graph.saved_tensors_hooks`` and the ones it holds itself, each
+storage once, the model's own parameters and buffers not counted) and gives up,
+returning the reason, when they exceed ``budget_bytes`` (projected from the first
+batch when the loader has a length); the caller then uses curvlinops. Storages freed
+during the pass and reused at the same address are counted once, so the count can
+fall short of the true peak.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -173,8 +178,21 @@ class LinearizedGGN(TorchOperator):
                     try:
                         rows += self._product(lin, chunk, batched=True)
                         continue
-                    except RuntimeError:
-                        self.batched = False  # vmap cannot batch this backward pass
+                    except torch.OutOfMemoryError:
+                        if self.column_chunk == 1:
+                            raise
+                        self.column_chunk = max(1, self.column_chunk // 2)
+                        self.n_products -= m
+                        return self.matmat_torch(V)  # again, in smaller chunks
+                    except RuntimeError as err:  # vmap cannot batch this backward pass
+                        self.batched = False
+                        reason = str(err).splitlines()[0]
+                        warnings.warn(
+                            "The linearised GGN multiplies one column at a time: vmap "
+                            f"cannot batch this model's backward pass ({reason}).",
+                            UserWarning,
+                            stacklevel=2,
+                        )
                 for j in range(chunk.shape[1]):
                     rows[j] += self._product(lin, chunk[:, j : j + 1], batched=False)[0]
         return result.T
@@ -236,26 +254,38 @@ def build_linearized_ggn(
         y = y.to(device)
         with counter.hooks(), torch.enable_grad():
             outputs = model(X)
-            if not isinstance(outputs, torch.Tensor) or not outputs.requires_grad:
+            if not isinstance(outputs, torch.Tensor):
+                return f"the model returned a {type(outputs).__name__}, not a tensor"
+            if not outputs.requires_grad:
                 return "the model output does not depend on the parameters"
             dummy = torch.zeros_like(outputs, requires_grad=True)
             pullback = torch.autograd.grad(
                 outputs, params, dummy, create_graph=True, allow_unused=True
             )
-            used = tuple(i for i, g in enumerate(pullback) if g is not None and g.requires_grad)
+            used = tuple(i for i, g in enumerate(pullback) if g is not None)
+            cut = [i for i in used if not pullback[i].requires_grad]
+            if cut:  # J^T u without a graph to u: its J v would silently be zero
+                return (
+                    f"the backward pass of parameter {cut[0]} (of {len(params)}) has no graph "
+                    "of its own, so it cannot be differentiated twice (a custom function "
+                    "whose backward detaches?)"
+                )
             leaf = outputs.detach().requires_grad_(True)
             scale = 1.0
             if reduction == "mean":
+                if batch_size_fn is None and not isinstance(X, torch.Tensor):
+                    return "reduction='mean' on mapping inputs needs batch_size_fn"
                 n = batch_size_fn(X) if batch_size_fn is not None else X.shape[0]
                 scale = n / num_data
             (loss_gradient,) = torch.autograd.grad(
                 scale * loss_func(leaf, y), leaf, create_graph=True
             )
-        linearizations.append(
-            _Linearization(
-                outputs, dummy, tuple(pullback[i] for i in used), used, leaf, loss_gradient
-            )
+        kept = _Linearization(
+            outputs, dummy, tuple(pullback[i] for i in used), used, leaf, loss_gradient
         )
+        for tensor in (outputs, leaf, loss_gradient, *kept.pullback):  # held, not saved
+            counter.pack(tensor)
+        linearizations.append(kept)
         projected = counter.bytes
         if len(linearizations) == 1 and n_batches is not None:
             projected = counter.bytes * n_batches  # give up before the pass, not after
@@ -279,10 +309,14 @@ def _adjoint_check(operator: LinearizedGGN, lin: _Linearization) -> str | None:
     """Why the double-backward ``J v`` of the first batch cannot be trusted, or None.
 
     For random ``u`` and ``v``, ``<u, J v>`` (double backward) must equal
-    ``<J^T u, v>`` (one backward pass). A backward pass that cannot be differentiated
-    raises here; one that is cut from ``u`` (a custom function marked
-    ``@once_differentiable`` hands back a result without a graph) drops its share of
-    ``J v`` silently and fails the identity.
+    ``<J^T u, v>`` (one backward pass), to ``tol`` times the sum of the absolute terms
+    of both inner products (computed in float64). A backward pass that cannot be
+    differentiated raises here; one that is cut from ``u`` on some path (a custom
+    function marked ``@once_differentiable`` hands back a result without a graph)
+    drops that path's share of ``J v`` and fails the identity. (A parameter whose
+    whole ``J^T u`` has no graph is refused before, by name.) The check sees one batch
+    and one random pair: a cut whose share is below about ``tol`` of the terms'
+    magnitudes goes unnoticed (correct float32 models measured at most 2e-8).
     """
     generator = torch.Generator(device=operator.device).manual_seed(0)
     options = {"dtype": operator.torch_dtype, "device": operator.device}
@@ -296,10 +330,14 @@ def _adjoint_check(operator: LinearizedGGN, lin: _Linearization) -> str | None:
         JTu = torch.autograd.grad(lin.outputs, used, u, retain_graph=True)
     except RuntimeError as err:
         return f"the backward pass cannot be differentiated twice ({str(err).splitlines()[0]})"
-    left = (u * Jv).sum()
-    right = sum((g * t).sum() for g, t in zip(JTu, tangents, strict=True))
-    size = u.norm() * Jv.norm() + sum(g.norm() ** 2 for g in JTu).sqrt() * v.norm()
-    tol = 1e-4 if operator.torch_dtype == torch.float32 else 1e-10
+    left_terms = (u.double() * Jv.double()).flatten()
+    right_terms = torch.cat(
+        [(g.double() * t.double()).flatten() for g, t in zip(JTu, tangents, strict=True)]
+    )
+    left, right = left_terms.sum(), right_terms.sum()
+    # rounding is relative to the terms' magnitudes, not to the (cancelling) sums
+    size = left_terms.abs().sum() + right_terms.abs().sum()
+    tol = 2e-6 if operator.torch_dtype == torch.float32 else 1e-13  # correct: <= 2e-8
     if (left - right).abs() > tol * size:
         return (
             "the double-backward Jacobian-vector product fails the check "

@@ -520,7 +520,9 @@ def compute_eigenpairs(
     if solver == "dual" and not isinstance(operator, FactoredGGN):
         raise ValueError("solver='dual' needs a FactoredGGN operator.")
     if operator_name is None:
-        operator_name = "factored" if isinstance(operator, FactoredGGN) else "curvlinops"
+        operator_name = {"FactoredGGN": "factored", "LinearizedGGN": "linearised"}.get(
+            type(operator).__name__, "curvlinops"
+        )
     if rank_threshold is None:
         rank_threshold = 100.0 * torch.finfo(dtype).eps
     pbar = tqdm(desc="[GLAS] GGN products", unit="prod", disable=not progress_bar)
