@@ -370,3 +370,42 @@ def test_over_budget_fit_records_both_reasons(monkeypatch):
     info = fit(model, batches)
     assert "not factored" in info.operator and "not linearised: the kept graphs" in info.operator
     assert info.operator.startswith("curvlinops")
+
+
+def test_update_and_subnetwork_on_the_linearised_operator_match_curvlinops():
+    """fit(override=False) (stored curvature + new data) and a subnetwork posterior
+    wrap the linearised operator; both equal the same fits on curvlinops' operator."""
+    from laplace_glas import SubnetActiveSubspaceLaplace
+
+    class Scaled(nn.Module):  # a learnt output scale, outside any layer: not factored
+        def __init__(self):
+            super().__init__()
+            self.net, self.scale = CustomMLP(Tanh), nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return self.scale * self.net(x)
+
+    torch.manual_seed(0)
+    model = Scaled().to(F64)
+    first, second = regression_batches(0), regression_batches(1)
+
+    def updated(solver):
+        la = ActiveSubspaceLaplace(model, "regression", n_components=4, solver=solver)
+        la.fit(first)
+        la.fit(second, override=False)
+        return la.lanczos_info
+
+    ours, ref = updated("auto"), updated("lanczos")
+    assert "linearised (not factored" in ours.operator and "stored rank-4" in ours.operator
+    torch.testing.assert_close(ours.values, ref.values, rtol=1e-9, atol=0)
+
+    subnet = torch.tensor([0, 1, 4, 8, 16, 21, 25, 30, 32])  # D = 33
+
+    def subnetwork(solver):
+        la = SubnetActiveSubspaceLaplace(model, "regression", subnet, n_components=3, solver=solver)
+        la.fit(first)
+        return la.lanczos_info
+
+    ours, ref = subnetwork("auto"), subnetwork("lanczos")
+    assert ours.operator.startswith("linearised (not factored")
+    torch.testing.assert_close(ours.values, ref.values, rtol=1e-9, atol=0)
