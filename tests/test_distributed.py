@@ -62,6 +62,19 @@ def _problem(likelihood: str):
     return model, X[:N_TRAIN], y[:N_TRAIN], X[N_TRAIN:], y[N_TRAIN:]
 
 
+class _OutputScale(nn.Module):
+    """The MLP times a learnt scalar: a parameter outside any layer, so the factored
+    operator refuses the model and 'auto' solves on the linearised operator."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+        self.scale = nn.Parameter(torch.ones((), dtype=torch.float64))
+
+    def forward(self, x):
+        return self.scale * self.net(x)
+
+
 def _fit(model, likelihood, solver, train, **fit_kwargs):
     la = Laplace(
         model,
@@ -141,6 +154,14 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             train = loader(X, y, batch_size=16)
             la = _fit(model, likelihood, solver, train)
             results[(likelihood, solver, split)] = _summary(la, loader(Xc, yc, 16), train)
+        # a model the factored operator refuses: the linearised operator on every rank
+        model, X, y, _, _ = _problem("regression")
+        X, y = _shard((X, y), rank, "uneven")
+        la = _fit(_OutputScale(model), "regression", "auto", loader(X, y, batch_size=16))
+        results["linearised"] = {
+            "values": la.eigenvalues.clone(),
+            "operator": la.lanczos_info.operator,
+        }
         # the factored operator built on rank 0 only: every rank falls back to curvlinops
         model, X, y, _, _ = _problem("regression")
         X, y = _shard((X, y), rank, "uneven")
@@ -263,6 +284,15 @@ def test_factored_on_one_rank_only_falls_back_everywhere(ranks):
     for rank in ranks:
         assert rank["fallback"]["operator"].startswith("curvlinops (not factored")
         _close(rank["fallback"]["values"], one["values"])
+
+
+def test_linearised_operator_on_every_rank_equals_one_process(ranks):
+    model, X, y, _, _ = _problem("regression")
+    one = _fit(_OutputScale(model), "regression", "lanczos", loader(X, y, 16))
+    for rank in ranks:
+        operator = rank["linearised"]["operator"]
+        assert operator.startswith("linearised (not factored") and "all-reduced over 2" in operator
+        _close(rank["linearised"]["values"], one.eigenvalues)
 
 
 def test_group_of_one_rank_fits_the_local_shard(ranks):
