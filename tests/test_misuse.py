@@ -437,8 +437,8 @@ def test_irreproducible_products_warn_about_the_residuals(data, solver, match, m
 @pytest.mark.parametrize("solver", ["auto", "block"])
 def test_the_linearised_operator_reads_an_augmenting_loader_once(data, solver):
     """Within its budget the linearised operator keeps one draw of the augmentation:
-    its products are those of one fixed data set, so the solve converges without a
-    warning and the eigenpairs' residuals are small."""
+    its products are those of one fixed data set, so the residual check, which warns
+    for the same model and loader on curvlinops' operator (the test above), is quiet."""
     torch.manual_seed(0)
     model = OutputScale(mlp([1, 8, 1]))
     la = ActiveSubspaceLaplace(model, "regression", n_components=K, solver=solver)
@@ -446,7 +446,6 @@ def test_the_linearised_operator_reads_an_augmenting_loader_once(data, solver):
         warnings.simplefilter("error", LanczosConvergenceWarning)
         la.fit(Augmenting(*data))
     assert la.lanczos_info.operator.startswith("linearised (not factored")
-    assert float(la.lanczos_info.residuals.max()) < 1e-3
 
 
 def test_reproducible_products_do_not_warn(data):
