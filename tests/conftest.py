@@ -97,3 +97,32 @@ def fit_glas(model, X, y, likelihood="regression", batch_size=32, **kwargs):
     la = Laplace(model, likelihood, subset_of_weights="all", hessian_structure="glas", **kwargs)
     la.fit(loader(X, y, batch_size))
     return la
+
+
+def output_jacobian(model: nn.Module, X) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs (detached) and their ``(rows, C, D)`` Jacobian over the trainable
+    parameters, by reverse mode (``torch.func.jacrev``; independent of curvlinops and of
+    GLAS's operators), under GLAS's differentiable kernels."""
+    from torch.func import functional_call, jacrev
+
+    from laplace_glas.autodiff import autodiff_friendly
+
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    with autodiff_friendly(model):
+        J = jacrev(lambda p: functional_call(model, p, (X,)))(params)
+        out = model(X).detach()
+    D = sum(p.numel() for p in params.values())
+    J = torch.cat([J[n].reshape(*out.shape, -1) for n in params], -1)
+    return out, J.reshape(-1, out.shape[-1], D)
+
+
+def softmax_ggn(
+    out: torch.Tensor, J: torch.Tensor, y: torch.Tensor, ignore_index: int = -100
+) -> tuple[torch.Tensor, int]:
+    """``sum_t J_t^T (diag p_t - p_t p_t^T) J_t`` over the targets that are not
+    ``ignore_index`` (softmax cross-entropy in closed form), and their number."""
+    p = torch.softmax(out, -1).reshape(J.shape[0], -1)
+    keep = y.reshape(-1) != ignore_index
+    J, p = J[keep], p[keep]
+    Lam = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+    return torch.einsum("tcd,tce,tef->df", J, Lam, J), int(keep.sum())

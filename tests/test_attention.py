@@ -12,9 +12,10 @@ import warnings
 
 import pytest
 import torch
+from conftest import output_jacobian, softmax_ggn
 from laplace import Laplace
 from torch import nn
-from torch.func import functional_call, jacrev
+from torch.func import functional_call
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -132,36 +133,20 @@ def make(cls, dtype=torch.float64, **kw):
 
 
 # ---------------------------------------------------------------------- references
-def jacobian(model, x):
-    """``(n, C, D)`` Jacobian of the outputs by reverse mode (torch.func.jacrev)."""
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    with autodiff_friendly(model):
-        J = jacrev(lambda p: functional_call(model, p, (x,)))(params)
-        out = model(x).detach()
-    C = out.shape[-1]
-    return out, torch.cat([J[n].reshape(*out.shape, -1) for n in params], -1).reshape(
-        -1, C, D_of(model)
-    )
-
-
 def D_of(model):
     return sum(p.numel() for p in model.parameters())
 
 
 def explicit_regression_ggn(model, x):
     """``(1/N) sum_n J_n^T J_n`` (unit noise)."""
-    _, J = jacobian(model, x)
+    _, J = output_jacobian(model, x)
     return torch.einsum("ncd,nce->de", J, J) / x.shape[0]
 
 
 def explicit_token_ggn(model, x, y):
     """``(1/N) sum_t J_t^T (diag p_t - p_t p_t^T) J_t`` over non-padding targets."""
-    out, J = jacobian(model, x)
-    p = torch.softmax(out, -1).reshape(-1, VOCAB)
-    keep = y.reshape(-1) != PAD
-    J, p = J[keep], p[keep]
-    Lam = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
-    return torch.einsum("tcd,tce,tef->df", J, Lam, J) / keep.sum()
+    G, n_tokens = softmax_ggn(*output_jacobian(model, x), y, PAD)
+    return G / n_tokens
 
 
 def glas(model, likelihood, data, k, **kw):

@@ -11,12 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import output_jacobian, softmax_ggn
 from laplace import Laplace
 from torch import nn
-from torch.func import functional_call, jacrev
 
 from laplace_glas import select_dimension
-from laplace_glas.autodiff import autodiff_friendly
 from laplace_glas.huggingface import LogitsModel, causal_lm_batch
 
 try:
@@ -95,21 +94,10 @@ def fit(model, data, k, **kw):
 def explicit_ggn(model, batches, ignore_index=-100):
     """``(1/N) sum`` over non-ignored targets of ``J^T (diag p - p p^T) J``, by
     ``jacrev`` over the trainable parameters only."""
-    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    D = sum(p.numel() for p in params.values())
-    G, N = torch.zeros(D, D, dtype=torch.float64), 0
+    G, N = 0.0, 0
     for batch in batches:
-        with autodiff_friendly(model):
-            J = jacrev(lambda p, b=batch: functional_call(model, p, (b,)))(params)
-            out = model(batch).detach()
-        C = out.shape[-1]
-        J = torch.cat([J[n].reshape(*out.shape, -1) for n in params], -1).reshape(-1, C, D)
-        p = torch.softmax(out, -1).reshape(-1, C)
-        keep = batch["labels"].reshape(-1) != ignore_index
-        J, p = J[keep], p[keep]
-        Lam = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
-        G += torch.einsum("tcd,tce,tef->df", J, Lam, J)
-        N += int(keep.sum())
+        G_batch, n = softmax_ggn(*output_jacobian(model, batch), batch["labels"], ignore_index)
+        G, N = G + G_batch, N + n
     return G / N
 
 

@@ -8,9 +8,9 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from conftest import output_jacobian, softmax_ggn
 from torch import nn
 from torch.autograd.function import once_differentiable
-from torch.func import functional_call, jacrev
 
 import laplace_glas.curvature.dispatch as dispatch
 from laplace_glas import ActiveSubspaceLaplace
@@ -97,22 +97,13 @@ def problem(name: str):
 def dense_ggn(model, batches, loss_func, num_data) -> torch.Tensor:
     """``sum_b c_b J_b^T Lambda_b J_b`` with Jacobians from ``jacrev`` and the loss
     Hessians in closed form (independent of the operator and of curvlinops)."""
-    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    D = sum(p.numel() for p in params.values())
-    G = torch.zeros(D, D, dtype=F64)
+    G = 0.0
     for X, y in batches:
-        with autodiff_friendly(model):
-            J = jacrev(lambda p, X=X: functional_call(model, p, (X,)))(params)
-            out = model(X).detach()
-        C = out.shape[-1]
-        J = torch.cat([J[n].reshape(*out.shape, -1) for n in params], -1).reshape(-1, C, D)
+        out, J = output_jacobian(model, X)
         if isinstance(loss_func, nn.MSELoss):  # mean over |b| C entries, times |b| / N
-            G += 2.0 / (num_data * C) * torch.einsum("tcd,tce->de", J, J)
-            continue
-        p = torch.softmax(out, -1).reshape(-1, C)
-        keep = y.reshape(-1) != loss_func.ignore_index
-        Lam = torch.diag_embed(p[keep]) - p[keep, :, None] * p[keep, None, :]
-        G += torch.einsum("tcd,tce,tef->df", J[keep], Lam, J[keep])
+            G = G + 2.0 / (num_data * out.shape[-1]) * torch.einsum("tcd,tce->de", J, J)
+        else:
+            G = G + softmax_ggn(out, J, y, loss_func.ignore_index)[0]
     return G
 
 

@@ -6,9 +6,9 @@ import warnings
 
 import pytest
 import torch
+from conftest import output_jacobian, softmax_ggn
 from laplace import Laplace
 from torch import nn
-from torch.func import functional_call, jacrev
 from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_glas import coverage, select_dimension
@@ -82,17 +82,8 @@ def fit(model, x, y, **kw):
 
 def explicit_token_ggn(model, x, y):
     """(1/T) sum over non-padding tokens of J_t^T (diag p - p p^T) J_t."""
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    with autodiff_friendly(model):
-        J = jacrev(lambda p: functional_call(model, p, (x,)))(params)
-        out = model(x).detach()
-    D = sum(p.numel() for p in params.values())
-    J = torch.cat([J[n].reshape(*out.shape, -1) for n in params], -1).reshape(-1, VOCAB, D)
-    p = torch.softmax(out, -1).reshape(-1, VOCAB)
-    keep = y.reshape(-1) != PAD
-    J, p = J[keep], p[keep]
-    Lam = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
-    return torch.einsum("tcd,tce,tef->df", J, Lam, J) / keep.sum()
+    G, n_tokens = softmax_ggn(*output_jacobian(model, x), y, PAD)
+    return G / n_tokens
 
 
 def test_tiny_lstm_ggn_matches_explicit():
