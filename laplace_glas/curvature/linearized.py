@@ -130,6 +130,7 @@ class LinearizedGGN(TorchOperator):
         self.params = list(params)
         self.shapes = [p.shape for p in params]
         self.sizes = [p.numel() for p in params]
+        self.offsets = np.cumsum([0, *self.sizes])  # of each parameter in the D-vector
         self.torch_dtype = ref.dtype
         self.device = ref.device
         self.saved_bytes = int(saved_bytes)
@@ -144,8 +145,7 @@ class LinearizedGGN(TorchOperator):
     def _product(self, lin: _Linearization, V: torch.Tensor, batched: bool) -> torch.Tensor:
         """``c J_b^T Lambda_b J_b V`` for ``V (D, m)``, as ``(m, D)``."""
         m = V.shape[1]
-        columns = V.T.split(self.sizes, dim=1)
-        tangents = [columns[i].reshape(m, *self.shapes[i]) for i in lin.used]
+        tangents = self._tangents(lin, V)
         if not batched:
             tangents = [t[0] for t in tangents]
         (Jv,) = torch.autograd.grad(
@@ -159,10 +159,14 @@ class LinearizedGGN(TorchOperator):
             lin.outputs, used, HJv, retain_graph=True, is_grads_batched=batched
         )
         out = torch.zeros(m, self.shape[0], dtype=self.torch_dtype, device=self.device)
-        offsets = np.cumsum([0, *self.sizes])
         for i, grad in zip(lin.used, grads, strict=True):
-            out[:, offsets[i] : offsets[i + 1]] = grad.reshape(m, -1)
+            out[:, self.offsets[i] : self.offsets[i + 1]] = grad.reshape(m, -1)
         return out
+
+    def _tangents(self, lin: _Linearization, V: torch.Tensor) -> list[torch.Tensor]:
+        """The columns of ``V (D, m)`` as ``(m, *shape)`` tensors of the used parameters."""
+        columns = V.T.split(self.sizes, dim=1)
+        return [columns[i].reshape(V.shape[1], *self.shapes[i]) for i in lin.used]
 
     def matmat_torch(self, V: torch.Tensor) -> torch.Tensor:
         """``G V`` for ``V (D, m)``."""
@@ -322,8 +326,7 @@ def _adjoint_check(operator: LinearizedGGN, lin: _Linearization) -> str | None:
     options = {"dtype": operator.torch_dtype, "device": operator.device}
     u = torch.randn(lin.outputs.shape, generator=generator, **options)
     v = torch.randn(operator.shape[0], 1, generator=generator, **options)
-    columns = v.T.split(operator.sizes, dim=1)
-    tangents = [columns[i].reshape(operator.shapes[i]) for i in lin.used]
+    tangents = [t[0] for t in operator._tangents(lin, v)]
     used = [operator.params[i] for i in lin.used]
     try:
         (Jv,) = torch.autograd.grad(lin.pullback, lin.dummy, tangents, retain_graph=True)
