@@ -132,6 +132,12 @@ class SubspacePredictive:
 
     def _prior_gram(self, X: Any, theta: torch.Tensor, joint: bool = False) -> torch.Tensor:
         """``J J^T`` over the weights under inference, for ``complement='prior'``."""
+        return self._jacobian_gram(X, theta, joint)
+
+    def _jacobian_gram(
+        self, X: Any, theta: torch.Tensor, joint: bool, weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``J diag(weights) J^T`` over all weights (``J J^T`` without ``weights``)."""
         return jacobian_gram(
             self.model,
             self._param_names,
@@ -140,6 +146,7 @@ class SubspacePredictive:
             X,
             joint=joint,
             dict_key_x=self.dict_key_x,
+            weights=weights,
         )
 
     def _weighted_prior_gram(
@@ -150,16 +157,7 @@ class SubspacePredictive:
         """
         if c.ndim == 0:
             return self._prior_gram(X, theta, joint=joint) * c
-        return jacobian_gram(
-            self.model,
-            self._param_names,
-            self._param_shapes,
-            theta,
-            X,
-            joint=joint,
-            dict_key_x=self.dict_key_x,
-            weights=c,
-        )
+        return self._jacobian_gram(X, theta, joint, weights=c)
 
     def _check_inputs(self, X: Any) -> None:
         inputs = X[self.dict_key_x] if isinstance(X, MutableMapping) else X

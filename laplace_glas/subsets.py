@@ -54,9 +54,7 @@ from torch.utils.data import DataLoader
 
 from laplace_glas.curvature.torch_operator import NUMPY_DTYPES
 from laplace_glas.laplace import ActiveSubspaceLaplace
-from laplace_glas.posterior import sample_subspace
 from laplace_glas.predictive import jvp_directions, parameter_names
-from laplace_glas.validation import positive_int
 
 __all__ = [
     "LastLayerActiveSubspaceLaplace",
@@ -434,16 +432,7 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
         """``(n_samples, D)`` whole-network weight vectors: the subnetwork drawn from
         the posterior, the other weights at the MAP (laplace-torch's convention).
         """
-        self._check_H_init()
-        n_samples = positive_int("n_samples", n_samples, allow_none=False)
-        self._check_generator(generator)
-        draws = sample_subspace(
-            self.eigenvectors,
-            self.posterior_variances,
-            n_samples,
-            self._complement_variance,
-            generator,
-        )
-        full = self._network_weights().reshape(1, -1).repeat(n_samples, 1)
-        full[:, self._index_on_device()] = self.mean.reshape(1, -1) + draws
+        draws = super().sample(n_samples, generator)  # (n, D_S) around the subnetwork's MAP
+        full = self._network_weights().reshape(1, -1).repeat(draws.shape[0], 1)
+        full[:, self._index_on_device()] = draws
         return full
