@@ -77,9 +77,9 @@ def select_operator(
     likelihood: str,
     n_terms: int,
     k: int,
-    loss_func: nn.Module | None = None,
-    data: Iterable | None = None,
-    num_data: int | None = None,
+    loss_func: nn.Module,
+    data: Iterable,
+    num_data: int,
     batch_size_fn: Callable | None = None,
     loss_fn: nn.Module | None = None,
     ignore_index: int = -100,
@@ -103,7 +103,7 @@ def select_operator(
     if solver == "lanczos":
         return curvlinops_operator, scale, solver, "curvlinops"
     n_params = sum(p.numel() for p in params)
-    itemsize = torch.finfo(dtype).bits // 8
+    budget = default_factor_budget(k, n_params, torch.finfo(dtype).bits // 8)
     built = build_factored_ggn(
         model,
         params,
@@ -114,29 +114,28 @@ def select_operator(
         dict_key_x=dict_key_x,
         dict_key_y=dict_key_y,
         device=device,
-        budget_bytes=default_factor_budget(k, n_params, itemsize),
+        budget_bytes=budget,
         loss_fn=loss_fn,
         progress_bar=progress_bar,
     )
     if not isinstance(built, str):
         return built, 1.0, {"factored": "lanczos"}.get(solver, solver), "factored"
-    operator, name = curvlinops_operator, f"curvlinops (not factored: {built})"
-    if data is not None and loss_func is not None:
-        linearized = build_linearized_ggn(
-            model,
-            loss_func,
-            params,
-            data,
-            num_data=num_data,
-            batch_size_fn=batch_size_fn,
-            device=device,
-            budget_bytes=default_factor_budget(k, n_params, itemsize),
-            progress_bar=progress_bar,
-        )
-        if isinstance(linearized, str):
-            name = f"curvlinops (not factored: {built}; not linearised: {linearized})"
-        else:
-            operator, name = linearized, f"linearised (not factored: {built})"
+    linearized = build_linearized_ggn(
+        model,
+        loss_func,
+        params,
+        data,
+        num_data=num_data,
+        batch_size_fn=batch_size_fn,
+        device=device,
+        budget_bytes=budget,
+        progress_bar=progress_bar,
+    )
+    if isinstance(linearized, str):
+        operator = curvlinops_operator
+        name = f"curvlinops (not factored: {built}; not linearised: {linearized})"
+    else:
+        operator, name = linearized, f"linearised (not factored: {built})"
     if solver in ("dual", "factored"):
         warnings.warn(
             f"solver={solver!r} needs the factored GGN, which this fit cannot use "

@@ -47,7 +47,6 @@ fall short of the true peak.
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -112,8 +111,7 @@ class LinearizedGGN(TorchOperator):
 
     Built by :func:`build_linearized_ggn`. ``matmat_torch(V)`` returns ``G V`` for
     ``V (D, m)`` in the parameters' dtype and device; the SciPy interface converts to
-    and from NumPy. ``saved_bytes`` is the memory the graphs keep, ``build_time`` the
-    seconds of the forward passes.
+    and from NumPy. ``saved_bytes`` is the memory the graphs keep.
     """
 
     def __init__(
@@ -121,7 +119,6 @@ class LinearizedGGN(TorchOperator):
         linearizations: Sequence[_Linearization],
         params: Sequence[torch.Tensor],
         saved_bytes: int,
-        build_time: float,
     ):
         ref = params[0]
         n_params = sum(p.numel() for p in params)
@@ -134,7 +131,6 @@ class LinearizedGGN(TorchOperator):
         self.torch_dtype = ref.dtype
         self.device = ref.device
         self.saved_bytes = int(saved_bytes)
-        self.build_time = float(build_time)
         self.n_products = 0
         self.batched = True  # is_grads_batched until vmap refuses the backward pass
         # a batched backward pass needs about one batch's kept bytes per column
@@ -247,7 +243,6 @@ def build_linearized_ggn(
     owned = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     counter = _SavedBytes(owned)
     linearizations = []
-    start = time.perf_counter()
     reduction = getattr(loss_func, "reduction", None)
     try:
         n_batches = len(data)
@@ -302,7 +297,7 @@ def build_linearized_ggn(
             )
     if not linearizations:
         return "the loader is empty"
-    operator = LinearizedGGN(linearizations, params, counter.bytes, time.perf_counter() - start)
+    operator = LinearizedGGN(linearizations, params, counter.bytes)
     reason = _adjoint_check(operator, linearizations[0])
     if reason is not None:
         return reason
