@@ -422,16 +422,21 @@ def test_layer_gram_cache_follows_truncation_and_refit(request):
 
 
 # ---------------------------------------------------------------- calibration
+def calibration_points(model, n: int, seed: int):
+    """``n`` held-out inputs on [-2, 2] and targets: the model's output plus noise 0.3."""
+    g = torch.Generator().manual_seed(seed)
+    Xc = torch.rand(n, 1, generator=g, dtype=torch.float64) * 4 - 2
+    with torch.no_grad():
+        return Xc, model(Xc) + 0.3 * torch.randn(n, 1, generator=g, dtype=torch.float64)
+
+
 @pytest.mark.parametrize("complement", ["zero", "prior"])
 def test_calibration_at_the_own_structured_prior_against_dense_algebra(request, complement):
     """Rows with prior_precision=None are the posterior's own diagonal prior at each k:
     coverage, width and NLL from J Sigma_k J^T with explicit Jacobians."""
     glas, _, _ = pair_with_prior(request, "regression", "sum", complement, "diag")
     model = request.getfixturevalue("regression_setup")[0]
-    g = torch.Generator().manual_seed(3)
-    Xc = torch.rand(30, 1, generator=g, dtype=torch.float64) * 4 - 2
-    with torch.no_grad():
-        yc = model(Xc) + 0.3 * torch.randn(30, 1, generator=g, dtype=torch.float64)
+    Xc, yc = calibration_points(model, 30, seed=3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sel = select_dimension(glas, loader(Xc, yc, batch_size=7), coverage=0.8, ks=[2, 5, 8])
@@ -466,10 +471,7 @@ def test_calibrate_keeps_the_structured_prior_and_sets_k(request):
     glas, _, _ = pair_with_prior(request, "regression", "sum", "zero", "layerwise")
     before = glas.prior_precision.clone()
     model = request.getfixturevalue("regression_setup")[0]
-    g = torch.Generator().manual_seed(4)
-    Xc = torch.rand(20, 1, generator=g, dtype=torch.float64) * 4 - 2
-    with torch.no_grad():
-        yc = model(Xc) + 0.3 * torch.randn(20, 1, generator=g, dtype=torch.float64)
+    Xc, yc = calibration_points(model, 20, seed=4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sel = glas.calibrate(
