@@ -126,3 +126,15 @@ def softmax_ggn(
     J, p = J[keep], p[keep]
     Lam = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
     return torch.einsum("tcd,tce,tef->df", J, Lam, J), int(keep.sum())
+
+
+def curvlinops_token_ggn(model: nn.Module, x, y, pad: int, batch_size: int):
+    """curvlinops' GGN operator of the summed token cross-entropy (``pad`` targets left
+    out) on ``(x, y)`` in batches, and the number of tokens it sums over."""
+    from laplace_glas.curvature.losses import TokenCrossEntropy
+    from laplace_glas.curvature.subspace import mean_ggn_operator
+
+    n_tokens = int((y != pad).sum())
+    loader = DataLoader(TensorDataset(x, y), batch_size=batch_size)
+    loss = TokenCrossEntropy("sum", pad)
+    return mean_ggn_operator(model, loss, list(model.parameters()), loader, n_tokens), n_tokens

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import output_jacobian, softmax_ggn
+from conftest import curvlinops_token_ggn, output_jacobian, softmax_ggn
 from laplace import Laplace
 from torch import nn
 from torch.func import functional_call
@@ -22,7 +22,6 @@ from torch.utils.data import DataLoader, TensorDataset
 import laplace_glas
 from laplace_glas import activity_scores, residual_report, select_dimension
 from laplace_glas.autodiff import autodiff_friendly
-from laplace_glas.curvature.losses import TokenCrossEntropy
 from laplace_glas.curvature.subspace import compute_eigenpairs, mean_ggn_operator
 from laplace_glas.kernels import attention_math_kernels, differentiable_kernels
 
@@ -199,14 +198,7 @@ def test_token_ggn_eigenpairs_match_explicit(cls):
     model = make(cls)
     x, y = token_data(10, g)
     G = explicit_token_ggn(model, x, y)
-    n_tokens = int((y != PAD).sum())
-    op = mean_ggn_operator(
-        model,
-        TokenCrossEntropy("sum", PAD),
-        list(model.parameters()),
-        DataLoader(TensorDataset(x, y), batch_size=4),
-        n_tokens,
-    )
+    op, n_tokens = curvlinops_token_ggn(model, x, y, PAD, batch_size=4)
     V = torch.randn(G.shape[0], 3, dtype=torch.float64, generator=g)
     with autodiff_friendly(model):
         GV = (op @ V) / n_tokens

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import output_jacobian, softmax_ggn
+from conftest import curvlinops_token_ggn, output_jacobian, softmax_ggn
 from laplace import Laplace
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from laplace_glas import coverage, select_dimension
 from laplace_glas.autodiff import autodiff_friendly
 from laplace_glas.curvature.losses import TokenCrossEntropy
-from laplace_glas.curvature.subspace import compute_eigenpairs, mean_ggn_operator
+from laplace_glas.curvature.subspace import compute_eigenpairs
 
 PAD, BOS, VOCAB = 0, 1, 6
 
@@ -91,14 +91,7 @@ def test_tiny_lstm_ggn_matches_explicit():
     x, y = grammar(10, g)
     model = TinyLM(dtype=torch.float64)
     G = explicit_token_ggn(model, x, y)
-    n_tokens = int((y != PAD).sum())
-    op = mean_ggn_operator(
-        model,
-        TokenCrossEntropy("sum", PAD),
-        list(model.parameters()),
-        DataLoader(TensorDataset(x, y), batch_size=3),
-        n_tokens,
-    )
+    op, n_tokens = curvlinops_token_ggn(model, x, y, PAD, batch_size=3)
     V = torch.randn(G.shape[0], 4, dtype=torch.float64, generator=g)
     with autodiff_friendly(model):
         GV = (op @ V) / n_tokens
