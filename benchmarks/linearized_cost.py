@@ -35,10 +35,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_glas  # noqa: F401  (registers 'glas')
 from laplace_glas.applications.compare import PeakMemory
-from laplace_glas.autodiff import autodiff_friendly
-from laplace_glas.curvature.linearized import build_linearized_ggn
+from laplace_glas.autodiff.context import autodiff_friendly
+from laplace_glas.curvature.eigensolve import mean_ggn_operator
 from laplace_glas.curvature.losses import TokenCrossEntropy
-from laplace_glas.curvature.subspace import mean_ggn_operator
+from laplace_glas.curvature.operators.linearized import build_linearized_ggn
 
 VOCAB, LENGTH = 30, 40
 

@@ -1,13 +1,14 @@
 """ActiveSubspaceLaplace: the GLAS posterior behind laplace-torch's interface.
 
 The class is thin: the predictive methods live in the mixin
-:mod:`laplace_glas.posterior_predictive`, the posterior operators, evidence terms,
-sampling and prior tuning in the mixin :mod:`laplace_glas.subspace_posterior` (with the
-layerwise / diagonal prior algebra in :mod:`laplace_glas.prior_algebra`), the eigen-solve in
-:mod:`laplace_glas.curvature.subspace`, the data pass of ``fit`` and the choice of the
+:mod:`laplace_glas.predictive.subspace_predictive`, the posterior operators, evidence terms,
+sampling and prior tuning in the mixin :mod:`laplace_glas.posterior.subspace` (with the
+layerwise / diagonal prior algebra in :mod:`laplace_glas.posterior.prior`), the eigen-solve in
+:mod:`laplace_glas.curvature.eigensolve`, the data pass of ``fit`` and the choice of the
 GGN's loss in :mod:`laplace_glas.curvature.fitting`, the closed forms in
-:mod:`laplace_glas.posterior`, the forward-mode JVPs in :mod:`laplace_glas.predictive`,
-the state-dict checks in :mod:`laplace_glas.persistence` and the argument checks in
+:mod:`laplace_glas.posterior.closed_forms`, the forward-mode JVPs in
+:mod:`laplace_glas.predictive.jvp`,
+the state-dict checks in :mod:`laplace_glas.io` and the argument checks in
 :mod:`laplace_glas.validation`. What is here is the laplace-torch contract: the
 ``Laplace(model, likelihood, 'all', 'glas')`` registration, ``fit``, the
 hyperparameters and (de)serialisation.
@@ -44,11 +45,9 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, RandomSampler
 
-from laplace_glas.autodiff import autodiff_friendly
-from laplace_glas.calibration import DimensionSelection, select_dimension
+from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature.backends import curvature_operator, resolve_backend
 from laplace_glas.curvature.batches import XYBatches, batch_size, split_batch, subsample_loader
-from laplace_glas.curvature.dispatch import SOLVERS
 from laplace_glas.curvature.distributed import (
     Shards,
     broadcast_eigenpairs,
@@ -58,7 +57,12 @@ from laplace_glas.curvature.distributed import (
     reduce_map_loss,
     sum_count,
 )
-from laplace_glas.curvature.factored import FactoredGGN
+from laplace_glas.curvature.eigensolve import (
+    Eigenpairs,
+    NumericalRankWarning,
+    compute_eigenpairs,
+    mean_ggn_operator,
+)
 from laplace_glas.curvature.fitting import (
     MapLoss,
     count_terms,
@@ -66,19 +70,19 @@ from laplace_glas.curvature.fitting import (
     loss_at_map,
     validate_loss_fn,
 )
-from laplace_glas.curvature.subspace import (
-    Eigenpairs,
-    NumericalRankWarning,
-    compute_eigenpairs,
-    mean_ggn_operator,
-)
-from laplace_glas.curvature.update import UpdatedCurvature
-from laplace_glas.persistence import glas_state, restore_glas_state
-from laplace_glas.posterior_predictive import FittedWeightsChangedWarning, SubspacePredictive
-from laplace_glas.predictive import (
+from laplace_glas.curvature.operators.factored import FactoredGGN
+from laplace_glas.curvature.operators.updated import UpdatedCurvature
+from laplace_glas.curvature.planner import SOLVERS
+from laplace_glas.diagnostics.calibration import DimensionSelection, select_dimension
+from laplace_glas.io import glas_state, restore_glas_state
+from laplace_glas.posterior.subspace import SubspacePosterior
+from laplace_glas.predictive.jvp import (
     parameter_names,
 )
-from laplace_glas.subspace_posterior import SubspacePosterior
+from laplace_glas.predictive.subspace_predictive import (
+    FittedWeightsChangedWarning,
+    SubspacePredictive,
+)
 from laplace_glas.validation import (
     ArgumentTypeError,
     choice,
@@ -134,7 +138,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
     enable_backprop, dict_key_x, dict_key_y :
         As in laplace-torch's ``ParametricLaplace``. ``prior_precision`` is a scalar
         (the closed forms), or one positive value per parameter tensor or per weight
-        (:mod:`laplace_glas.prior_algebra`); ``likelihood`` is ``'regression'``
+        (:mod:`laplace_glas.posterior.prior`); ``likelihood`` is ``'regression'``
         (Gaussian, MSE), ``'classification'`` (softmax cross-entropy) or
         ``'reward_modeling'`` (laplace-torch's: fitted as classification on preference
         pairs, predicted as a regression of the reward unless ``fitting=True``).
@@ -156,11 +160,11 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
         Eigen-solver. ``'auto'``: where every trainable parameter sits in an
         ``nn.Linear``, ``nn.Conv1d/2d``, ``nn.LayerNorm``, ``nn.BatchNorm1d/2d`` (eval)
         or ``nn.Embedding`` and there is no ``loss_fn``, the GGN is factored from one
-        forward and one batched backward pass (:mod:`laplace_glas.curvature.factored`)
+        forward and one batched backward pass (:mod:`laplace_glas.curvature.operators.factored`)
         and eigen-solved through the ``NR x NR`` Gram matrix (``'dual'``) when it fits
         ``max(768 MiB, k D itemsize)`` and is cheaper, else by Lanczos on the
         factored products (``'factored'``); any other model gets Lanczos on the
-        linearised GGN (:mod:`laplace_glas.curvature.linearized`: each batch's forward
+        linearised GGN (:mod:`laplace_glas.curvature.operators.linearized`: each batch's forward
         graph kept, no forward pass per product), or on curvlinops' operator where the
         kept graphs would exceed their budget (recorded in ``lanczos_info.operator``).
         The factors, and the kept graphs, take at most ``max(2 GiB, 4 k D itemsize)``.
@@ -579,7 +583,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
             and number of terms to the stored ones, as laplace-torch does. The stored
             curvature is rank ``K``, so the update is the top-``K`` eigen-solve of
             ``(U diag(h) U^T + N_new G_new) / (N_old + N_new)``
-            (:mod:`laplace_glas.curvature.update`): exact when ``K`` reaches the rank
+            (:mod:`laplace_glas.curvature.operators.updated`): exact when ``K`` reaches the rank
             of the old GGN, otherwise off the union's fit by at most
             ``N_old * lambda_{K+1}(G_old)`` in the summed curvature. Solved by Lanczos
             (or the block solver with ``solver='block'``). The mean becomes the
@@ -694,7 +698,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
         model's weights.
 
         The solve ``fit`` uses, exposed so that it can be repeated with other random
-        starts or data subsamples (see :func:`laplace_glas.diagnostics.replica_check`)
+        starts or data subsamples (see :func:`laplace_glas.diagnostics.convergence.replica_check`)
         without touching this object's posterior. Lanczos settings default to the
         constructor's. After ``fit``, ``train_loader`` should hold data of the fitted
         kind (the output shape per point is reused; its number of terms ``N`` is counted, so the
@@ -929,7 +933,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
     ) -> DimensionSelection:
         """Select ``k`` and the prior precision by coverage on held-out data and apply them.
 
-        See :func:`laplace_glas.calibration.select_dimension` for the arguments. The
+        See :func:`laplace_glas.diagnostics.calibration.select_dimension` for the arguments. The
         eigenpairs computed by ``fit`` are truncated, not recomputed. When the nominal
         coverage is not reached, the best candidate is applied and a
         ``CoverageNotReachedWarning`` is raised.
@@ -954,7 +958,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
         """laplace-torch's state plus the eigen-solve record and the GLAS settings
-        (:func:`laplace_glas.persistence.glas_state`).
+        (:func:`laplace_glas.io.glas_state`).
         """
         self._check_H_init()
         return glas_state(self, super().state_dict())
@@ -962,9 +966,9 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a fitted posterior saved by :meth:`state_dict` (no refit).
 
-        The whole state is validated first (:func:`laplace_glas.persistence.check_state`):
+        The whole state is validated first (:func:`laplace_glas.io.check_state`):
         a refused state raises ``ValueError`` naming the entry and leaves this object
-        unchanged. See :func:`laplace_glas.persistence.restore_glas_state`.
+        unchanged. See :func:`laplace_glas.io.restore_glas_state`.
         """
         restore_glas_state(
             self,

@@ -60,7 +60,7 @@ def plot_cumulative_activity(
     ``scores`` is one ``(D,)`` tensor or a mapping ``label -> scores``; ``title``
     names the model or data set.
     """
-    from laplace_glas.activity import cumulative_activity
+    from laplace_glas.diagnostics.activity import cumulative_activity
 
     plt = _pyplot()
     curves = scores if isinstance(scores, Mapping) else {"activity": scores}
@@ -162,7 +162,7 @@ def plot_alignment(
     """Captured share ``||J U||_F^2 / ||J||_F^2`` against the 'glm' variance, per input.
 
     ``alignments`` maps a label (e.g. ``"in-distribution"``, ``"shifted"``) to a
-    :class:`~laplace_glas.jacobian_alignment.Alignment`; ``complement`` picks the
+    :class:`~laplace_glas.diagnostics.alignment.Alignment`; ``complement`` picks the
     variance: ``'zero'`` (``sum_j v_j ||J u_j||^2``) or ``'prior'`` (``+ residual /
     tau``). The variance axis is logarithmic; the legend sits below the axes.
     """

@@ -29,7 +29,7 @@ posterior is laplace-torch's ``FullLLLaplace`` / ``FullSubnetLaplace``.
   predictive pushes the embedded directions ``P_S U``. ``n_params`` and ``mean``
   are those of the subnetwork (``D_S`` entries, GLAS's ``D``); ``sample`` returns
   full weight vectors (the other weights at the MAP), as laplace-torch's does.
-  ``calibrate`` / :func:`~laplace_glas.calibration.select_dimension` sweep ``(k, tau)``
+  ``calibrate`` / :func:`~laplace_glas.diagnostics.calibration.select_dimension` sweep ``(k, tau)``
   (scalar prior precision) through the same embedded directions, the network's MAP
   weights and, for ``complement='prior'``, the subnetwork's Jacobian Gram ``J_S J_S^T``
   and complement draws put on the subnetwork's weights.
@@ -52,9 +52,9 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
-from laplace_glas.curvature.torch_operator import NUMPY_DTYPES
+from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES
 from laplace_glas.laplace import ActiveSubspaceLaplace
-from laplace_glas.predictive import jvp_directions, parameter_names
+from laplace_glas.predictive.jvp import jvp_directions, parameter_names
 
 __all__ = [
     "LastLayerActiveSubspaceLaplace",

@@ -105,7 +105,7 @@ def output_jacobian(model: nn.Module, X) -> tuple[torch.Tensor, torch.Tensor]:
     GLAS's operators), under GLAS's differentiable kernels."""
     from torch.func import functional_call, jacrev
 
-    from laplace_glas.autodiff import autodiff_friendly
+    from laplace_glas.autodiff.context import autodiff_friendly
 
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     with autodiff_friendly(model):
@@ -131,8 +131,8 @@ def softmax_ggn(
 def curvlinops_token_ggn(model: nn.Module, x, y, pad: int, batch_size: int):
     """curvlinops' GGN operator of the summed token cross-entropy (``pad`` targets left
     out) on ``(x, y)`` in batches, and the number of tokens it sums over."""
+    from laplace_glas.curvature.eigensolve import mean_ggn_operator
     from laplace_glas.curvature.losses import TokenCrossEntropy
-    from laplace_glas.curvature.subspace import mean_ggn_operator
 
     n_tokens = int((y != pad).sum())
     loader = DataLoader(TensorDataset(x, y), batch_size=batch_size)

@@ -71,9 +71,9 @@ import torch
 from laplace import Laplace
 from torch import nn
 
-from laplace_glas.calibration import CoverageNotReachedWarning
 from laplace_glas.curvature.batches import split_batch
-from laplace_glas.curvature.subspace import NumericalRankWarning
+from laplace_glas.curvature.eigensolve import NumericalRankWarning
+from laplace_glas.diagnostics.calibration import CoverageNotReachedWarning
 
 __all__ = [
     "ComparisonRow",

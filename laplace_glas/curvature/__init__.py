@@ -4,24 +4,24 @@
 * :mod:`~laplace_glas.curvature.losses`: per-token cross-entropy for sequence outputs.
 * :mod:`~laplace_glas.curvature.fitting`: loss at the MAP, the count ``N`` of
   likelihood terms, and the loss whose GGN is taken.
-* :mod:`~laplace_glas.curvature.subspace`: the mean-loss GGN operator and its top-k
+* :mod:`~laplace_glas.curvature.eigensolve`: the mean-loss GGN operator and its top-k
   eigenpairs (Lanczos or block Krylov).
-* :mod:`~laplace_glas.curvature.block_krylov`: the block Krylov solver.
-* :mod:`~laplace_glas.curvature.factored`: the GGN from per-layer Jacobian factors
+* :mod:`~laplace_glas.curvature.solvers.block_krylov`: the block Krylov solver.
+* :mod:`~laplace_glas.curvature.operators.factored`: the GGN from per-layer Jacobian factors
   (one forward and one batched backward pass), products without network passes.
-* :mod:`~laplace_glas.curvature.gram`: the dual eigen-solve through ``K = S S^T``.
-* :mod:`~laplace_glas.curvature.linearized`: GGN products from kept forward graphs
+* :mod:`~laplace_glas.curvature.solvers.gram`: the dual eigen-solve through ``K = S S^T``.
+* :mod:`~laplace_glas.curvature.operators.linearized`: GGN products from kept forward graphs
   (no forward pass per product), for the models the factored operator does not cover.
-* :mod:`~laplace_glas.curvature.torch_operator`: the SciPy / torch operator base of the
+* :mod:`~laplace_glas.curvature.operators.torch_operator`: the SciPy / torch operator base of the
   factored, linearised and all-reduced operators.
-* :mod:`~laplace_glas.curvature.dispatch`: which operator and solver a fit uses.
+* :mod:`~laplace_glas.curvature.planner`: which operator and solver a fit uses.
 * :mod:`~laplace_glas.curvature.backends`: laplace-torch's ``backend`` as curvlinops'
   GGN, empirical Fisher or Hessian operator.
 * :mod:`~laplace_glas.curvature.distributed`: data-parallel fits on ``torch.distributed``
   (products, loss and ``N`` summed with ``all_reduce``).
 """
 
-from laplace_glas.curvature.subspace import (
+from laplace_glas.curvature.eigensolve import (
     Eigenpairs,
     LanczosConvergenceWarning,
     NumericalRankWarning,

@@ -35,8 +35,9 @@ Refused with a ``ValueError`` naming the class: a stochastic GGN
 change between Lanczos products) and any class that is none of the above (e.g. a
 user's own ``CurvatureInterface``), which has no matrix-free operator here.
 
-Only the GGN has the fast paths (:mod:`~laplace_glas.curvature.factored`,
-:mod:`~laplace_glas.curvature.gram`, :mod:`~laplace_glas.curvature.linearized`); the
+Only the GGN has the fast paths (:mod:`~laplace_glas.curvature.operators.factored`,
+:mod:`~laplace_glas.curvature.solvers.gram`,
+:mod:`~laplace_glas.curvature.operators.linearized`); the
 empirical Fisher and the Hessian use curvlinops with Lanczos (or the block solver),
 recorded in
 ``lanczos_info.operator`` as ``'curvlinops EF'`` / ``'curvlinops Hessian'``.
@@ -63,9 +64,9 @@ from laplace.curvature import (
 )
 from torch import nn
 
-from laplace_glas.curvature.dispatch import select_operator
+from laplace_glas.curvature.eigensolve import mean_ggn_operator
 from laplace_glas.curvature.losses import TokenCrossEntropy
-from laplace_glas.curvature.subspace import mean_ggn_operator
+from laplace_glas.curvature.planner import select_operator
 
 __all__ = ["CURVATURES", "CurvatureChoice", "curvature_operator", "resolve_backend"]
 
@@ -190,7 +191,7 @@ def curvature_operator(
 ) -> tuple[object, float, str, str]:
     """The operator of ``choice.kind``, its scale, the solver and the operator's name.
 
-    The GGN goes through :func:`~laplace_glas.curvature.dispatch.select_operator`
+    The GGN goes through :func:`~laplace_glas.curvature.planner.select_operator`
     (factored / dual fast paths). The empirical Fisher and the Hessian are curvlinops'
     ``EFLinearOperator`` / ``HessianLinearOperator`` of the same ``loss_func`` with the
     same ``scale`` (``scale * M(loss_func) = M_1``, the mean-loss matrix of unit-noise

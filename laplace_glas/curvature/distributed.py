@@ -58,9 +58,9 @@ import torch
 import torch.distributed as dist
 from laplace.utils.utils import validate
 
-from laplace_glas.curvature.factored import FactoredGGN
 from laplace_glas.curvature.fitting import MapLoss
-from laplace_glas.curvature.torch_operator import NUMPY_DTYPES, TorchOperator
+from laplace_glas.curvature.operators.factored import FactoredGGN
+from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES, TorchOperator
 
 __all__ = [
     "AllReducedGGN",
@@ -236,7 +236,7 @@ def distribute_operator(
     fit (the arguments unchanged for a single process).
 
     ``operator, scale, solver, operator_name`` are what
-    :func:`~laplace_glas.curvature.dispatch.select_operator` chose on this rank;
+    :func:`~laplace_glas.curvature.planner.select_operator` chose on this rank;
     ``fallback`` is the curvlinops operator and its scale, used on every rank unless
     the factored operator was built on all of them. The dual solve becomes Lanczos on
     the all-reduced factored products (see the module docstring).

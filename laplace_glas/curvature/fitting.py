@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from laplace_glas.autodiff import autodiff_friendly
+from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature.batches import batch_size, check_finite, split_batch
 from laplace_glas.curvature.losses import TokenCrossEntropy, count_targets
 from laplace_glas.validation import check_model_output

@@ -1,0 +1,8 @@
+"""Making any model differentiable by GLAS's forward-mode (``torch.func``) computations.
+
+* :mod:`~laplace_glas.autodiff.context`: the context that puts a model in evaluation
+  mode and swaps in differentiable kernels.
+* :mod:`~laplace_glas.autodiff.kernels`: attention and recurrent kernels written for
+  forward-mode autodiff.
+* :mod:`~laplace_glas.autodiff.rnn`: recurrent layers in elementary ops.
+"""

@@ -1,0 +1,345 @@
+"""GGN products from a cached linearisation of the network at the MAP.
+
+The factored operator (:mod:`~laplace_glas.curvature.operators.factored`) covers networks of
+Linear, convolution, normalisation and embedding layers with few output rows per
+example. Everything else (attention, recurrent layers, one output row per token of a
+language model, custom modules) multiplies with the GGN by passes through the
+network. curvlinops' operator runs a forward pass, then a Jacobian-vector and a
+vector-Jacobian product through it, for every product. The network and its inputs do
+not change between the products of one eigen-solve, so this operator runs the forward
+pass once per batch and keeps its autograd graph:
+
+.. math::
+
+    G v = c \\sum_b J_b^\\top \\Lambda_b J_b v , \\qquad
+    J_b^\\top u = \\frac{\\partial \\langle f_b, u \\rangle}{\\partial \\theta} ,
+    \\qquad
+    J_b v = \\frac{\\partial \\langle J_b^\\top u, v \\rangle}{\\partial u} ,
+    \\qquad
+    \\Lambda_b z = \\frac{\\partial \\langle \\nabla_{f} \\ell_b, z \\rangle}{\\partial f} ,
+
+with ``f_b`` the outputs of batch ``b``, ``\\ell_b`` the loss of the batch and ``c``
+curvlinops' normalisation (``|b| / num_data`` for ``reduction='mean'``, 1 for
+``'sum'``). ``J_b^T u`` is built once with ``create_graph=True``; it is linear in the
+dummy ``u``, so differentiating it against ``u`` gives ``J_b v`` (the double-backward
+identity) and a product costs two backward passes over kept graphs and no forward
+pass (about two forward passes' time against three for curvlinops on the GPT-2 +
+LoRA of ``benchmarks/linearized_cost.py``; over its three models, single products
+1.3-1.5x and Lanczos fits 1.65-1.86x faster, at 1.6-2.6x the peak memory). The loss
+Hessian ``Lambda_b`` comes from the loss itself, so any loss curvlinops takes works
+here too, and the matrix is curvlinops' GGN of the same loss, to rounding.
+
+Blocks of ``m`` columns go through ``torch.autograd.grad(..., is_grads_batched=True)``
+(one vmapped backward pass per batch, in column chunks whose temporaries, about one
+batch's kept bytes per column, stay near 512 MiB); a model whose backward pass vmap
+cannot batch falls back to one column at a time.
+
+Memory: the kept graphs hold the activations of every batch and of its first
+backward pass, plus per batch the outputs, the loss gradient and ``J_b^T u`` (``D``
+numbers). :func:`build_linearized_ggn` counts them (the tensors the graphs save
+through ``torch.autograd.graph.saved_tensors_hooks`` and the ones it holds itself, each
+storage once, the model's own parameters and buffers not counted) and gives up,
+returning the reason, when they exceed ``budget_bytes`` (projected from the first
+batch when the loader has a length); the caller then uses curvlinops. Storages freed
+during the pass and reused at the same address are counted once, so the count can
+fall short of the true peak.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from laplace_glas.curvature.batches import batch_to_device
+from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES, TorchOperator
+
+__all__ = ["LinearizedGGN", "build_linearized_ggn"]
+
+_COLUMN_BYTES = 2**29  # batched backward passes: temporaries of about 512 MiB per batch
+
+
+@dataclass
+class _Linearization:
+    """One batch's kept graphs.
+
+    ``outputs`` are the network outputs ``f_b`` (graph to the parameters), ``dummy`` the
+    ``u`` and ``pullback`` the ``J_b^T u`` built from it with ``create_graph=True`` (one
+    tensor per used parameter, ``used`` their indices in the parameter list), ``leaf``
+    a detached copy of ``f_b`` and ``loss_gradient`` ``c nabla_f l_b`` at it, with its
+    graph.
+    """
+
+    outputs: torch.Tensor
+    dummy: torch.Tensor
+    pullback: tuple[torch.Tensor, ...]
+    used: tuple[int, ...]
+    leaf: torch.Tensor
+    loss_gradient: torch.Tensor
+
+
+class _SavedBytes:
+    """Bytes of the distinct storages autograd saves inside the context, except the
+    storages in ``exclude`` (parameters and buffers, which the model holds anyway).
+    """
+
+    def __init__(self, exclude: set[int]):
+        self.exclude = exclude
+        self.seen: set[int] = set()
+        self.bytes = 0
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer not in self.exclude and pointer not in self.seen:
+            self.seen.add(pointer)
+            self.bytes += storage.nbytes()
+        return tensor
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+
+
+class LinearizedGGN(TorchOperator):
+    """``G = c sum_b J_b^T Lambda_b J_b`` from kept graphs, as a SciPy operator (and in
+    torch).
+
+    Built by :func:`build_linearized_ggn`. ``matmat_torch(V)`` returns ``G V`` for
+    ``V (D, m)`` in the parameters' dtype and device; the SciPy interface converts to
+    and from NumPy. ``saved_bytes`` is the memory the graphs keep.
+    """
+
+    def __init__(
+        self,
+        linearizations: Sequence[_Linearization],
+        params: Sequence[torch.Tensor],
+        saved_bytes: int,
+    ):
+        ref = params[0]
+        n_params = sum(p.numel() for p in params)
+        super().__init__(dtype=NUMPY_DTYPES[ref.dtype], shape=(n_params, n_params))
+        self.linearizations = list(linearizations)
+        self.params = list(params)
+        self.shapes = [p.shape for p in params]
+        self.sizes = [p.numel() for p in params]
+        self.offsets = np.cumsum([0, *self.sizes])  # of each parameter in the D-vector
+        self.torch_dtype = ref.dtype
+        self.device = ref.device
+        self.saved_bytes = int(saved_bytes)
+        self.n_products = 0
+        self.batched = True  # is_grads_batched until vmap refuses the backward pass
+        # a batched backward pass needs about one batch's kept bytes per column
+        per_batch = max(1, self.saved_bytes // max(1, len(self.linearizations)))
+        self.column_chunk = max(1, _COLUMN_BYTES // per_batch)
+
+    # -- torch
+    def _product(self, lin: _Linearization, V: torch.Tensor, batched: bool) -> torch.Tensor:
+        """``c J_b^T Lambda_b J_b V`` for ``V (D, m)``, as ``(m, D)``."""
+        m = V.shape[1]
+        tangents = self._tangents(lin, V)
+        if not batched:
+            tangents = [t[0] for t in tangents]
+        (Jv,) = torch.autograd.grad(
+            lin.pullback, lin.dummy, tangents, retain_graph=True, is_grads_batched=batched
+        )
+        (HJv,) = torch.autograd.grad(
+            lin.loss_gradient, lin.leaf, Jv, retain_graph=True, is_grads_batched=batched
+        )
+        used = [self.params[i] for i in lin.used]
+        grads = torch.autograd.grad(
+            lin.outputs, used, HJv, retain_graph=True, is_grads_batched=batched
+        )
+        out = torch.zeros(m, self.shape[0], dtype=self.torch_dtype, device=self.device)
+        for i, grad in zip(lin.used, grads, strict=True):
+            out[:, self.offsets[i] : self.offsets[i + 1]] = grad.reshape(m, -1)
+        return out
+
+    def _tangents(self, lin: _Linearization, V: torch.Tensor) -> list[torch.Tensor]:
+        """The columns of ``V (D, m)`` as ``(m, *shape)`` tensors of the used parameters."""
+        columns = V.T.split(self.sizes, dim=1)
+        return [columns[i].reshape(V.shape[1], *self.shapes[i]) for i in lin.used]
+
+    def matmat_torch(self, V: torch.Tensor) -> torch.Tensor:
+        """``G V`` for ``V (D, m)``."""
+        V = V.to(device=self.device, dtype=self.torch_dtype)
+        m = V.shape[1]
+        self.n_products += m
+        result = torch.zeros(m, self.shape[0], dtype=self.torch_dtype, device=self.device)
+        for lin in self.linearizations:
+            for start in range(0, m, self.column_chunk):
+                chunk = V[:, start : start + self.column_chunk]
+                rows = result[start : start + self.column_chunk]
+                if chunk.shape[1] > 1 and self.batched:
+                    try:
+                        rows += self._product(lin, chunk, batched=True)
+                        continue
+                    except torch.OutOfMemoryError:
+                        if self.column_chunk == 1:
+                            raise
+                        self.column_chunk = max(1, self.column_chunk // 2)
+                        self.n_products -= m
+                        return self.matmat_torch(V)  # again, in smaller chunks
+                    except RuntimeError as err:  # vmap cannot batch this backward pass
+                        self.batched = False
+                        reason = str(err).splitlines()[0]
+                        warnings.warn(
+                            "The linearised GGN multiplies one column at a time: vmap "
+                            f"cannot batch this model's backward pass ({reason}).",
+                            UserWarning,
+                            stacklevel=2,
+                        )
+                for j in range(chunk.shape[1]):
+                    rows[j] += self._product(lin, chunk[:, j : j + 1], batched=False)[0]
+        return result.T
+
+
+def build_linearized_ggn(
+    model: nn.Module,
+    loss_func: nn.Module,
+    params: Sequence[torch.Tensor],
+    data: Iterable,
+    *,
+    num_data: int,
+    batch_size_fn: Callable | None = None,
+    device: torch.device | str = "cpu",
+    budget_bytes: int,
+    progress_bar: bool = False,
+) -> LinearizedGGN | str:
+    """One forward pass per batch of ``data``: the linearised GGN operator, or why not.
+
+    Parameters
+    ----------
+    model, params : nn.Module, sequence of tensors
+        The network (in eval mode, with differentiable kernels) and its trainable
+        parameters in the order of the ``D``-vector.
+    loss_func : nn.Module
+        The loss whose GGN is taken, with ``reduction`` ``'sum'`` or ``'mean'`` (as for
+        curvlinops' ``GGNLinearOperator``: the matrix is the same).
+    data : iterable
+        ``(X, y)`` batches (``X`` a tensor or a mapping of tensors).
+    num_data : int
+        Divides the batches' GGNs for ``reduction='mean'`` (times the batch size).
+    batch_size_fn : callable, optional
+        The batch size of an ``X`` (default ``X.shape[0]``).
+    device : torch.device or str
+        Where the batches go (the model's device).
+    budget_bytes : int
+        Largest memory the kept graphs may hold; above it the reason is returned.
+    progress_bar : bool
+        A tqdm bar over the batches.
+
+    Returns
+    -------
+    LinearizedGGN or str
+        The operator, or the reason it was not built (the caller uses curvlinops).
+
+    """
+    params = list(params)
+    owned = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    counter = _SavedBytes(owned)
+    linearizations = []
+    reduction = getattr(loss_func, "reduction", None)
+    try:
+        n_batches = len(data)
+    except TypeError:
+        n_batches = None
+    for X, y in tqdm(data, desc="Linearising", disable=not progress_bar):
+        X = batch_to_device(X, device)
+        y = y.to(device)
+        with counter.hooks(), torch.enable_grad():
+            outputs = model(X)
+            if not isinstance(outputs, torch.Tensor):
+                return f"the model returned a {type(outputs).__name__}, not a tensor"
+            if not outputs.requires_grad:
+                return "the model output does not depend on the parameters"
+            dummy = torch.zeros_like(outputs, requires_grad=True)
+            pullback = torch.autograd.grad(
+                outputs, params, dummy, create_graph=True, allow_unused=True
+            )
+            used = tuple(i for i, g in enumerate(pullback) if g is not None)
+            cut = [i for i in used if not pullback[i].requires_grad]
+            if cut:  # J^T u without a graph to u: its J v would silently be zero
+                return (
+                    f"the backward pass of parameter {cut[0]} (of {len(params)}) has no graph "
+                    "of its own, so it cannot be differentiated twice (a custom function "
+                    "whose backward detaches?)"
+                )
+            leaf = outputs.detach().requires_grad_(True)
+            scale = 1.0
+            if reduction == "mean":
+                if batch_size_fn is None and not isinstance(X, torch.Tensor):
+                    return "reduction='mean' on mapping inputs needs batch_size_fn"
+                n = batch_size_fn(X) if batch_size_fn is not None else X.shape[0]
+                scale = n / num_data
+            (loss_gradient,) = torch.autograd.grad(
+                scale * loss_func(leaf, y), leaf, create_graph=True
+            )
+        kept = _Linearization(
+            outputs, dummy, tuple(pullback[i] for i in used), used, leaf, loss_gradient
+        )
+        for tensor in (outputs, leaf, loss_gradient, *kept.pullback):  # held, not saved
+            counter.pack(tensor)
+        linearizations.append(kept)
+        projected = counter.bytes
+        if len(linearizations) == 1 and n_batches is not None:
+            projected = counter.bytes * n_batches  # give up before the pass, not after
+        if projected > budget_bytes:
+            return (
+                f"the kept graphs exceed the memory budget ({projected / 2**20:.0f} MiB "
+                f"{'after' if projected == counter.bytes else 'projected from'} "
+                f"{len(linearizations)} of {n_batches or '?'} batches, budget "
+                f"{budget_bytes / 2**20:.0f} MiB)"
+            )
+    if not linearizations:
+        return "the loader is empty"
+    operator = LinearizedGGN(linearizations, params, counter.bytes)
+    reason = _adjoint_check(operator, linearizations[0])
+    if reason is not None:
+        return reason
+    return operator
+
+
+def _adjoint_check(operator: LinearizedGGN, lin: _Linearization) -> str | None:
+    """Why the double-backward ``J v`` of the first batch cannot be trusted, or None.
+
+    For random ``u`` and ``v``, ``<u, J v>`` (double backward) must equal
+    ``<J^T u, v>`` (one backward pass), to ``tol`` times the sum of the absolute terms
+    of both inner products (computed in float64). A backward pass that cannot be
+    differentiated raises here; one that is cut from ``u`` on some path (a custom
+    function marked ``@once_differentiable`` hands back a result without a graph)
+    drops that path's share of ``J v`` and fails the identity. (A parameter whose
+    whole ``J^T u`` has no graph is refused before, by name.) The check sees one batch
+    and one random pair: a cut whose share is below about ``tol`` of the terms'
+    magnitudes goes unnoticed (correct float32 models measured at most 2e-8).
+    """
+    generator = torch.Generator(device=operator.device).manual_seed(0)
+    options = {"dtype": operator.torch_dtype, "device": operator.device}
+    u = torch.randn(lin.outputs.shape, generator=generator, **options)
+    v = torch.randn(operator.shape[0], 1, generator=generator, **options)
+    tangents = [t[0] for t in operator._tangents(lin, v)]
+    used = [operator.params[i] for i in lin.used]
+    try:
+        (Jv,) = torch.autograd.grad(lin.pullback, lin.dummy, tangents, retain_graph=True)
+        JTu = torch.autograd.grad(lin.outputs, used, u, retain_graph=True)
+    except RuntimeError as err:
+        return f"the backward pass cannot be differentiated twice ({str(err).splitlines()[0]})"
+    left_terms = (u.double() * Jv.double()).flatten()
+    right_terms = torch.cat(
+        [(g.double() * t.double()).flatten() for g, t in zip(JTu, tangents, strict=True)]
+    )
+    left, right = left_terms.sum(), right_terms.sum()
+    # rounding is relative to the terms' magnitudes, not to the (cancelling) sums
+    size = left_terms.abs().sum() + right_terms.abs().sum()
+    tol = 2e-6 if operator.torch_dtype == torch.float32 else 1e-13  # correct: <= 2e-8
+    if (left - right).abs() > tol * size:
+        return (
+            "the double-backward Jacobian-vector product fails the check "
+            f"<u, J v> = <J^T u, v> ({float(left):.6g} against {float(right):.6g}): a "
+            "backward pass without a graph of its own (e.g. @once_differentiable)?"
+        )
+    return None

@@ -1,0 +1,10 @@
+"""Eigen-solvers for the top-k eigenpairs of a symmetric PSD operator.
+
+* :mod:`~laplace_glas.curvature.solvers.block_krylov`: block Krylov with Rayleigh-Ritz,
+  many GGN columns per data pass.
+* :mod:`~laplace_glas.curvature.solvers.gram`: the dual eigen-solve of the factored GGN
+  through the ``NR x NR`` Gram matrix ``K = S S^T``.
+
+ARPACK's Lanczos (``scipy.sparse.linalg.eigsh``) is driven from
+:mod:`laplace_glas.curvature.eigensolve`.
+"""

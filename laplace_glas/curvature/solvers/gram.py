@@ -1,0 +1,362 @@
+"""The dual (Gram) eigen-solve of the factored mean-loss GGN.
+
+With ``S`` the ``M x D`` matrix of scaled per-example Jacobian rows
+(:mod:`laplace_glas.curvature.operators.factored`, ``M = N R``), ``G_1 = S^T S`` and the Gram
+(empirical NTK) matrix ``K = S S^T`` share their non-zero eigenvalues:
+
+.. math::
+
+    K w_j = \\lambda_j w_j \\;\\Longrightarrow\\;
+    G_1 u_j = \\lambda_j u_j, \\qquad u_j = S^\\top w_j / \\sqrt{\\lambda_j},
+
+with ``u_j`` orthonormal when the ``w_j`` are. ``K`` is built layer by layer from the
+factors: for a weight applied once per example (``T = 1``) its block is the Hadamard
+product ``(G G^T) o (A A^T)`` of the output-side and input-side Gram matrices
+(``M^2 d_out + N^2 d_in`` multiply-adds instead of ``M^2 d_out d_in``); for a weight
+applied at ``T > 1`` positions the per-example Jacobian ``sum_t g_t a_t^T`` is formed in
+chunks of output channels; explicit Jacobians (biases, normalisation affines) add
+``J J^T``; embeddings go through ``S (S^T E)`` with unit blocks ``E``.
+
+The residual of each pair needs no product in ``D`` dimensions:
+``G_1 u - lambda u = S^T (K w - lambda w) / sqrt(lambda)``, so
+``||G_1 u - lambda u||^2 = e^T K e / lambda`` with ``e = K w - lambda w``.
+
+Memory: ``K`` in float64 plus one layer's block in the factors' precision, ``12 M^2``
+bytes at most (float32 factors), and the ``(D, k)`` eigenvectors;
+:func:`gram_fits` states the budget the automatic choice applies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from scipy.linalg import blas
+from scipy.sparse.linalg import LinearOperator, eigsh
+
+from laplace_glas.curvature.operators.factored import (
+    EmbeddingFactor,
+    ExplicitFactor,
+    FactoredGGN,
+    OuterFactor,
+)
+from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES
+from laplace_glas.curvature.solvers.block_krylov import block_krylov_eigenpairs
+
+__all__ = ["dual_eigenpairs", "gram_bytes", "gram_fits", "gram_flops", "gram_matrix"]
+
+GRAM_MIN_BUDGET = 768 * 2**20
+"""Bytes the Gram matrix may always take (see :func:`gram_fits`)."""
+_CHUNK_ELEMENTS = 2**25
+_ARPACK_MAX_K = 16  # above, block Krylov on K (k columns per read of K) is faster
+
+
+@functools.cache
+def _openblas_thread_controls() -> tuple:
+    """``(get, set)`` thread-count functions of every OpenBLAS loaded in this process
+    (found as threadpoolctl finds them; none off Linux).
+    """
+    controls = []
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
+    except OSError:
+        return ()
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix in ("scipy_openblas_", "openblas_"):
+            for suffix in ("", "64_"):
+                get = getattr(lib, f"{prefix}get_num_threads{suffix}", None)
+                put = getattr(lib, f"{prefix}set_num_threads{suffix}", None)
+                if get is not None and put is not None:
+                    controls.append((get, put))
+    return tuple(controls)
+
+
+@contextlib.contextmanager
+def _single_threaded_openblas() -> Iterator[None]:
+    """SciPy's OpenBLAS on one thread while the block runs.
+
+    Its worker threads spin between calls and compete with torch's for the cores: on
+    2 cores the ``symv`` products of the Gram eigen-solve took 25x longer with two
+    OpenBLAS threads than with one (and ``syrk`` 1.6x), next to torch's own pool.
+    """
+    controls = _openblas_thread_controls()
+    before = [get() for get, _ in controls]
+    try:
+        for _, put in controls:
+            put(1)
+        yield
+    finally:
+        for (_, put), n in zip(controls, before):
+            put(n)
+
+
+def _itemsize(op: FactoredGGN) -> int:
+    return torch.finfo(op.torch_dtype).bits // 8
+
+
+def gram_bytes(op: FactoredGGN) -> int:
+    """Peak bytes of :func:`gram_matrix`: ``K`` and one layer's block, in the
+    factors' precision.
+    """
+    M = op.n_examples * op.n_rows
+    return 2 * M * M * _itemsize(op)
+
+
+def gram_fits(op: FactoredGGN, k: int) -> bool:
+    """The budget rule: ``gram_bytes <= max(768 MiB, k D itemsize)`` and ``k < M``."""
+    M = op.n_examples * op.n_rows
+    return k < M and gram_bytes(op) <= max(GRAM_MIN_BUDGET, k * op.shape[0] * _itemsize(op))
+
+
+def gram_flops(op: FactoredGGN) -> int:
+    """Flops of building ``K`` from the factors (symmetric rank-k updates)."""
+    N, R = op.n_examples, op.n_rows
+    M = N * R
+    flops = 0
+    for f in op.factors:
+        if isinstance(f, OuterFactor):
+            d_out, d_in = f.shape
+            T = f.a.shape[1]
+            if T == 1:
+                flops += M * M * d_out + N * N * d_in
+            else:
+                flops += M * M * f.numel + 2 * M * T * f.numel
+        elif isinstance(f, ExplicitFactor):
+            flops += M * M * f.J.shape[-1]
+        else:
+            flops += M * f.cost()
+    return flops
+
+
+class SymmetricGram:
+    """``K`` held as its upper triangle (CPU: a Fortran array for BLAS ``syrk``,
+    ``symv``, ``symm``, half the flops of a GEMM) or as a full tensor (other devices).
+    """
+
+    def __init__(self, M: int, dtype: torch.dtype, device: torch.device):
+        self.cpu = torch.device(device).type == "cpu"
+        self.M, self.dtype, self.device = M, dtype, device
+        if self.cpu:
+            self.K = np.zeros((M, M), dtype=NUMPY_DTYPES[dtype], order="F")
+            self._syrk, self._symv, self._symm = blas.get_blas_funcs(
+                ("syrk", "symv", "symm"), (self.K,)
+            )
+        else:
+            self.K = torch.zeros(M, M, dtype=dtype, device=device)
+
+    def rank_update(self, X: torch.Tensor, hadamard: torch.Tensor | None = None, R: int = 1):
+        """``K += X X^T`` or, with ``hadamard`` (``N x N``), ``K += (X X^T) o
+        (hadamard expanded over the R x R blocks)``.
+        """
+        if not self.cpu:
+            block = X @ X.T
+            if hadamard is not None:
+                N = hadamard.shape[0]
+                block = (block.view(N, R, N, R) * hadamard[:, None, :, None]).view(self.M, self.M)
+            self.K += block
+            return
+        Xn = X.detach().cpu().numpy()
+        if hadamard is None:
+            self.K = self._syrk(1.0, Xn, beta=1.0, c=self.K, overwrite_c=1)
+            return
+        block = self._syrk(1.0, Xn)  # upper triangle, Fortran order
+        H = hadamard.cpu().numpy()
+        if R == 1:
+            block *= H
+        else:  # block.T is C-ordered: its (N, R, N, R) view is free
+            N = H.shape[0]
+            block.T.reshape(N, R, N, R)[...] *= H.T[:, None, :, None]
+        self.K += block
+
+    def add(self, block: torch.Tensor) -> None:
+        """``K += block`` for a full symmetric ``block``."""
+        if self.cpu:
+            self.K += block.cpu().numpy()
+        else:
+            self.K += block
+
+    def hadamard_factor(self, a: torch.Tensor) -> torch.Tensor:
+        """``a a^T`` (upper triangle suffices on the CPU)."""
+        if self.cpu:
+            return torch.from_numpy(self._syrk(1.0, a.detach().cpu().numpy()))
+        return a @ a.T
+
+    def matmat(self, W: np.ndarray) -> np.ndarray:
+        """``K W`` in float64 NumPy (``W`` of shape ``(M,)`` or ``(M, p)``)."""
+        if self.cpu:
+            W32 = np.asfortranarray(W, dtype=self.K.dtype)
+            if W32.ndim == 1:
+                out = self._symv(1.0, self.K, W32)
+            else:
+                out = self._symm(1.0, self.K, W32)
+            return out.astype(np.float64)
+        Wt = torch.as_tensor(W, dtype=self.dtype, device=self.device)
+        return (self.K @ Wt).double().cpu().numpy()
+
+
+def _outer_update(K: SymmetricGram, f: OuterFactor, N: int, R: int) -> None:
+    d_out, d_in = f.shape
+    M = N * R
+    if f.a.shape[1] == 1:
+        H = K.hadamard_factor(f.a[:, 0])
+        if f.bias_offset is not None:
+            H += 1.0  # the bias: a constant input 1
+        K.rank_update(f.g[:, :, 0].reshape(M, d_out), H, R)
+        return
+    a = f.a
+    if f.bias_offset is not None:
+        a = torch.cat([a, a.new_ones(*a.shape[:2], 1)], -1)
+    chunk = max(1, _CHUNK_ELEMENTS // max(1, M * (d_in + 1)))
+    for o in range(0, d_out, chunk):
+        K.rank_update(torch.einsum("nrto,nti->nroi", f.g[..., o : o + chunk], a).reshape(M, -1))
+
+
+def _product_block(op: FactoredGGN, f: EmbeddingFactor) -> torch.Tensor:
+    """``S_f S_f^T`` through products with unit blocks (any factor type)."""
+    N, R = op.n_examples, op.n_rows
+    M = N * R
+    K = torch.empty(M, M, dtype=op.torch_dtype, device=op.device)
+    block = max(1, min(M, _CHUNK_ELEMENTS // max(1, op.shape[0])))
+    for start in range(0, M, block):
+        stop = min(M, start + block)
+        E = torch.zeros(stop - start, M, dtype=op.torch_dtype, device=op.device)
+        E[:, start:stop].fill_diagonal_(1.0)
+        out = torch.zeros(stop - start, op.shape[0], dtype=op.torch_dtype, device=op.device)
+        f.apply_transpose(E.view(-1, N, R), out)
+        K[:, start:stop] = f.apply(out).reshape(stop - start, M).T
+    return K
+
+
+def gram_matrix(op: FactoredGGN) -> SymmetricGram:
+    """``K = S S^T`` (``(N R) x (N R)``, rows ordered example-major)."""
+    N, R = op.n_examples, op.n_rows
+    K = SymmetricGram(N * R, op.torch_dtype, op.device)
+    for f in op.factors:
+        if isinstance(f, OuterFactor):
+            _outer_update(K, f, N, R)
+        elif isinstance(f, ExplicitFactor):
+            K.rank_update(f.J.reshape(N * R, -1))
+        else:
+            K.add(_product_block(op, f))
+    return K
+
+
+def _top_eigenpairs(K: SymmetricGram, k: int, tol: float, generator, rank_threshold: float):
+    """Top-``k`` eigenpairs of ``K``: ARPACK for small ``k``, block Krylov (one
+    ``symm`` per pass reads ``K`` once for the whole block) for larger ``k``.
+    """
+    M = K.M
+    if k <= _ARPACK_MAX_K:
+        v0 = torch.randn(M, generator=generator, dtype=torch.float64).numpy()
+        operator = LinearOperator((M, M), matvec=K.matmat, matmat=K.matmat, dtype=np.float64)
+        values, W = eigsh(operator, k=k, which="LA", tol=tol, v0=v0)
+        return values, W, k
+    eps = torch.finfo(K.dtype).eps
+    result = block_krylov_eigenpairs(
+        lambda V: torch.from_numpy(K.matmat(V.cpu().numpy())),
+        M,
+        k,
+        block_size=k + max(8, k // 4),
+        tol=tol if tol > 0 else (1e-5 if K.dtype == torch.float32 else 1e-8),
+        max_passes=100,
+        rank_threshold=max(rank_threshold, 100 * eps),
+        generator=generator,
+    )
+    values = result.values.numpy()
+    W = result.vectors.numpy()
+    if values.size < k:  # rank below k: complete with zero pairs
+        extra = np.linalg.qr(np.random.default_rng(0).standard_normal((M, k - values.size)))[0]
+        W = np.linalg.qr(np.concatenate([W, extra], 1))[0]
+        values = np.concatenate([values, np.zeros(k - values.size)])
+    return values, W, int(result.converged.sum())
+
+
+def dual_eigenpairs(
+    op: FactoredGGN,
+    k: int,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tol: float = 0.0,
+    generator: torch.Generator | None = None,
+    rank_threshold: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
+    """Top-``k`` eigenpairs of ``G_1 = S^T S`` through ``K = S S^T``.
+
+    Parameters
+    ----------
+    op : FactoredGGN
+        The factored operator (``M = N R`` rows, ``k < M``).
+    k : int
+        Number of eigenpairs.
+    dtype, device : torch.dtype, torch.device
+        Precision and device of the returned tensors.
+    tol : float
+        Relative accuracy of Lanczos on ``K`` (``0``: machine precision); below
+        1,200 rows ``K`` is diagonalised by LAPACK instead.
+    generator : torch.Generator, optional
+        Source of the Lanczos start vector.
+    rank_threshold : float
+        Eigenvectors of eigenvalues below ``rank_threshold * lambda_1`` cannot be
+        recovered as ``S^T w / sqrt(lambda)``; they are completed to an orthonormal
+        set by QR instead (their eigenvalues are reported as zero by the caller).
+
+    Returns
+    -------
+    tuple
+        ``values (k,)`` descending, ``vectors (D, k)``, residual norms
+        ``||G_1 u - lambda u|| (k,)``, products (``k``: one ``S^T`` pass with ``k``
+        columns), converged count and operator calls (1).
+
+    """
+    M = op.n_examples * op.n_rows
+    if not 1 <= k < M:
+        raise ValueError(
+            f"The dual solve finds at most {M - 1} eigenpairs (N R = {M} Jacobian rows); "
+            f"k={k} was asked for: use solver='lanczos'."
+        )
+    with _single_threaded_openblas():
+        K = gram_matrix(op)
+        values, W, n_converged = _top_eigenpairs(K, k, tol, generator, rank_threshold)
+        order = np.argsort(values)[::-1]
+        values, W = values[order], np.ascontiguousarray(W[:, order])
+        E = K.matmat(W) - W * values
+        res_sq = np.maximum((E * K.matmat(E)).sum(0), 0.0)
+    top = max(values[0], 0.0)
+    good = values > max(rank_threshold * top, np.finfo(np.float64).tiny)
+
+    residual_norms = torch.from_numpy(
+        np.where(good, np.sqrt(res_sq / np.where(good, values, 1.0)), np.inf)
+    )
+
+    scale = np.where(good, 1.0 / np.sqrt(np.where(good, values, 1.0)), 1.0)
+    Y = (W * scale).T.reshape(k, op.n_examples, op.n_rows)
+    U = op.apply_transpose(
+        torch.from_numpy(np.ascontiguousarray(Y)).to(op.device, op.torch_dtype)
+    ).T
+    if not good.all():  # complete the unrecoverable directions to an orthonormal set
+        n_good = int(good.sum())
+        gen = torch.Generator().manual_seed(0) if generator is None else generator
+        U = U.to(torch.float64)
+        U[:, n_good:] = torch.randn(U.shape[0], k - n_good, generator=gen, dtype=torch.float64).to(
+            U.device
+        )
+        Q, Rf = torch.linalg.qr(U)
+        U = Q * torch.sign(torch.diagonal(Rf))
+    return (
+        torch.from_numpy(values).to(device=device, dtype=dtype),
+        U.to(device=device, dtype=dtype),
+        residual_norms.to(device=device, dtype=dtype),
+        k,
+        n_converged,
+        1,
+    )

@@ -1,0 +1,111 @@
+"""Activity scores: which weights carry the curvature of the active subspace.
+
+The activity score of weight ``i`` over the leading ``k`` eigenpairs is
+
+.. math::
+
+    \\alpha_i(k) = \\sum_{j \\le k} w_j \\, u_{ij}^2 ,
+
+with the weights ``w_j`` chosen by ``weighting``:
+
+* ``'eigenvalue'`` (default, the active-subspace convention): ``w_j = lambda_j``,
+  the mean-loss GGN eigenvalue; then ``alpha_i(D) = G_ii``;
+* ``'posterior'``: ``w_j = a_j v_j = a_j / (a_j + tau)`` with ``a_j = s lambda_j / T``,
+  the share of direction ``j``'s prior variance the data removed (in [0, 1));
+* ``'variance'``: ``w_j = v_j``, the posterior variance along ``u_j``; then
+  ``alpha_i`` is the marginal posterior variance of weight ``i`` in the subspace.
+
+Since ``U`` is orthonormal, ``sum_i alpha_i = sum_j w_j``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from laplace_glas.posterior.closed_forms import posterior_variances
+
+__all__ = ["activity_scores", "cumulative_activity", "per_parameter", "weights_for_share"]
+
+_WEIGHTINGS = ("eigenvalue", "posterior", "variance")
+
+
+def activity_scores(la: Any, k: int | None = None, weighting: str = "eigenvalue") -> torch.Tensor:
+    """``(D,)`` activity scores of a fitted GLAS posterior (see module docstring).
+
+    Parameters
+    ----------
+    la : ActiveSubspaceLaplace
+        Fitted posterior.
+    k : int, optional
+        Number of leading eigenpairs (default: the posterior's ``n_components``);
+        may go up to the number computed by ``fit``.
+    weighting : {'eigenvalue', 'posterior', 'variance'}
+        Eigen-direction weights ``w_j``.
+
+    """
+    la._check_H_init()
+    available = la.lanczos_info.k
+    k = la.n_components if k is None else int(k)
+    if not 1 <= k <= available:
+        raise ValueError(f"k must lie in [1, {available}], got {k}.")
+    if weighting not in _WEIGHTINGS:
+        raise ValueError(f"weighting must be one of {_WEIGHTINGS}, got {weighting!r}.")
+    U = la.H[0][:, :k]
+    if weighting == "eigenvalue":
+        weights = la._eigenvalues_up_to(k)
+    else:
+        a = la._curvature_up_to(k)
+        variances = posterior_variances(a, la._tau)
+        weights = a * variances if weighting == "posterior" else variances
+    return (U.square() @ weights).detach()
+
+
+def per_parameter(la: Any, scores: torch.Tensor) -> dict[str, float]:
+    """Total score per named parameter tensor (layer weights, biases), in model order."""
+    if scores.shape != (la.n_params,):
+        raise ValueError(f"scores must have shape ({la.n_params},), got {tuple(scores.shape)}.")
+    if not torch.isfinite(scores).all():
+        raise ValueError("scores contain NaN or inf.")
+    totals, offset = {}, 0
+    for name, shape in zip(la._param_names, la._param_shapes):
+        n = shape.numel()
+        totals[name] = float(scores[offset : offset + n].sum())
+        offset += n
+    return totals
+
+
+def cumulative_activity(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cumulative share of the total score carried by the top-n weights.
+
+    Returns ``(n_weights, share)``: ``n_weights = 1..D`` and ``share[n-1]`` the
+    fraction of ``sum(scores)`` carried by the ``n`` largest scores (plot on log-log
+    axes to see how localised the subspace is).
+    """
+    if scores.ndim != 1 or scores.numel() == 0:
+        raise ValueError("scores must be a non-empty 1-D tensor.")
+    if not torch.isfinite(scores).all():
+        raise ValueError("scores contain NaN or inf.")
+    if (scores < 0).any():
+        raise ValueError("Activity scores are non-negative; got negative entries.")
+    ordered = scores.sort(descending=True).values.double()
+    cumulative = torch.cumsum(ordered, 0)
+    total = cumulative[-1]  # the same float64 sum, so the last share is exactly 1
+    if total <= 0:
+        raise ValueError("All activity scores are zero.")
+    share = cumulative / total
+    n_weights = torch.arange(1, scores.numel() + 1)
+    return n_weights, share
+
+
+def weights_for_share(scores: torch.Tensor, share: float = 0.95) -> tuple[int, float]:
+    """Smallest number (and fraction) of weights whose scores carry ``share`` of the total."""
+    if not 0 < share <= 1:
+        raise ValueError(f"share must lie in (0, 1], got {share}.")
+    _, cumulative = cumulative_activity(scores)
+    count = (
+        int(torch.searchsorted(cumulative, torch.tensor(share - 1e-12, dtype=torch.float64))) + 1
+    )
+    count = min(count, scores.numel())
+    return count, count / scores.numel()

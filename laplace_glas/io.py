@@ -1,0 +1,341 @@
+"""Saving and restoring a fitted GLAS posterior: the state dict and its checks.
+
+The state is laplace-torch's (``mean``, ``H``, ``loss``, priors, noise, counts, ...)
+plus the GLAS settings and the eigen-solve record. Here ``H = (U, h)`` with ``U`` the
+``(D, K)`` computed eigenvectors and ``h = N * eig(G_1) >= 0``. Every entry holds
+tensors or Python scalars only, so ``torch.load(..., weights_only=True)`` reads it.
+
+:func:`check_state` validates a whole state before anything is assigned, so that a
+refused ``load_state_dict`` leaves the posterior exactly as it was.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from laplace_glas.curvature.eigensolve import Eigenpairs
+from laplace_glas.curvature.fitting import loss_fn_name
+from laplace_glas.validation import (
+    homoscedastic_noise,
+    positive_scalar,
+    prior_precision_values,
+    scalar_prior_precision,
+)
+
+__all__ = [
+    "GLAS_KEYS",
+    "LAPLACE_KEYS",
+    "check_state",
+    "eigenpair_record",
+    "glas_state",
+    "restore_glas_state",
+]
+
+LAPLACE_KEYS = (
+    "mean",
+    "H",
+    "loss",
+    "prior_mean",
+    "prior_precision",
+    "sigma_noise",
+    "n_data",
+    "n_outputs",
+    "likelihood",
+    "temperature",
+    "enable_backprop",
+    "cls_name",
+)
+"""Keys of laplace-torch's ``ParametricLaplace.state_dict``."""
+
+GLAS_KEYS = ("loss_scaling", "complement", "n_components", "eigenpairs")
+"""Keys GLAS adds (``loss_fn``, the name of a custom curvature loss, is optional)."""
+
+_EIGENPAIR_KEYS = (
+    "values",
+    "vectors",
+    "residuals",
+    "below_threshold",
+    "raw_values",
+    "n_products",
+    "n_requested",
+    "n_converged",
+    "wall_time",
+    "n_data",
+    "rank_threshold",
+)
+
+
+def _tensor(entry: str, value: Any, shape: tuple[int | None, ...] | None = None) -> torch.Tensor:
+    """``value`` (the state's ``entry``) must be a finite floating tensor of ``shape``
+    (None: any length).
+    """
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        raise ValueError(f"{entry} must be a floating-point tensor, got {value!r}.")
+    if shape is not None and (
+        value.ndim != len(shape)
+        or any(want is not None and got != want for got, want in zip(value.shape, shape))
+    ):
+        wanted = tuple("any" if s is None else s for s in shape)
+        raise ValueError(f"{entry} has shape {tuple(value.shape)}, expected {wanted}.")
+    if not torch.isfinite(value).all():
+        raise ValueError(f"{entry} contains NaN or inf.")
+    return value
+
+
+def _count(key: str, value: Any, low: int = 1) -> int:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"state_dict[{key!r}] must be an int >= {low}, got {value!r}.")
+    return value
+
+
+def _hyperparameter(key: str, check: Callable[[], Any]) -> None:
+    """Run the setter's own check of ``state[key]``; its error names the entry."""
+    try:
+        check()
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"state_dict[{key!r}]: {err}") from None
+
+
+def check_state(
+    state: Mapping[str, Any],
+    *,
+    cls_name: str,
+    n_params: int,
+    likelihood: str,
+    loss_scalings: tuple[str, ...],
+    complements: tuple[str, ...],
+    dtype: torch.dtype | None = None,
+    n_layers: int | None = None,
+) -> None:
+    """Validate a GLAS state dict against the posterior it is loaded into.
+
+    With ``n_layers``, a prior precision of one value per parameter tensor or per
+    weight is accepted as well (positive and finite).
+
+    Raises
+    ------
+    ValueError
+        Naming the first missing key or invalid entry: a state of another class,
+        likelihood or number of parameters; non-finite tensors; negative eigenvalues
+        ``h``; eigenvectors not of shape ``(D, K)``; ``n_components`` outside
+        ``[1, K]``; an unknown loss scaling or complement; a prior precision, noise
+        or temperature that is not a finite positive number.
+
+    """
+    if not isinstance(state, Mapping):
+        raise ValueError(f"A GLAS state dict is a mapping, got {type(state).__name__}.")
+    missing = [key for key in (*LAPLACE_KEYS, *GLAS_KEYS) if key not in state]
+    if missing:
+        raise ValueError(
+            f"Not a GLAS state dict: the key(s) {', '.join(map(repr, missing))} are missing."
+        )
+    if state["cls_name"] != cls_name:
+        raise ValueError(
+            f"The state dict is of a {state['cls_name']!r}, not of a {cls_name!r}: make sure "
+            "`subset_of_weights` and `hessian_structure` are correct."
+        )
+    if str(getattr(state["likelihood"], "value", state["likelihood"])) != likelihood:
+        raise ValueError(
+            f"Different likelihoods detected: the state dict's is {state['likelihood']!r}, "
+            f"this posterior's {likelihood!r}."
+        )
+    mean = _tensor("state_dict['mean']", state["mean"], (None,))
+    if mean.numel() != n_params:
+        raise ValueError(
+            f"The state dict is of a model with a different number of parameters: its mean "
+            f"has {mean.numel()} entries, this model D={n_params} under inference; use the "
+            "same model and the same requires_grad switches."
+        )
+    H = state["H"]
+    if not isinstance(H, (tuple, list)) or len(H) != 2:
+        raise ValueError("state_dict['H'] must be the pair (eigenvectors, curvatures).")
+    U = _tensor("state_dict['H'][0] (eigenvectors)", H[0], (n_params, None))
+    h = _tensor("state_dict['H'][1] (curvatures)", H[1], (U.shape[1],))
+    n_computed = U.shape[1]
+    if not 1 <= n_computed < n_params:
+        raise ValueError(
+            f"state_dict['H'] holds {n_computed} eigenvectors; GLAS needs 1 <= K < D={n_params}."
+        )
+    gram = U.T.to(torch.float64) @ U.to(torch.float64)
+    eye = torch.eye(n_computed, dtype=torch.float64, device=gram.device)
+    if not torch.allclose(gram, eye, atol=1e3 * torch.finfo(U.dtype).eps * n_computed):
+        raise ValueError(
+            "state_dict['H'][0] holds eigenvectors that are not orthonormal "
+            f"(max |U^T U - I| = {float((gram - eye).abs().max()):.2g})."
+        )
+    if (h < 0).any():
+        raise ValueError(
+            "state_dict['H'][1] holds negative curvatures: the GGN is positive "
+            f"semi-definite (smallest value {float(h.min()):.3g})."
+        )
+    n_components = _count("n_components", state["n_components"])
+    if n_components > n_computed:
+        raise ValueError(
+            f"state_dict['n_components']={n_components} exceeds the {n_computed} "
+            "eigenpairs the state holds."
+        )
+    for key, allowed in (("loss_scaling", loss_scalings), ("complement", complements)):
+        if state[key] not in allowed:
+            raise ValueError(f"state_dict[{key!r}] must be one of {allowed}, got {state[key]!r}.")
+    _count("n_data", state["n_data"])
+    _count("n_outputs", state["n_outputs"])
+    loss = state["loss"]
+    if not math.isfinite(float(torch.as_tensor(loss).reshape(-1)[0])):
+        raise ValueError("state_dict['loss'] is not finite.")
+    # the checks the setters run when the state is assigned, in the model's dtype, so
+    # that no setter can refuse a value halfway through the load
+    prior_precision, sigma_noise = state["prior_precision"], state["sigma_noise"]
+    _hyperparameter(
+        "prior_precision",
+        lambda: (
+            scalar_prior_precision(prior_precision, dtype)
+            if n_layers is None
+            else prior_precision_values(prior_precision, n_layers, n_params, dtype)
+        ),
+    )
+    _hyperparameter("sigma_noise", lambda: homoscedastic_noise(sigma_noise, dtype, likelihood))
+    _hyperparameter(
+        "temperature", lambda: positive_scalar("temperature", state["temperature"], dtype=dtype)
+    )
+    prior_mean = state["prior_mean"]
+    if isinstance(prior_mean, torch.Tensor):
+        if prior_mean.numel() not in (1, n_params) or not torch.isfinite(prior_mean).all():
+            raise ValueError("state_dict['prior_mean'] must be finite, scalar or of length D.")
+    _check_eigenpairs(eigenpair_record(state), U)
+
+
+def eigenpair_record(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The eigen-solve record of a state as ``Eigenpairs.to_dict()``'s dict.
+
+    States store it as a tuple of ``(field, value)`` pairs without the eigenvectors
+    (``H[0]`` holds them); states of version 0.1 as a dict with them. Both are read.
+    """
+    record = state["eigenpairs"]
+    if isinstance(record, (tuple, list)):
+        try:
+            record = dict(record)
+        except (TypeError, ValueError):
+            raise ValueError(
+                "state_dict['eigenpairs'] must be a tuple of (field, value) pairs."
+            ) from None
+    if not isinstance(record, Mapping):
+        raise ValueError(
+            "state_dict['eigenpairs'] must be a tuple of (field, value) pairs "
+            "(or the dict Eigenpairs.to_dict() returns)."
+        )
+    record = dict(record)
+    H = state.get("H")
+    if "vectors" not in record and isinstance(H, (tuple, list)) and len(H) == 2:
+        record["vectors"] = H[0]
+    return record
+
+
+def _check_eigenpairs(record: Mapping[str, Any], U: torch.Tensor) -> None:
+    missing = [key for key in _EIGENPAIR_KEYS if key not in record]
+    if missing:
+        raise ValueError(
+            f"state_dict['eigenpairs'] lacks the key(s) {', '.join(map(repr, missing))}."
+        )
+    vectors = record["vectors"]
+    if not isinstance(vectors, torch.Tensor) or vectors.shape != U.shape:
+        raise ValueError(
+            "state_dict['eigenpairs']['vectors'] must have the shape of the eigenvectors "
+            f"in state_dict['H'], {tuple(U.shape)}."
+        )
+    for key in ("values", "residuals", "raw_values", "below_threshold"):
+        value = record[key]
+        if not isinstance(value, torch.Tensor) or value.shape != (U.shape[1],):
+            raise ValueError(
+                f"state_dict['eigenpairs'][{key!r}] must be a tensor of shape ({U.shape[1]},)."
+            )
+
+
+def glas_state(la: Any, base_state: dict[str, Any]) -> dict[str, Any]:
+    """laplace-torch's ``base_state`` of the fitted ``la`` plus the GLAS entries.
+
+    Its top-level values are tensors, Python scalars, strings and tuples only
+    (laplace-torch's rule for a state without pickled objects), so
+    ``torch.load(..., weights_only=True)`` reads it back. The eigen-solve record is
+    stored as a tuple of ``(field, value)`` pairs without its eigenvectors, which
+    ``H[0]`` holds.
+    """
+    state = dict(base_state)
+    state["likelihood"] = str(getattr(la.likelihood, "value", la.likelihood))
+    state["H"] = tuple(la.H)
+    state["loss_scaling"] = la.loss_scaling
+    state["complement"] = la.complement
+    state["n_components"] = la._n_components
+    record = la._eigenpairs.to_dict()
+    del record["vectors"]  # the same tensor as H[0]
+    state["eigenpairs"] = tuple(record.items())
+    state["loss_fn"] = loss_fn_name(la.loss_fn)
+    return state
+
+
+def restore_glas_state(
+    la: Any,
+    state: Mapping[str, Any],
+    load_base: Callable[[Mapping[str, Any]], None],
+    *,
+    loss_scalings: tuple[str, ...],
+    complements: tuple[str, ...],
+) -> None:
+    """Validate ``state`` (:func:`check_state`), then assign it to ``la``.
+
+    ``load_base`` is laplace-torch's ``load_state_dict`` of ``la``. Settings of ``la``
+    that the state replaces (loss scaling, complement, ``n_components``, a different
+    custom loss) are named in a warning. Nothing is assigned when a check fails.
+    """
+    check_state(
+        state,
+        cls_name=type(la).__name__,
+        n_params=la.n_params,
+        likelihood=str(getattr(la.likelihood, "value", la.likelihood)),
+        loss_scalings=loss_scalings,
+        complements=complements,
+        dtype=la._dtype,
+        n_layers=la.n_layers,
+    )
+    if la.loss_scaling != state["loss_scaling"]:
+        warnings.warn(
+            f"loss_scaling {la.loss_scaling!r} is replaced by the saved {state['loss_scaling']!r}.",
+            stacklevel=3,
+        )
+    if la.complement != state["complement"]:
+        warnings.warn(
+            f"complement {la.complement!r} is replaced by the saved {state['complement']!r}.",
+            stacklevel=3,
+        )
+    if la._n_components != state["n_components"]:
+        warnings.warn(
+            f"n_components {la._n_components} is replaced by the saved {state['n_components']}.",
+            stacklevel=3,
+        )
+    saved_loss = state.get("loss_fn", "")
+    if saved_loss != loss_fn_name(la.loss_fn):
+        warnings.warn(
+            f"The saved eigenpairs are those of loss_fn {saved_loss or None!r}; this "
+            f"object has {loss_fn_name(la.loss_fn) or None!r}. The loaded curvature "
+            "is used as saved.",
+            stacklevel=3,
+        )
+    try:
+        eigenpairs = Eigenpairs.from_dict(eigenpair_record(state))
+    except TypeError as err:
+        raise ValueError(f"state_dict['eigenpairs'] is not an eigen-solve record: {err}") from None
+    load_base(state)
+    la.loss = torch.as_tensor(la.loss).to(la._device, la._dtype)
+    U, h = state["H"]
+    la.H = (U.to(la._device, la._dtype), h.to(la._device, la._dtype))
+    la.mean = la.mean.to(la._device, la._dtype)
+    la.loss_scaling = state["loss_scaling"]
+    la.complement = state["complement"]
+    la._eigenpairs = eigenpairs.to(la._device, la._dtype)
+    la._n_components = int(state["n_components"])

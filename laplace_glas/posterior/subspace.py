@@ -1,0 +1,407 @@
+"""The posterior half of the laplace-torch contract for a subspace Laplace posterior.
+
+:class:`SubspacePosterior` is a mixin of
+:class:`~laplace_glas.laplace.ActiveSubspaceLaplace`: the precision and covariance
+operators, the evidence's log-determinants, the log density, sampling and prior
+tuning. With a scalar prior precision ``tau`` they are the closed forms of
+:mod:`laplace_glas.posterior.closed_forms` (``v_j = 1 / (a_j + tau)``, 1-D empirical Bayes); with a
+layerwise or diagonal prior ``P_0 = diag(p)`` (laplace-torch's ``prior_precision`` of
+one value per parameter tensor or per weight) they are the ``O(k^2 D)`` algebra of
+:mod:`laplace_glas.posterior.prior`: the ``k x k`` restricted precision
+``diag(a) + U^T P_0 U`` (``complement='zero'``) or Woodbury's form of
+``(P_0 + U diag(a) U^T)^{-1}`` (``complement='prior'``), and the evidence's Occam term
+``log det(I + diag(sqrt a) U^T P_0^{-1} U diag(sqrt a))``.
+
+The mixin reads ``eigenvectors``, ``subspace_curvature``, ``prior_precision``,
+``prior_precision_diag``, ``complement``, ``mean`` and ``n_params`` of the class it is
+mixed into.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torchmetrics
+from laplace.utils.enums import LinkApprox, PredType, PriorStructure, TuningMethod
+from laplace.utils.utils import fix_prior_prec_structure
+from torch.utils.data import DataLoader
+
+from laplace_glas.posterior.closed_forms import (
+    SubspaceOperator,
+    log_det_ratio,
+    optimal_prior_precision,
+    posterior_variances,
+    sample_subspace,
+)
+from laplace_glas.posterior.prior import (
+    DiagonalPriorPosterior,
+    LowRankDiagonalOperator,
+    layer_grams,
+)
+from laplace_glas.predictive.subspace_predictive import SubspacePredictive
+from laplace_glas.validation import (
+    choice,
+    finite_number,
+    positive_int,
+    reiterable,
+    scalar_prior_precision,
+)
+
+__all__ = ["SubspacePosterior"]
+
+_PRIOR_STRUCTURES = ("scalar", "layerwise", "diag")
+
+
+class SubspacePosterior:
+    """Posterior operators, evidence terms, sampling and prior tuning (a mixin; see
+    the module).
+    """
+
+    # ------------------------------------------------------------------ prior
+    @property
+    def _prior_is_scalar(self) -> bool:
+        """One prior precision for all weights (the closed forms apply)."""
+        return self.prior_precision.numel() == 1
+
+    def _diagonal_prior(self) -> DiagonalPriorPosterior:
+        """The posterior under the expanded prior ``diag(p)`` (non-scalar priors).
+
+        A layerwise prior uses the cached per-layer Gram matrices ``U_l^T U_l``: after
+        the first call, ``U^T P_0^{+-1} U`` costs ``O(L k^2)`` (a marglik step no
+        longer touches ``U``).
+        """
+        if type(self)._network_directions is not SubspacePredictive._network_directions:
+            raise ValueError(
+                f"A layerwise or diagonal prior_precision is not implemented for "
+                f"{type(self).__name__} (its directions are embedded in the network); "
+                "use a scalar prior_precision."
+            )
+        U = self.eigenvectors
+        grams = None
+        p = self.prior_precision.reshape(-1)
+        if p.numel() == self.n_layers and self.n_layers != self.n_params:
+            # keyed on the eigenvector tensor itself (held, so never reused), its
+            # in-place version and k
+            vectors, k = self.H[0], self._n_components
+            cache = getattr(self, "_layer_gram_cache", None)
+            if cache is None or cache[0] is not vectors or cache[1:3] != (vectors._version, k):
+                blocks = layer_grams(U.detach(), [q.numel() for q in self.params])
+                cache = (vectors, vectors._version, k, blocks)
+                self._layer_gram_cache = cache
+            blocks = cache[3]
+            grams = (
+                torch.einsum("lij,l->ij", blocks, p),
+                torch.einsum("lij,l->ij", blocks, 1.0 / p),
+            )
+        return DiagonalPriorPosterior(
+            U, self.subspace_curvature, self.prior_precision_diag, self.complement, grams
+        )
+
+    def _covariance_factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(V, w, d)`` with ``Sigma = V diag(w) V^T + diag(d)`` (``d`` None: no term;
+        a 0-dim ``d`` is ``d I``).
+
+        Scalar prior: ``V = U``, ``w = v`` (``complement='zero'``) or ``w = v - 1/tau``,
+        ``d = 1/tau`` ('prior'). Otherwise :meth:`DiagonalPriorPosterior.covariance_factors`.
+        """
+        if not self._prior_is_scalar:
+            return self._diagonal_prior().covariance_factors()
+        v = self.posterior_variances
+        U = self._network_directions()  # over the network's weights
+        if self.complement == "prior":
+            c = self._complement_variance
+            return U, v - c, c
+        return U, v, None
+
+    @property
+    def _tau(self) -> torch.Tensor:
+        prior_precision = self.prior_precision
+        scalar_prior_precision(prior_precision)
+        return prior_precision.reshape(())
+
+    def _proper_tau(self, what: str) -> torch.Tensor:
+        """``tau``, refused where ``what`` needs a proper prior (``tau > 0``)."""
+        tau = self._tau
+        if tau == 0:
+            raise ValueError(
+                f"{what} needs a proper prior: prior_precision is 0. Set a positive "
+                "prior_precision (e.g. with optimize_prior_precision())."
+            )
+        return tau
+
+    @property
+    def posterior_variances(self) -> torch.Tensor:
+        """``v_j = 1 / (s lambda_j / T + tau)``: ``(k,)`` variances of ``z``.
+
+        With ``prior_precision = 0`` every kept direction needs curvature ``a_j > 0``
+        (else its variance is infinite and this raises ``ValueError``). With a
+        layerwise or diagonal prior ``z`` is correlated and this is ``diag(U^T Sigma U)``,
+        the variance along each ``u_j``.
+        """
+        if not self._prior_is_scalar:
+            return self._diagonal_prior().subspace_variances
+        curvature, tau = self.subspace_curvature, self._tau
+        if tau == 0 and bool((curvature <= 0).any()):
+            raise ValueError(
+                "With prior_precision = 0 the posterior is improper: "
+                f"{int((curvature <= 0).sum())} of the {curvature.numel()} kept directions "
+                "have zero curvature (infinite variance). Set a positive prior_precision "
+                "or use fewer components."
+            )
+        return posterior_variances(curvature, tau)
+
+    @property
+    def _complement_variance(self) -> torch.Tensor:
+        if self.complement == "prior":
+            return 1.0 / self._proper_tau("complement='prior' (the prior's variance off U)")
+        return torch.zeros((), device=self._device, dtype=self._dtype)
+
+    # ------------------------------------------------------------------ posterior
+    @property
+    def posterior_precision(self) -> SubspaceOperator | LowRankDiagonalOperator:
+        """``P = U diag(a + tau) U^T + c (I - U U^T)`` as a matrix-free operator.
+
+        ``c = tau`` for ``complement='prior'``; ``c = inf`` for the restricted GLAS
+        posterior (``to_dense()`` then refuses). Call ``.to_dense()`` for the D x D
+        matrix. With a layerwise or diagonal prior ``P_0``: ``P_0 + U diag(a) U^T``
+        ('prior') or ``U (diag(a) + U^T P_0 U) U^T`` with ``inf`` off ``span(U)``
+        ('zero').
+        """
+        if not self._prior_is_scalar:
+            return self._diagonal_prior().precision
+        tau = self._tau
+        complement = tau if self.complement == "prior" else math.inf
+        return SubspaceOperator(self.eigenvectors, self.subspace_curvature + tau, complement)
+
+    @property
+    def posterior_covariance(self) -> SubspaceOperator | LowRankDiagonalOperator:
+        """``Sigma = U diag(v) U^T + c (I - U U^T)``, ``c = 0`` or ``1/tau``; matrix-free.
+
+        With a layerwise or diagonal prior: ``U (diag(a) + U^T P_0 U)^{-1} U^T`` ('zero')
+        or Woodbury's ``(P_0 + U diag(a) U^T)^{-1}`` ('prior'), see
+        :mod:`laplace_glas.posterior.prior`.
+        """
+        if not self._prior_is_scalar:
+            return self._diagonal_prior().covariance
+        return SubspaceOperator(
+            self.eigenvectors, self.posterior_variances, self._complement_variance
+        )
+
+    @property
+    def log_det_posterior_precision(self) -> torch.Tensor:
+        """``sum_j log(a_j + tau) + (D - k) log tau``.
+
+        The complement enters as the prior's precision for both complements: it is
+        the log-determinant that makes ``log_det_ratio`` the subspace Occam term
+        ``sum_j log(1 + a_j / tau)``. With a layerwise or diagonal prior:
+        ``log det(P_0 + U diag(a) U^T)``.
+        """
+        if not self._prior_is_scalar:
+            return self._diagonal_prior().log_det_posterior_precision
+        tau = self._proper_tau("log_det_posterior_precision")
+        k = self._n_components
+        return torch.log(self.subspace_curvature + tau).sum() + (self.n_params - k) * tau.log()
+
+    @property
+    def log_det_prior_precision(self) -> torch.Tensor:
+        """``D log tau`` (needs ``tau > 0``); ``sum_i log p_i`` for a non-scalar prior."""
+        if not self._prior_is_scalar:
+            return self.prior_precision_diag.log().sum()
+        return self.n_params * self._proper_tau("log_det_prior_precision").log()
+
+    @property
+    def log_det_ratio(self) -> torch.Tensor:
+        """``log det P - log det P_0 = sum_j log(1 + s lambda_j / (T tau))`` (the
+        evidence's Occam term; needs ``tau > 0``).
+
+        With a layerwise or diagonal prior ``P_0``, for both complements,
+        ``log det(I + diag(sqrt a) U^T P_0^{-1} U diag(sqrt a))`` (``O(k^2 D)``;
+        differentiable in the prior precision).
+        """
+        if not self._prior_is_scalar:
+            return self._diagonal_prior().log_det_ratio
+        return log_det_ratio(self.subspace_curvature, self._proper_tau("The evidence"))
+
+    def square_norm(self, value: torch.Tensor) -> torch.Tensor:
+        """``(theta - theta*)^T P (theta - theta*)``.
+
+        For ``complement='zero'`` only the component in ``span(U)`` counts (the
+        posterior is a density on the affine subspace ``theta* + span(U)``).
+        """
+        self._check_H_init()
+        self._check_weight_vectors(value)
+        delta = value - self.mean
+        if not self._prior_is_scalar:
+            return self._diagonal_prior().square_norm(delta)
+        z = delta @ self.eigenvectors
+        inside = (z.square() * (self.subspace_curvature + self._tau)).sum(-1)
+        if self.complement == "zero":
+            return inside
+        outside = delta.square().sum(-1) - z.square().sum(-1)
+        return inside + self._tau * outside
+
+    def log_prob(self, value: torch.Tensor, normalized: bool = True) -> torch.Tensor:
+        """Log density of ``value`` ``(D,)`` or ``(n, D)`` under the posterior.
+
+        For ``complement='prior'`` this is the Gaussian density in R^D. For
+        ``complement='zero'`` it is the ``k``-dimensional Gaussian density of the
+        projection onto the subspace (the posterior has no density in R^D).
+        """
+        square_norm = self.square_norm(value)
+        if not normalized:
+            return -square_norm / 2
+        if not self._prior_is_scalar:
+            dim, log_det = self._diagonal_prior().log_normaliser()
+        elif self.complement == "prior":
+            dim, log_det = self.n_params, self.log_det_posterior_precision
+        else:
+            dim = self._n_components
+            log_det = -torch.log(self.posterior_variances).sum()
+        return -dim / 2 * math.log(2 * math.pi) + log_det / 2 - square_norm / 2
+
+    def sample(
+        self, n_samples: int = 100, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """Draw ``(n_samples, D)`` weight vectors ``theta* + U z (+ complement)``."""
+        self._check_H_init()
+        n_samples = positive_int("n_samples", n_samples, allow_none=False)
+        self._check_generator(generator)
+        if not self._prior_is_scalar:
+            return self.mean.reshape(1, -1) + self._diagonal_prior().sample(n_samples, generator)
+        draws = sample_subspace(
+            self.eigenvectors,
+            self.posterior_variances,
+            n_samples,
+            self._complement_variance,
+            generator,
+        )
+        return self.mean.reshape(1, -1) + draws
+
+    def _check_weight_vectors(self, value: Any) -> None:
+        """``value`` must be ``(D,)`` or ``(n, D)`` floating weight vectors."""
+        if (
+            not isinstance(value, torch.Tensor)
+            or not value.is_floating_point()
+            or value.ndim not in (1, 2)
+            or value.shape[-1] != self.n_params
+        ):
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(
+                f"Expected weight vectors of shape (D,) or (n, D) with D={self.n_params} "
+                f"(floating point), got {shape}."
+            )
+        if not torch.isfinite(value).all():
+            raise ValueError("The weight vectors contain NaN or inf.")
+
+    # ------------------------------------------------------------------ evidence
+    def optimize_prior_precision(
+        self,
+        pred_type: PredType | str = PredType.GLM,
+        method: TuningMethod | str = TuningMethod.MARGLIK,
+        n_steps: int = 100,
+        lr: float = 1e-1,
+        init_prior_prec: float | torch.Tensor = 1.0,
+        prior_structure: PriorStructure | str = PriorStructure.SCALAR,
+        val_loader: DataLoader | None = None,
+        loss: torchmetrics.Metric | Callable[[torch.Tensor], torch.Tensor | float] | None = None,
+        log_prior_prec_min: float = -4,
+        log_prior_prec_max: float = 4,
+        grid_size: int = 100,
+        link_approx: LinkApprox | str = LinkApprox.PROBIT,
+        n_samples: int = 100,
+        verbose: bool = False,
+        progress_bar: bool = False,
+        log_prior_prec_base: float = 10.0,
+    ) -> None:
+        """Tune the prior precision (laplace-torch's signature and semantics).
+
+        Scalar (``prior_structure='scalar'`` and a scalar ``init_prior_prec``):
+        ``method='marglik'`` solves the 1-D stationarity condition of the evidence
+        in closed form (``tau m = sum_j a_j / (a_j + tau)``, see
+        :func:`laplace_glas.posterior.closed_forms.optimal_prior_precision`): ``n_steps``, ``lr``
+        and ``init_prior_prec`` of laplace-torch's gradient ascent are not needed
+        and are ignored.
+
+        ``'layerwise'`` (one precision per parameter tensor, in the order of
+        ``model.parameters()``) or ``'diag'`` (one per weight), or an
+        ``init_prior_prec`` of that length: ``method='marglik'`` is laplace-torch's
+        Adam ascent on ``log p`` (``n_steps``, ``lr``) of the evidence, whose Occam
+        term ``log det(I + diag(sqrt a) U^T P_0^{-1} U diag(sqrt a))`` costs
+        ``O(k^2 D)`` per step (``'diag'``), or ``O(L k^2)`` after the first for ``L``
+        layers (``'layerwise'``: cached ``U_l^T U_l``); the scatter adds ``O(D)``.
+
+        ``method='gridsearch'`` is laplace-torch's validation-loss search over one
+        value for all weights; with ``prior_structure='layerwise'`` or ``'diag'`` the
+        chosen value is stored in that structure (as ``fix_prior_prec_structure``
+        lays it out).
+        """
+        self._check_H_init()
+        prior_structure = choice(
+            "prior_structure",
+            str(getattr(prior_structure, "value", prior_structure)),
+            _PRIOR_STRUCTURES,
+        )
+        structured = prior_structure != PriorStructure.SCALAR or (
+            isinstance(init_prior_prec, torch.Tensor) and init_prior_prec.numel() != 1
+        )
+        if method == TuningMethod.GRIDSEARCH:
+            if val_loader is not None:
+                reiterable("val_loader", val_loader)
+                if next(iter(val_loader), None) is None:
+                    raise ValueError("val_loader is empty: there is nothing to score the grid on.")
+            grid_size = positive_int("grid_size", grid_size, allow_none=False)
+            base = finite_number("log_prior_prec_base", log_prior_prec_base, 0.0)
+            if base in (0.0, 1.0):
+                raise ValueError(f"log_prior_prec_base must be > 0 and != 1, got {base}.")
+            if not log_prior_prec_min < log_prior_prec_max:
+                raise ValueError(
+                    "log_prior_prec_min must be below log_prior_prec_max, got "
+                    f"{log_prior_prec_min} and {log_prior_prec_max}."
+                )
+        if method == TuningMethod.MARGLIK and structured:
+            n_steps = positive_int("n_steps", n_steps, allow_none=False)
+            lr = finite_number("lr", lr, 0.0)
+            self.prior_precision = init_prior_prec  # validated before the ascent starts
+        elif method == TuningMethod.MARGLIK:
+            if val_loader is not None:
+                warnings.warn("`val_loader` is ignored when method='marglik'.", stacklevel=2)
+            delta = self.mean - self.prior_mean
+            with torch.no_grad():
+                tau = optimal_prior_precision(
+                    self.subspace_curvature.detach(), float(delta.detach().square().sum())
+                )
+            self.prior_precision = tau
+            if verbose:
+                print(f"Optimized prior precision is {self.prior_precision}.")
+            return
+        super().optimize_prior_precision(
+            pred_type,
+            method,
+            n_steps,
+            lr,
+            init_prior_prec,
+            prior_structure,
+            val_loader,
+            loss,
+            log_prior_prec_min,
+            log_prior_prec_max,
+            grid_size,
+            link_approx,
+            n_samples,
+            verbose,
+            progress_bar,
+            log_prior_prec_base,
+        )
+        if method == TuningMethod.GRIDSEARCH and prior_structure != PriorStructure.SCALAR:
+            self.prior_precision = fix_prior_prec_structure(
+                float(self.prior_precision.reshape(-1)[0]),
+                prior_structure,
+                self.n_layers,
+                self.n_params,
+                self._device,
+                self._dtype,
+            )

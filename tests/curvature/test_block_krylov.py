@@ -1,0 +1,136 @@
+"""Block Krylov solver (curvature.solvers.block_krylov) against dense eigen-decompositions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from laplace_glas.curvature.solvers import block_krylov
+from laplace_glas.curvature.solvers.block_krylov import block_krylov_eigenpairs
+
+
+def psd(values: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    Q, _ = torch.linalg.qr(torch.randn(len(values), len(values), generator=g, dtype=torch.float64))
+    return (Q * values) @ Q.T
+
+
+@pytest.mark.parametrize("image_dtype", [torch.float64, torch.float32])
+def test_thick_restarts_find_the_leading_eigenpairs(image_dtype, monkeypatch):
+    # small row chunks so that the chunked products really run over several chunks
+    monkeypatch.setattr(block_krylov, "_ROWS", 37)
+    values = 10 * torch.arange(1, 301, dtype=torch.float64) ** -1.0
+    A = psd(values)
+    calls = []
+
+    def matmat(V):
+        calls.append(V.shape[1])
+        return A @ V
+
+    tol = 1e-8 if image_dtype == torch.float64 else 1e-5
+    res = block_krylov_eigenpairs(
+        matmat,
+        300,
+        6,
+        block_size=4,
+        max_basis=14,  # forces thick restarts
+        tol=tol,
+        max_passes=200,
+        image_dtype=image_dtype,
+        generator=torch.Generator().manual_seed(1),
+        rank_threshold=1e-12,
+    )
+    assert bool(res.converged.all()) and res.n_passes == len(calls) > 4
+    assert res.n_products == sum(calls) and max(calls) <= 4
+    torch.testing.assert_close(res.values, values[:6], rtol=10 * tol, atol=0)
+    # returned residual information: G x - theta x, from the returned images
+    torch.testing.assert_close(res.images, A @ res.vectors, rtol=0, atol=1e-5 * float(values[0]))
+    residuals = torch.linalg.vector_norm(A @ res.vectors - res.vectors * res.values, dim=0)
+    assert (residuals <= 10 * tol * res.values).all(), residuals
+    eye = torch.eye(6, dtype=torch.float64)
+    torch.testing.assert_close(res.vectors.T @ res.vectors, eye, rtol=0, atol=1e-12)
+
+
+def test_low_rank_operator_stops_when_the_krylov_space_is_exhausted():
+    values = torch.cat([torch.linspace(5, 1, 5, dtype=torch.float64), torch.zeros(195)])
+    A = psd(values, seed=2)
+    res = block_krylov_eigenpairs(
+        lambda V: A @ V, 200, 8, block_size=8, tol=1e-10, generator=torch.Generator().manual_seed(0)
+    )
+    torch.testing.assert_close(res.values[:5], values[:5], rtol=1e-10, atol=0)
+    assert res.n_passes <= 3  # rank 5 < one block: the space closes almost at once
+
+
+def test_in_place_product_may_overwrite_its_own_leading_columns(monkeypatch):
+    monkeypatch.setattr(block_krylov, "_ROWS", 7)
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(50, 6, generator=g, dtype=torch.float64)
+    S = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    expected = A @ S
+    block_krylov._times(A, S, torch.float64, out=A[:, :4])
+    torch.testing.assert_close(A[:, :4], expected)
+    B = torch.randn(50, 3, generator=g).float()
+    C = torch.randn(50, 2, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(block_krylov._cross(B, C, torch.float64), B.double().T @ C)
+
+
+@pytest.mark.parametrize("block_size", [3, 5])
+def test_repeated_eigenvalue_with_more_copies_than_the_block(block_size):
+    """A block Krylov space of block size p holds at most p copies of an eigenvalue (in
+    exact arithmetic): with 10 copies and p = 3 it used to return 9 copies and a smaller
+    eigenvalue, all 'converged'. A random block then grown for a few passes finds them."""
+    values = torch.cat([torch.full((10,), 5.0), torch.linspace(1, 0.1, 50)]).double()
+    A = psd(values)
+    res = block_krylov_eigenpairs(
+        lambda V: A @ V, 60, 12, block_size=block_size, generator=torch.Generator().manual_seed(1)
+    )
+    torch.testing.assert_close(res.values, values[:12], rtol=1e-6, atol=0)
+    assert bool(res.converged.all())
+
+
+def test_distinct_spectrum_needs_no_extra_pass():
+    """The check only runs for repeated values: a spread spectrum costs what it did."""
+    values = 10 * torch.arange(1, 61, dtype=torch.float64) ** -1.0
+    A = psd(values)
+    kwargs = dict(block_size=3, generator=torch.Generator().manual_seed(1), tol=1e-8)
+    res = block_krylov_eigenpairs(lambda V: A @ V, 60, 6, **kwargs)
+    torch.testing.assert_close(res.values, values[:6], rtol=1e-7, atol=0)
+    assert not block_krylov._needs_fresh_block(
+        res.values, None, 3, 1e-8, torch.tensor(0.0, dtype=torch.float64)
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"block_size": 3, "max_basis": 8}, r"max_basis=8 is too small.*at least .* = 11"),
+        ({"block_size": -1}, r"block_size must be a positive int"),
+        ({"block_size": 0}, r"block_size must be a positive int"),
+        ({"max_passes": 0}, r"max_passes must be a positive int"),
+    ],
+)
+def test_bad_settings_are_refused(kwargs, match):
+    A = torch.diag(torch.linspace(10, 1, 60, dtype=torch.float64))
+    with pytest.raises(ValueError, match=match):
+        block_krylov_eigenpairs(lambda V: A @ V, 60, 5, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        # pairs (multiplicity 2 < block 4) and exact zeros beyond the rank
+        torch.tensor([1.0, 1.0, 0.5, 0.3, 0.2, 0.1] + [0.0] * 394),
+        # tiny real eigenvalues whose relative round-off exceeds tol
+        torch.tensor([1, 1, 0.5, 0.2, 0.1, 1e-3, 1e-6, 1e-9, 1e-11, 3e-12, 1e-12] + [0.0] * 389),
+    ],
+)
+def test_repeats_within_the_block_and_zeros_cost_no_extra_passes(values, monkeypatch):
+    """The repeated-eigenvalue check ran to max_passes on these (a random block every
+    3 passes: tiny values 'moved' on every pass); it must leave them alone."""
+    A = psd(values.double())
+    kwargs = dict(block_size=4, generator=torch.Generator().manual_seed(1), tol=1e-8)
+    res = block_krylov_eigenpairs(lambda V: A @ V, 400, 10, **kwargs)
+    monkeypatch.setattr(block_krylov, "_needs_fresh_block", lambda *args: False)
+    plain = block_krylov_eigenpairs(lambda V: A @ V, 400, 10, **kwargs)
+    assert res.n_passes == plain.n_passes < 10
+    torch.testing.assert_close(res.values[:5], values[:5].double(), rtol=1e-7, atol=1e-12)

@@ -1,0 +1,340 @@
+"""Data-parallel fits on torch.distributed (gloo, 2 processes) against one process.
+
+Two ranks spawned with ``torch.multiprocessing`` (rendezvous through a temporary file,
+no port) each fit on their shard of the data; every quantity must equal a single-process
+fit on all the data (rel. 1e-5, float64): eigenvalues, eigenvectors up to sign, N, the
+loss at the MAP, the evidence, the empirical-Bayes prior precision, the calibration
+table and the replica check. Both ranks must hold bit-identical eigenpairs. The
+single-process fits are themselves checked against the dense GGN from ``torch.func``
+Jacobians (tests/test_subspace.py and here for the eigenvalues).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import loader
+from laplace import Laplace
+from torch import nn
+
+import laplace_glas  # noqa: F401
+import laplace_glas.curvature.planner as dispatch
+from laplace_glas.curvature import distributed as glas_dist
+from laplace_glas.curvature.distributed import data_parallel
+from laplace_glas.diagnostics.calibration import select_dimension
+from laplace_glas.diagnostics.convergence import replica_check
+
+WORLD = 2
+N_TRAIN = 40
+N_CALIB = 30
+K = 4
+TAU = 0.7
+SPLITS = {"even": 20, "uneven": 13}  # rank 0 holds the first n points, rank 1 the rest
+CASES = [
+    (likelihood, solver, split)
+    for likelihood in ("regression", "classification")
+    for solver in ("lanczos", "block", "auto")
+    for split in SPLITS
+]
+
+
+def _problem(likelihood: str):
+    """A 3-6-2 (regression) or 3-6-3 (classification) tanh MLP in float64 (D = 38 / 45)
+    and its training and calibration data; deterministic in every process.
+    """
+    g = torch.Generator().manual_seed(11)
+    n_out = 2 if likelihood == "regression" else 3
+    X = torch.randn(N_TRAIN + N_CALIB, 3, generator=g, dtype=torch.float64)
+    if likelihood == "regression":
+        y = torch.stack([torch.sin(X.sum(1)), torch.cos(X[:, 0])], 1)
+        y = y + 0.1 * torch.randn(y.shape, generator=g, dtype=torch.float64)
+    else:
+        y = torch.randint(0, n_out, (len(X),), generator=g)
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, n_out)).double().eval()
+    return model, X[:N_TRAIN], y[:N_TRAIN], X[N_TRAIN:], y[N_TRAIN:]
+
+
+class _OutputScale(nn.Module):
+    """The MLP times a learnt scalar: a parameter outside any layer, so the factored
+    operator refuses the model and 'auto' solves on the linearised operator."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+        self.scale = nn.Parameter(torch.ones((), dtype=torch.float64))
+
+    def forward(self, x):
+        return self.scale * self.net(x)
+
+
+def _fit(model, likelihood, solver, train, **fit_kwargs):
+    la = Laplace(
+        model,
+        likelihood,
+        subset_of_weights="all",
+        hessian_structure="glas",
+        n_components=K,
+        solver=solver,
+        block_size=3,
+        prior_precision=TAU,
+        sigma_noise=0.5 if likelihood == "regression" else 1.0,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la.fit(train, **fit_kwargs)
+    return la
+
+
+def _summary(la, calib, train) -> dict:
+    info = la.lanczos_info
+    out = {
+        "values": la.eigenvalues.clone(),
+        "vectors": la.eigenvectors.clone(),
+        "n_data": la.n_data,
+        "loss": float(la.loss),
+        "evidence": float(la.log_marginal_likelihood()),
+        "solver": info.solver,
+        "operator": info.operator,
+    }
+    la.optimize_prior_precision()
+    out["tau_eb"] = float(la.prior_precision)
+    if la.likelihood == "classification" and la.solver == "lanczos":
+        # laplace-torch's grid search: validation NLL of all shards, weighted by size
+        with warnings.catch_warnings():  # laplace-torch's reminder of the link_approx
+            warnings.simplefilter("ignore", UserWarning)
+            la.optimize_prior_precision(
+                method="gridsearch",
+                val_loader=calib,
+                grid_size=9,
+                log_prior_prec_min=-2,
+                link_approx="probit",
+            )
+        out["tau_grid"] = float(la.prior_precision)
+    la.prior_precision = TAU
+    # the posterior does not depend on the eigenvectors' signs, one shared draw of z
+    # does: both fits sample along sign-canonical vectors (largest entry positive)
+    U = la.H[0]
+    signs = torch.sign(U.gather(0, U.abs().argmax(0, keepdim=True)))
+    la.H = (U * signs, la.H[1])
+    g = torch.Generator().manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        selection = select_dimension(la, calib, coverage=0.8, n_samples=50, generator=g)
+    out["rows"] = [
+        (r.k, r.prior_precision, r.coverage, r.mean_width, r.nll) for r in selection.rows
+    ]
+    if la.solver == "auto":  # replica_check repeats the solve: once per likelihood
+        out["replica"] = replica_check(la, train, n_replicas=1).best_overlap.clone()
+    return out
+
+
+def _shard(tensors, rank: int, split: str):
+    n = SPLITS[split]
+    return [t[:n] if rank == 0 else t[n:] for t in tensors]
+
+
+def _worker(rank: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        results = {}
+        for likelihood, solver, split in CASES:
+            model, X, y, Xc, yc = _problem(likelihood)
+            X, y = _shard((X, y), rank, split)
+            cal_n = 11  # uneven calibration shards for every case
+            Xc, yc = (Xc[:cal_n], yc[:cal_n]) if rank == 0 else (Xc[cal_n:], yc[cal_n:])
+            train = loader(X, y, batch_size=16)
+            la = _fit(model, likelihood, solver, train)
+            results[(likelihood, solver, split)] = _summary(la, loader(Xc, yc, 16), train)
+        # a model the factored operator refuses: the linearised operator on every rank
+        model, X, y, _, _ = _problem("regression")
+        X, y = _shard((X, y), rank, "uneven")
+        la = _fit(_OutputScale(model), "regression", "auto", loader(X, y, batch_size=16))
+        results["linearised"] = {
+            "values": la.eigenvalues.clone(),
+            "operator": la.lanczos_info.operator,
+        }
+        # the factored operator built on rank 0 only: every rank falls back to curvlinops
+        model, X, y, _, _ = _problem("regression")
+        X, y = _shard((X, y), rank, "uneven")
+        if rank == 1:  # no factor fits a zero budget on this rank
+            dispatch.default_factor_budget = lambda *args: 0
+        la = _fit(model, "regression", "auto", loader(X, y, batch_size=16))
+        results["fallback"] = {
+            "values": la.eigenvalues.clone(),
+            "operator": la.lanczos_info.operator,
+        }
+        # fit(override=False): the stored curvature plus the all-reduced new data
+        model, X, y, _, _ = _problem("regression")
+        first = (X[:10], y[:10]) if rank == 0 else (X[10:20], y[10:20])
+        second = (X[20:27], y[20:27]) if rank == 0 else (X[27:], y[27:])
+        la = _fit(model, "regression", "lanczos", loader(*first, 16))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            la.fit(loader(*second, 16), override=False)
+        results["update"] = {"values": la.eigenvalues.clone(), "n_data": la.n_data}
+        results["update"]["loss"] = float(la.loss)
+        # float32 (the default precision): NumPy/torch round trips of the products
+        model, X, y, _, _ = _problem("regression")
+        X, y = _shard((X.float(), y.float()), rank, "uneven")
+        la = _fit(model.float(), "regression", "lanczos", loader(X, y, 16))
+        results["float32"] = {"values": la.eigenvalues.clone(), "dtype": la.eigenvectors.dtype}
+        # a group of one rank: a local fit on the local shard
+        local = dist.new_group([0]), dist.new_group([1])
+        model, X, y, _, _ = _problem("regression")
+        X, y = _shard((X, y), rank, "uneven")
+        la = _fit(model, "regression", "lanczos", loader(X, y, 16), process_group=local[rank])
+        results["local"] = {"values": la.eigenvalues.clone(), "n_data": la.n_data}
+        try:
+            data_parallel("world")
+        except TypeError as err:
+            results["type_error"] = str(err)
+        try:
+            data_parallel(local[1 - rank])
+        except ValueError as err:
+            results["not_member"] = str(err)
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        # fork: the ranks inherit the imported modules (a spawned rank spends seconds
+        # importing torch and laplace-torch); they run single-threaded
+        mp.start_processes(
+            _worker, args=(init_file, tmp), nprocs=WORLD, join=True, start_method="fork"
+        )
+        yield [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _single(likelihood: str, solver: str) -> dict:
+    model, X, y, Xc, yc = _problem(likelihood)
+    train = loader(X, y, batch_size=16)
+    la = _fit(model, likelihood, solver, train)
+    return _summary(la, loader(Xc, yc, 16), train), la, model, X
+
+
+def _close(a, b, rtol=1e-5):
+    a = torch.as_tensor(a, dtype=torch.float64).detach()
+    b = torch.as_tensor(b, dtype=torch.float64).detach()
+    torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * float(b.abs().max()))
+
+
+def _dense_eigenvalues(model, X, likelihood, sigma):
+    """Top-K eigenvalues of G = (1/N) sum_n J_n^T Lambda_n J_n from torch.func Jacobians."""
+    params = dict(model.named_parameters())
+    names = list(params)
+
+    def f(*ps):
+        return torch.func.functional_call(model, dict(zip(names, ps, strict=True)), (X,))
+
+    jac = torch.func.jacrev(f, argnums=tuple(range(len(names))))(*params.values())
+    J = torch.cat([j.reshape(*j.shape[:2], -1) for j in jac], -1)  # (N, C, D)
+    if likelihood == "regression":
+        Lam = torch.eye(J.shape[1], dtype=J.dtype).expand(len(X), -1, -1) / sigma**2
+    else:
+        with torch.no_grad():
+            p = torch.softmax(model(X), -1)
+        Lam = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+    G = torch.einsum("ncd,nce,nef->df", J, Lam, J) / len(X)
+    return torch.linalg.eigvalsh(G).flip(0)[:K]
+
+
+@pytest.mark.parametrize(("likelihood", "solver", "split"), CASES)
+def test_two_ranks_equal_one_process(ranks, likelihood, solver, split):
+    case = (likelihood, solver, split)
+    one, la, model, X = _single(likelihood, solver)
+    _close(one["values"], _dense_eigenvalues(model, X, likelihood, float(la.sigma_noise)), 1e-8)
+    for rank in ranks:
+        got = rank[case]
+        assert got["n_data"] == one["n_data"] == N_TRAIN
+        _close(got["values"], one["values"])
+        signs = torch.sign((got["vectors"] * one["vectors"]).sum(0))
+        _close(got["vectors"] * signs, one["vectors"])
+        for key in ("loss", "evidence", "tau_eb"):
+            _close(got[key], one[key])
+        assert [r[0] for r in got["rows"]] == [r[0] for r in one["rows"]]
+        _close([r[1] for r in got["rows"]], [r[1] for r in one["rows"]])
+        _close([r[2:] for r in got["rows"]], [r[2:] for r in one["rows"]], 1e-10)
+        if solver == "auto":
+            _close(got["replica"], one["replica"])
+        if "tau_grid" in one:
+            _close(got["tau_grid"], one["tau_grid"])
+        assert got["solver"] == ("block" if solver == "block" else "lanczos")
+        assert "all-reduced over 2 ranks" in got["operator"]
+    if solver == "auto":  # the MLP is factored; the dual solve is replaced by Lanczos
+        assert ranks[0][case]["operator"].startswith("factored (dual solve not distributed")
+    a, b = ranks[0][case], ranks[1][case]
+    assert torch.equal(a["values"], b["values"]) and torch.equal(a["vectors"], b["vectors"])
+
+
+def test_factored_on_one_rank_only_falls_back_everywhere(ranks):
+    one, *_ = _single("regression", "lanczos")
+    for rank in ranks:
+        assert rank["fallback"]["operator"].startswith("curvlinops (not factored")
+        _close(rank["fallback"]["values"], one["values"])
+
+
+def test_linearised_operator_on_every_rank_equals_one_process(ranks):
+    model, X, y, _, _ = _problem("regression")
+    one = _fit(_OutputScale(model), "regression", "lanczos", loader(X, y, 16))
+    for rank in ranks:
+        operator = rank["linearised"]["operator"]
+        assert operator.startswith("linearised (not factored") and "all-reduced over 2" in operator
+        _close(rank["linearised"]["values"], one.eigenvalues)
+
+
+def test_group_of_one_rank_fits_the_local_shard(ranks):
+    model, X, y, _, _ = _problem("regression")
+    for rank, (lo, hi) in enumerate([(0, 13), (13, N_TRAIN)]):
+        local = _fit(model, "regression", "lanczos", loader(X[lo:hi], y[lo:hi], 16))
+        assert ranks[rank]["local"]["n_data"] == hi - lo
+        _close(ranks[rank]["local"]["values"], local.eigenvalues)
+
+
+def test_a_process_group_that_is_not_one_is_refused(ranks):
+    for rank in ranks:
+        assert rank["type_error"].startswith("process_group must be a torch.distributed")
+        assert rank["not_member"] == "This process is not a member of the given process_group."
+
+
+def test_process_group_without_init_is_refused():
+    assert not dist.is_initialized()
+    assert data_parallel(None) is None
+    with pytest.raises(ValueError, match=r"torch.distributed is not initialised"):
+        data_parallel(object())
+    model, X, y, _, _ = _problem("regression")
+    with pytest.raises(ValueError, match="process_group was given"):
+        _fit(model, "regression", "lanczos", loader(X, y), process_group=object())
+    assert glas_dist.sum_count(7, None) == 7
+
+
+def test_float32_fit(ranks):
+    model, X, y, _, _ = _problem("regression")
+    one = _fit(model.float(), "regression", "lanczos", loader(X.float(), y.float(), 16))
+    for rank in ranks:
+        assert rank["float32"]["dtype"] == torch.float32
+        _close(rank["float32"]["values"], one.eigenvalues, 1e-4)
+
+
+def test_update_with_override_false(ranks):
+    model, X, y, _, _ = _problem("regression")
+    one = _fit(model, "regression", "lanczos", loader(X[:20], y[:20], 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one.fit(loader(X[20:], y[20:], 16), override=False)
+    for rank in ranks:
+        assert rank["update"]["n_data"] == one.n_data == N_TRAIN
+        _close(rank["update"]["values"], one.eigenvalues)
+        _close(rank["update"]["loss"], one.loss)

@@ -1,0 +1,402 @@
+"""The linearised GGN operator (kept forward graphs) against GGNs formed explicitly."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from conftest import output_jacobian, softmax_ggn
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+import laplace_glas.curvature.planner as dispatch
+from laplace_glas import ActiveSubspaceLaplace
+from laplace_glas.autodiff.context import autodiff_friendly
+from laplace_glas.curvature.losses import TokenCrossEntropy
+from laplace_glas.curvature.operators.linearized import LinearizedGGN, build_linearized_ggn
+
+F64 = torch.float64
+VOCAB, PAD = 7, 0
+
+
+class TokenLSTM(nn.Module):
+    """Embedding -> LSTM -> Linear: one row of logits per position ``(B, T, V)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 4)
+        self.lstm = nn.LSTM(4, 5, batch_first=True)
+        self.head = nn.Linear(5, VOCAB)
+
+    def forward(self, x):
+        return self.head(self.lstm(self.embed(x))[0])
+
+
+class Attention(nn.Module):
+    """A transformer encoder layer under a padding mask, pooled to 3 classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(2, 8)
+        self.encoder = nn.TransformerEncoderLayer(8, 2, 12, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, batch):
+        mask = batch["mask"]
+        h = self.encoder(self.inp(batch["x"]), src_key_padding_mask=~mask)
+        return self.head((h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True))
+
+
+class WithUnused(nn.Module):
+    """An MLP with a trainable parameter that never reaches the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2))
+        self.unused = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def problem(name: str):
+    """``model, batches ((X, y) pairs), loss_func, num_data`` in float64."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if name == "mlp-mse":
+        model = WithUnused().to(F64)
+        X, y = (
+            torch.randn(10, 3, generator=g, dtype=F64),
+            torch.randn(10, 2, generator=g, dtype=F64),
+        )
+        batches = [(X[:4], y[:4]), (X[4:], y[4:])]
+        return model, batches, nn.MSELoss(reduction="mean"), 10
+    if name == "lstm-tokens":
+        model = TokenLSTM().to(F64)
+        x = torch.randint(1, VOCAB, (6, 5), generator=g)
+        y = torch.randint(1, VOCAB, (6, 5), generator=g)
+        y[0, 3:] = PAD  # padded targets: no curvature
+        y[4, 1:] = PAD
+        batches = [(x[:3], y[:3]), (x[3:], y[3:])]
+        return model, batches, TokenCrossEntropy("sum", ignore_index=PAD), 6
+    if name == "attention-dict":
+        model = Attention().to(F64)
+        x = torch.randn(6, 4, 2, generator=g, dtype=F64)
+        mask = torch.ones(6, 4, dtype=torch.bool)
+        mask[1, 2:] = False
+        mask[4, 3:] = False
+        y = torch.randint(0, 3, (6,), generator=g)
+        batches = [({"x": x[i : i + 3], "mask": mask[i : i + 3]}, y[i : i + 3]) for i in (0, 3)]
+        return model, batches, nn.CrossEntropyLoss(reduction="sum"), 6
+    raise ValueError(name)
+
+
+def dense_ggn(model, batches, loss_func, num_data) -> torch.Tensor:
+    """``sum_b c_b J_b^T Lambda_b J_b`` with Jacobians from ``jacrev`` and the loss
+    Hessians in closed form (independent of the operator and of curvlinops)."""
+    G = 0.0
+    for X, y in batches:
+        out, J = output_jacobian(model, X)
+        if isinstance(loss_func, nn.MSELoss):  # mean over |b| C entries, times |b| / N
+            G = G + 2.0 / (num_data * out.shape[-1]) * torch.einsum("tcd,tce->de", J, J)
+        else:
+            G = G + softmax_ggn(out, J, y, loss_func.ignore_index)[0]
+    return G
+
+
+def linearized(model, batches, loss_func, num_data, budget=2**30, batch_size_fn=None):
+    params = [p for p in model.parameters() if p.requires_grad]
+    with autodiff_friendly(model):
+        return build_linearized_ggn(
+            model,
+            loss_func,
+            params,
+            batches,
+            num_data=num_data,
+            batch_size_fn=batch_size_fn,
+            budget_bytes=budget,
+        )
+
+
+@pytest.mark.parametrize("name", ["mlp-mse", "lstm-tokens", "attention-dict"])
+def test_products_equal_the_explicit_ggn(name):
+    model, batches, loss_func, num_data = problem(name)
+    size = (lambda X: X["x"].shape[0]) if name == "attention-dict" else None
+    op = linearized(model, batches, loss_func, num_data, batch_size_fn=size)
+    assert isinstance(op, LinearizedGGN)
+    G = dense_ggn(model, batches, loss_func, num_data)
+    V = torch.randn(G.shape[0], 4, generator=torch.Generator().manual_seed(2), dtype=F64)
+    with autodiff_friendly(model):
+        block = op @ V  # batched backward passes
+        columns = torch.stack([op @ V[:, j : j + 1] for j in range(4)], 1)[:, :, 0]
+        scipy_column = op.matvec(V[:, 0].numpy())
+    torch.testing.assert_close(block, G @ V, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(columns, G @ V, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(torch.from_numpy(scipy_column), G @ V[:, 0], rtol=1e-10, atol=1e-12)
+    assert op.n_products == 4 + 4 + 1  # the build's check counts no product
+    op.column_chunk = 3  # chunks of 3 and 1 columns
+    torch.testing.assert_close(op @ V, G @ V, rtol=1e-10, atol=1e-12)
+
+
+def test_unused_parameter_has_zero_curvature():
+    model, batches, loss_func, num_data = problem("mlp-mse")
+    op = linearized(model, batches, loss_func, num_data)
+    V = torch.zeros(op.shape[0], 1, dtype=F64)
+    V[:4] = 1.0  # the unused parameter is registered first (before the submodules')
+    GV = op @ V
+    assert torch.count_nonzero(GV) == 0
+
+
+def test_float32_products_match_float64():
+    model, batches, loss_func, num_data = problem("lstm-tokens")
+    op64 = linearized(model, batches, loss_func, num_data)
+    model32 = copy.deepcopy(model).float()
+    op32 = linearized(model32, batches, loss_func, num_data)
+    assert op32.torch_dtype == torch.float32 and op32.dtype == np.float32
+    V = torch.randn(op64.shape[0], 3, generator=torch.Generator().manual_seed(3), dtype=F64)
+    GV64 = op64 @ V
+    GV32 = op32 @ V.float()
+    assert GV32.dtype == torch.float32
+    torch.testing.assert_close(GV32.double(), GV64, rtol=1e-4, atol=1e-6)
+
+
+def test_saved_bytes_leave_out_frozen_weights():
+    """A large frozen layer before a small trainable head: the kept graphs hold the
+    activations, not a second copy of the frozen weight."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(400, 400), nn.Tanh(), nn.Linear(400, 2)).to(F64)
+    model[0].requires_grad_(False)
+    X, y = torch.randn(5, 400, dtype=F64), torch.randn(5, 2, dtype=F64)
+    op = linearized(model, [(X, y)], nn.MSELoss(), 5)
+    frozen_bytes = model[0].weight.numel() * 8
+    (lin,) = op.linearizations
+    held = [lin.outputs, lin.leaf, lin.loss_gradient, *lin.pullback]  # kept, not saved
+    held_bytes = sum(t.untyped_storage().nbytes() for t in held)
+    assert held_bytes + X.numel() * 8 <= op.saved_bytes < frozen_bytes / 10
+
+
+def test_budget_is_checked_before_the_whole_pass():
+    model, batches, loss_func, num_data = problem("lstm-tokens")
+    seen = []
+
+    class Counting:
+        def __len__(self):
+            return len(batches)
+
+        def __iter__(self):
+            for batch in batches:
+                seen.append(batch)
+                yield batch
+
+    reason = linearized(model, Counting(), loss_func, num_data, budget=1)
+    assert isinstance(reason, str) and "memory budget" in reason and "projected" in reason
+    assert len(seen) == 1  # one batch, not the whole loader
+    reason = linearized(model, iter(batches), loss_func, num_data, budget=1)  # no len()
+    assert "memory budget" in reason and "after 1 of ? batches" in reason
+    assert linearized(model, [], loss_func, num_data) == "the loader is empty"
+
+
+class OnceDifferentiableTanh(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * (1 - y * y)
+
+
+class UnbatchableTanh(OnceDifferentiableTanh):
+    """A backward pass that vmap cannot batch (an in-place copy of a batched gradient
+    into a fresh tensor), differentiable twice."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        out = torch.empty_like(y)
+        out.copy_(grad * (1 - y * y))
+        return out
+
+
+class CustomMLP(nn.Module):
+    def __init__(self, activation):
+        super().__init__()
+        self.a, self.b, self.activation = nn.Linear(3, 5), nn.Linear(5, 2), activation
+
+    def forward(self, x):
+        return self.b(self.activation.apply(self.a(x)))
+
+
+def fit(model, batches, solver="auto", **kwargs):
+    la = ActiveSubspaceLaplace(model, "regression", n_components=3, solver=solver, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la.fit(batches)
+    return la.lanczos_info
+
+
+def regression_batches(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X, y = torch.randn(12, 3, generator=g, dtype=F64), torch.randn(12, 2, generator=g, dtype=F64)
+    return [(X[i : i + 4], y[i : i + 4]) for i in (0, 4, 8)]
+
+
+class Tanh:
+    apply = staticmethod(torch.tanh)
+
+
+def test_a_once_differentiable_backward_is_refused():
+    """Its backward hands back a result without a graph: double backward would drop
+    the first layer's share of ``J v`` without an error. The adjoint check sees it."""
+    torch.manual_seed(0)
+    model = CustomMLP(OnceDifferentiableTanh).to(F64)
+    reason = linearized(model, regression_batches(), nn.MSELoss(), 12)
+    assert isinstance(reason, str) and "<u, J v> = <J^T u, v>" in reason
+
+
+class DetachingTanh(OnceDifferentiableTanh):
+    """A backward pass whose result has no graph (it detaches), not marked as such."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return (grad * (1 - y * y)).detach()
+
+
+def test_a_detaching_backward_is_refused_by_name():
+    torch.manual_seed(0)
+    model = CustomMLP(DetachingTanh).to(F64)
+    reason = linearized(model, regression_batches(), nn.MSELoss(), 12)
+    assert isinstance(reason, str) and "parameter 0 (of 4) has no graph" in reason
+
+
+class SidePath(nn.Module):
+    """``b(tanh(a x)) + 0.05 c(detaching tanh(a x))``: ``a``'s ``J^T u`` keeps a graph
+    through ``b`` but loses the 5% share through ``c``, over many outputs."""
+
+    def __init__(self, outputs: int):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(3, 5), nn.Linear(5, outputs), nn.Linear(5, outputs)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.tanh(h)) + 0.05 * self.c(DetachingTanh.apply(h))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_a_partly_cut_backward_fails_the_adjoint_check(dtype):
+    torch.manual_seed(0)
+    model = SidePath(20000).to(dtype)
+    X, y = torch.randn(16, 3, dtype=dtype), torch.randn(16, 20000, dtype=dtype)
+    params = list(model.parameters())
+    reason = build_linearized_ggn(
+        model, nn.MSELoss(reduction="sum"), params, [(X, y)], num_data=16, budget_bytes=2**31
+    )
+    assert isinstance(reason, str) and "<u, J v> = <J^T u, v>" in reason
+
+
+def test_a_backward_vmap_cannot_batch_falls_back_to_columns():
+    torch.manual_seed(0)
+    model = CustomMLP(UnbatchableTanh).to(F64)
+    reference = CustomMLP(Tanh).to(F64)
+    reference.load_state_dict(model.state_dict())
+    batches = regression_batches()
+    op = linearized(model, batches, nn.MSELoss(), 12)
+    assert isinstance(op, LinearizedGGN)
+    G = dense_ggn(reference, batches, nn.MSELoss(), 12)
+    V = torch.randn(G.shape[0], 3, generator=torch.Generator().manual_seed(4), dtype=F64)
+    with pytest.warns(UserWarning, match="one column at a time"):
+        GV = op @ V
+    torch.testing.assert_close(GV, G @ V, rtol=1e-10, atol=1e-12)
+    assert op.batched is False
+
+
+@pytest.mark.parametrize("solver", ["auto", "block"])
+def test_fit_on_the_linearised_operator_matches_the_reference(solver):
+    """The LSTM is not factored: 'auto' and 'block' run on the linearised operator and
+    give curvlinops + ARPACK's eigenpairs, and the explicit GGN's eigenvalues."""
+    model, batches, _, _ = problem("lstm-tokens")
+    loader = [{"x": X, "labels": y} for X, y in batches]
+
+    class Keyed(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, batch):
+            return self.inner(batch["x"])
+
+    keyed = Keyed(model)
+
+    def info_of(solver):
+        la = ActiveSubspaceLaplace(
+            keyed, "classification", n_components=4, solver=solver, ignore_index=PAD,
+            dict_key_x="x", tol=1e-12,
+        )  # fmt: skip
+        la.fit(loader)
+        return la.lanczos_info, la.n_data
+
+    ours, n_terms = info_of(solver)
+    ref, _ = info_of("lanczos")
+    assert ours.operator.startswith("linearised (not factored")
+    assert ref.operator == "curvlinops"
+    G = dense_ggn(model, batches, TokenCrossEntropy("sum", ignore_index=PAD), 6) / n_terms
+    expected = torch.linalg.eigvalsh(G).flip(0)[:4]
+    torch.testing.assert_close(ours.values, expected, rtol=1e-7, atol=1e-12)
+    torch.testing.assert_close(ref.values, expected, rtol=1e-7, atol=1e-12)
+    overlap = (ours.vectors.T @ ref.vectors).abs().diagonal()
+    torch.testing.assert_close(overlap, torch.ones(4, dtype=F64), rtol=0, atol=1e-6)
+
+
+def test_over_budget_fit_records_both_reasons(monkeypatch):
+    monkeypatch.setattr(dispatch, "default_factor_budget", lambda k, n, itemsize: 1)
+    model, batches, _, _ = problem("mlp-mse")
+    info = fit(model, batches)
+    assert "not factored" in info.operator and "not linearised: the kept graphs" in info.operator
+    assert info.operator.startswith("curvlinops")
+
+
+def test_update_and_subnetwork_on_the_linearised_operator_match_curvlinops():
+    """fit(override=False) (stored curvature + new data) and a subnetwork posterior
+    wrap the linearised operator; both equal the same fits on curvlinops' operator."""
+    from laplace_glas import SubnetActiveSubspaceLaplace
+
+    class Scaled(nn.Module):  # a learnt output scale, outside any layer: not factored
+        def __init__(self):
+            super().__init__()
+            self.net, self.scale = CustomMLP(Tanh), nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return self.scale * self.net(x)
+
+    torch.manual_seed(0)
+    model = Scaled().to(F64)
+    first, second = regression_batches(0), regression_batches(1)
+
+    def updated(solver):
+        la = ActiveSubspaceLaplace(model, "regression", n_components=4, solver=solver)
+        la.fit(first)
+        la.fit(second, override=False)
+        return la.lanczos_info
+
+    ours, ref = updated("auto"), updated("lanczos")
+    assert "linearised (not factored" in ours.operator and "stored rank-4" in ours.operator
+    torch.testing.assert_close(ours.values, ref.values, rtol=1e-9, atol=0)
+
+    subnet = torch.tensor([0, 1, 4, 8, 16, 21, 25, 30, 32])  # D = 33
+
+    def subnetwork(solver):
+        la = SubnetActiveSubspaceLaplace(model, "regression", subnet, n_components=3, solver=solver)
+        la.fit(first)
+        return la.lanczos_info
+
+    ours, ref = subnetwork("auto"), subnetwork("lanczos")
+    assert ours.operator.startswith("linearised (not factored")
+    torch.testing.assert_close(ours.values, ref.values, rtol=1e-9, atol=0)

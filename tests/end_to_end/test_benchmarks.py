@@ -1,0 +1,68 @@
+"""The prepared device check (benchmarks/lstm_device.py) runs end to end on the CPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT.parent / "shared" / "data" / "smiles" / "moses_train_20k.smi"
+
+
+@pytest.mark.skipif(not DATA.exists(), reason=f"MOSES SMILES not found at {DATA}")
+def test_lstm_device_check_quick_on_cpu():
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "lstm_device.py"),
+            "--quick",
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--cpu-reference",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "# GLAS on the SMILES LSTM on cpu" in out
+    assert "k = 3, solver block" in out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert "fit (loss pass + eigen-solve)" in rows
+    for step in ("'glm' predictive", "'nn' predictive", "sample(10)"):
+        row = next(line for label, line in rows.items() if label.startswith(step))
+        cells = [c.strip() for c in row.split("|")[2:5]]
+        assert all(c not in ("", "–") for c in cells), row  # device, reference and ratio
+        assert float(cells[0]) > 0 and float(cells[1]) > 0
+
+
+def test_linearized_cost_runs_and_the_operators_agree():
+    """benchmarks/linearized_cost.py at toy size: every model gets a product row whose
+    linearised and curvlinops products agree, and a fit row on the linearised operator."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "linearized_cost.py"),
+            *("--n", "8", "--batch", "4", "--k", "2", "--block", "2", "--repeats", "1"),
+            *("--models", "LSTM tagger", "transformer encoder"),
+        ],
+        cwd=ROOT / "benchmarks",
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line.split("|") for line in result.stdout.splitlines() if line.startswith("| ")]
+    products = [r for r in rows if r[1].strip() in ("LSTM tagger", "transformer encoder")]
+    assert len(products) == 4  # a product row and a fit row per model
+    for row in products[:2]:
+        assert float(row[-2]) < 1e-5  # relative difference of the products
+    for row in products[2:]:
+        assert "linearised" in row[2] and float(row[-2]) < 1e-4  # eigenvalues
