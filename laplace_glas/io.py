@@ -271,8 +271,8 @@ def glas_state(la: Any, base_state: dict[str, Any]) -> dict[str, Any]:
     state["H"] = tuple(la.H)
     state["loss_scaling"] = la.loss_scaling
     state["complement"] = la.complement
-    state["n_components"] = la._n_components
-    record = la._eigenpairs.to_dict()
+    state["n_components"] = la.n_components
+    record = la.lanczos_info.to_dict()
     del record["vectors"]  # the same tensor as H[0]
     state["eigenpairs"] = tuple(record.items())
     state["loss_fn"] = loss_fn_name(la.loss_fn)
@@ -282,16 +282,18 @@ def glas_state(la: Any, base_state: dict[str, Any]) -> dict[str, Any]:
 def restore_glas_state(
     la: Any,
     state: Mapping[str, Any],
-    load_base: Callable[[Mapping[str, Any]], None],
     *,
     loss_scalings: tuple[str, ...],
     complements: tuple[str, ...],
-) -> None:
-    """Validate ``state`` (:func:`check_state`), then assign it to ``la``.
+    dtype: torch.dtype,
+) -> Eigenpairs:
+    """Validate ``state`` for ``la`` (:func:`check_state`) and return its eigen-solve
+    record; ``la``'s ``load_state_dict`` then assigns the state.
 
-    ``load_base`` is laplace-torch's ``load_state_dict`` of ``la``. Settings of ``la``
-    that the state replaces (loss scaling, complement, ``n_components``, a different
-    custom loss) are named in a warning. Nothing is assigned when a check fails.
+    Settings of ``la`` that the state replaces (loss scaling, complement,
+    ``n_components``, a different custom loss) are named in a warning. Nothing is read
+    from ``la`` but its public settings, and nothing is assigned here: a refused state
+    leaves ``la`` as it was.
     """
     check_state(
         state,
@@ -300,7 +302,7 @@ def restore_glas_state(
         likelihood=str(getattr(la.likelihood, "value", la.likelihood)),
         loss_scalings=loss_scalings,
         complements=complements,
-        dtype=la._dtype,
+        dtype=dtype,
         n_layers=la.n_layers,
     )
     if la.loss_scaling != state["loss_scaling"]:
@@ -313,9 +315,9 @@ def restore_glas_state(
             f"complement {la.complement!r} is replaced by the saved {state['complement']!r}.",
             stacklevel=3,
         )
-    if la._n_components != state["n_components"]:
+    if la.n_components != state["n_components"]:
         warnings.warn(
-            f"n_components {la._n_components} is replaced by the saved {state['n_components']}.",
+            f"n_components {la.n_components} is replaced by the saved {state['n_components']}.",
             stacklevel=3,
         )
     saved_loss = state.get("loss_fn", "")
@@ -330,12 +332,4 @@ def restore_glas_state(
         eigenpairs = Eigenpairs.from_dict(eigenpair_record(state))
     except TypeError as err:
         raise ValueError(f"state_dict['eigenpairs'] is not an eigen-solve record: {err}") from None
-    load_base(state)
-    la.loss = torch.as_tensor(la.loss).to(la._device, la._dtype)
-    U, h = state["H"]
-    la.H = (U.to(la._device, la._dtype), h.to(la._device, la._dtype))
-    la.mean = la.mean.to(la._device, la._dtype)
-    la.loss_scaling = state["loss_scaling"]
-    la.complement = state["complement"]
-    la._eigenpairs = eigenpairs.to(la._device, la._dtype)
-    la._n_components = int(state["n_components"])
+    return eigenpairs

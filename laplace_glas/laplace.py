@@ -76,6 +76,7 @@ from laplace_glas.curvature.planner import SOLVERS
 from laplace_glas.diagnostics.calibration import DimensionSelection, select_dimension
 from laplace_glas.io import glas_state, restore_glas_state
 from laplace_glas.posterior.subspace import SubspacePosterior
+from laplace_glas.posterior.view import FittedPosterior
 from laplace_glas.predictive.jvp import (
     parameter_names,
 )
@@ -458,6 +459,48 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
         """
         self._check_H_init()
         return self._eigenpairs
+
+    @property
+    def posterior(self) -> FittedPosterior:
+        """A read-only view of the fitted posterior
+        (:class:`~laplace_glas.posterior.view.FittedPosterior`): eigenpairs, curvature,
+        prior, scaling, parameter names and shapes, device, dtype and the eigen-solve's
+        record, taken now. Diagnostics, calibration and persistence read this view.
+        """
+        self._check_H_init()
+        k_computed = self.H[0].shape[1]
+        return FittedPosterior(
+            eigenvectors=self.H[0],
+            ggn_eigenvalues=self._eigenvalues_up_to(k_computed),
+            curvature=self._curvature_up_to(k_computed),
+            n_components=self._n_components,
+            prior_precision=self.prior_precision,
+            prior_mean=self.prior_mean,
+            mean=self.mean,
+            network_weights=self._network_weights(),
+            scaling_factor=self.scaling_factor,
+            n_data=self.n_data,
+            sigma_noise=self.sigma_noise,
+            temperature=self.temperature,
+            likelihood=self.likelihood,
+            complement=self.complement,
+            param_names=tuple(self._param_names),
+            param_shapes=tuple(self._param_shapes),
+            device=self._device,
+            dtype=self._dtype,
+            eigen_solve=self._eigenpairs,
+            process_group=getattr(self, "_process_group", None),
+            ignore_index=self.ignore_index,
+            dict_key_x=self.dict_key_x,
+            dict_key_y=self.dict_key_y,
+            network_directions=self._network_directions_up_to,
+            embed_weight_draws=self._embed_weight_draws,
+            prior_gram_diagonal=self._prior_gram_diagonal,
+            glm_moments=self._glm_moments,
+            check_inputs=self._check_inputs,
+            check_fitted_weights=self._check_fitted_weights,
+            to_device=self._to_device,
+        )
 
     def _eigenvalues_up_to(self, k: int) -> torch.Tensor:
         """``lambda_1..k`` of the mean-loss GGN, for any ``k`` up to the computed number."""
@@ -970,10 +1013,20 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
         a refused state raises ``ValueError`` naming the entry and leaves this object
         unchanged. See :func:`laplace_glas.io.restore_glas_state`.
         """
-        restore_glas_state(
+        device, dtype = self._device, self._dtype
+        eigenpairs = restore_glas_state(
             self,
             state_dict,
-            super().load_state_dict,
             loss_scalings=_LOSS_SCALINGS,
             complements=_COMPLEMENTS,
+            dtype=dtype,
         )
+        super().load_state_dict(state_dict)
+        self.loss = torch.as_tensor(self.loss).to(device, dtype)
+        U, h = state_dict["H"]
+        self.H = (U.to(device, dtype), h.to(device, dtype))
+        self.mean = self.mean.to(device, dtype)
+        self.loss_scaling = state_dict["loss_scaling"]
+        self.complement = state_dict["complement"]
+        self._eigenpairs = eigenpairs.to(device, dtype)
+        self._n_components = int(state_dict["n_components"])

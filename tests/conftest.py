@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import settings
 from torch import nn
+from torch.func import functional_call, jacrev
 from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_glas  # noqa: F401  (registers 'glas')
@@ -82,6 +85,14 @@ def toy_classification():
     return model, X, y
 
 
+# Test modules import reference helpers from each other across the folders that mirror
+# the package (e.g. the factored models of curvature/test_factored.py in
+# predictive/test_factored_predictive.py): put every test folder on the path.
+for _folder in sorted(Path(__file__).parent.iterdir()):
+    if _folder.is_dir() and _folder.name not in {"upstream", "__pycache__"}:
+        sys.path.insert(0, str(_folder))
+
+
 # One thread: on 2 cores, two BLAS threads per process fight with anything else running
 # (a second pytest, the example subprocesses) and products slow down 10-30x.
 torch.set_num_threads(1)
@@ -97,6 +108,16 @@ def fit_glas(model, X, y, likelihood="regression", batch_size=32, **kwargs):
     la = Laplace(model, likelihood, subset_of_weights="all", hessian_structure="glas", **kwargs)
     la.fit(loader(X, y, batch_size))
     return la
+
+
+def explicit_jacobian(model: nn.Module, X: torch.Tensor) -> torch.Tensor:
+    """(N*C, D) Jacobian by reverse mode (``torch.func.jacrev``), independent of curvlinops."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    J = jacrev(lambda p: functional_call(model, p, (X,)))(params)
+    N = X.shape[0]
+    return torch.cat([J[n].reshape(N, -1, p.numel()) for n, p in params.items()], -1).reshape(
+        -1, sum(p.numel() for p in params.values())
+    )
 
 
 def output_jacobian(model: nn.Module, X) -> tuple[torch.Tensor, torch.Tensor]:

@@ -349,6 +349,6 @@ def gridsearch(
         y = data[la.dict_key_y] if isinstance(data, MutableMapping) else data[1]
         n_local += int(y.shape[0])
     local = torch.tensor([*(n_local * r for r in results), n_local], dtype=torch.float64)
-    total = _all_reduce(local.to(la._device), shards).cpu()
+    total = _all_reduce(local.to(la.posterior.device), shards).cpu()
     means = total[:-1] / total[-1]
     return interval[int(torch.argmin(means))]

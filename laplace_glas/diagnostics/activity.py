@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from laplace_glas.posterior.closed_forms import posterior_variances
+from laplace_glas.validation import scalar_prior_precision
 
 __all__ = ["activity_scores", "cumulative_activity", "per_parameter", "weights_for_share"]
 
@@ -45,19 +46,17 @@ def activity_scores(la: Any, k: int | None = None, weighting: str = "eigenvalue"
         Eigen-direction weights ``w_j``.
 
     """
-    la._check_H_init()
-    available = la.lanczos_info.k
-    k = la.n_components if k is None else int(k)
-    if not 1 <= k <= available:
-        raise ValueError(f"k must lie in [1, {available}], got {k}.")
+    posterior = la.posterior
+    k = posterior.check_k(posterior.n_components if k is None else k)
     if weighting not in _WEIGHTINGS:
         raise ValueError(f"weighting must be one of {_WEIGHTINGS}, got {weighting!r}.")
-    U = la.H[0][:, :k]
+    U = posterior.eigenvectors[:, :k]
     if weighting == "eigenvalue":
-        weights = la._eigenvalues_up_to(k)
+        weights = posterior.ggn_eigenvalues[:k]
     else:
-        a = la._curvature_up_to(k)
-        variances = posterior_variances(a, la._tau)
+        a = posterior.curvature[:k]
+        scalar_prior_precision(posterior.prior_precision)
+        variances = posterior_variances(a, posterior.prior_precision.reshape(()))
         weights = a * variances if weighting == "posterior" else variances
     return (U.square() @ weights).detach()
 
@@ -68,8 +67,9 @@ def per_parameter(la: Any, scores: torch.Tensor) -> dict[str, float]:
         raise ValueError(f"scores must have shape ({la.n_params},), got {tuple(scores.shape)}.")
     if not torch.isfinite(scores).all():
         raise ValueError("scores contain NaN or inf.")
+    posterior = la.posterior
     totals, offset = {}, 0
-    for name, shape in zip(la._param_names, la._param_shapes):
+    for name, shape in zip(posterior.param_names, posterior.param_shapes):
         n = shape.numel()
         totals[name] = float(scores[offset : offset + n].sum())
         offset += n

@@ -59,8 +59,14 @@ from tqdm.auto import tqdm
 
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.autodiff.rnn import elementary_rnns
+from laplace_glas.posterior.view import FittedPosterior
 from laplace_glas.predictive.jvp import jvp_directions, row_chunks, unflatten
-from laplace_glas.validation import check_model_output, flag, positive_int
+from laplace_glas.validation import (
+    check_model_output,
+    flag,
+    positive_int,
+    scalar_prior_precision,
+)
 
 __all__ = ["Alignment", "alignment", "ood_scores"]
 
@@ -127,15 +133,20 @@ class Alignment:
         return self.variance + self.residual / self.prior_precision
 
 
-def _check_la(la: Any) -> None:
-    from laplace_glas.laplace import ActiveSubspaceLaplace
-
-    if not isinstance(la, ActiveSubspaceLaplace):
+def _check_la(la: Any) -> FittedPosterior:
+    """The public view of a fitted GLAS posterior ``la``; a clear error for any other object."""
+    if not hasattr(type(la), "posterior"):
         raise TypeError(
             "alignment needs a fitted ActiveSubspaceLaplace (hessian_structure='glas'), "
             f"got {type(la).__name__}."
         )
-    la._check_H_init()
+    posterior = la.posterior
+    if not isinstance(posterior, FittedPosterior):
+        raise TypeError(
+            "alignment needs a fitted ActiveSubspaceLaplace (hessian_structure='glas'), "
+            f"got {type(la).__name__}."
+        )
+    return posterior
 
 
 def _per_example_norms(
@@ -230,16 +241,16 @@ def alignment(
         If ``la`` is not fitted, or ``x`` is empty or not finite.
 
     """
-    _check_la(la)
+    posterior = _check_la(la)
     per_output = flag("per_output", per_output)
     progress_bar = flag("progress_bar", progress_bar)
     chunk_size = positive_int("chunk_size", chunk_size)
-    la._check_inputs(x)
-    la._check_fitted_weights()
-    x = la._to_device(x)
+    posterior.check_inputs(x)
+    posterior.check_fitted_weights()
+    x = posterior.to_device(x)
     U, v = la.eigenvectors, la.posterior_variances
-    theta = la.mean.detach()
-    names, shapes = la._param_names, la._param_shapes
+    theta = posterior.mean.detach()
+    names, shapes = posterior.param_names, posterior.param_shapes
     primals = unflatten(theta, names, shapes)
     norms, projected, by_direction = [], [], []
     chunks = list(row_chunks(x, chunk_size, la.dict_key_x))
@@ -264,7 +275,8 @@ def alignment(
             with torch.enable_grad():
                 norm2 = _per_example_norms(la.model, primals, rows, n_out, la.dict_key_x)
                 norms.append(norm2.detach())
-    tau = float(la._tau)
+    scalar_prior_precision(posterior.prior_precision)
+    tau = posterior.tau
     return Alignment(
         jacobian_norm2=torch.cat(norms),
         projected_norm2=torch.cat(projected),

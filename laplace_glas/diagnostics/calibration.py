@@ -194,8 +194,8 @@ def _gather(la: Any, loader: Iterable) -> tuple[torch.Tensor, torch.Tensor, int]
     batch size seen (the calibration pushes the data through in batches of that size).
     Warns (``FittedWeightsChangedWarning``) when the model's weights moved after fit.
     """
-    la._check_H_init()
-    la._check_fitted_weights()
+    posterior = la.posterior
+    posterior.check_fitted_weights()
     Xs, ys = [], []
     for data in loader:
         X, y = split_batch(data, la.dict_key_y)
@@ -218,8 +218,9 @@ def _gather(la: Any, loader: Iterable) -> tuple[torch.Tensor, torch.Tensor, int]
         ys = [_pad_time_axis(y, length, pad) for y in ys]
         pad_value = 0  # inputs too (mappings: attention_mask 0 there)
     X = concatenate_inputs(Xs, la.dict_key_y, pad_value)
-    X = {k: v.to(la._device) for k, v in X.items()} if isinstance(X, dict) else X.to(la._device)
-    y = torch.cat(ys).to(la._device)
+    device = posterior.device
+    X = {k: v.to(device) for k, v in X.items()} if isinstance(X, dict) else X.to(device)
+    y = torch.cat(ys).to(device)
     for value in X.values() if isinstance(X, dict) else [X]:
         if value.is_floating_point() and not torch.isfinite(value).all():
             raise ValueError("The calibration inputs contain NaN or inf.")
@@ -238,12 +239,13 @@ def _candidates(
     la: Any, ks: Sequence[int], prior_precisions: Iterable[float] | None, empirical_bayes: bool
 ) -> list[tuple[int, float, bool]]:
     # every candidate k, also those above the posterior's current n_components
-    curvature = la._curvature_up_to(max(ks)).detach()
+    posterior = la.posterior
+    curvature = posterior.curvature[: max(ks)].detach()
     square_norm = float((la.mean - la.prior_mean).detach().square().sum())
     if prior_precisions is not None:
         grid = [float(t) for t in prior_precisions]
     else:  # the posterior's own prior: tau, or None for a layerwise / diagonal one
-        grid = [float(la._tau) if la.prior_precision.numel() == 1 else None]
+        grid = [posterior.tau]
     if any(t is not None and not (t > 0 and math.isfinite(t)) for t in grid):
         raise ValueError("Prior precisions must be positive and finite.")
     if not grid and not empirical_bayes:
@@ -264,8 +266,7 @@ def _candidates(
 
 
 def _validate_ks(la: Any, ks: Sequence[int] | None) -> list[int]:
-    la._check_H_init()
-    available = la.lanczos_info.k
+    available = la.posterior.n_computed
     if ks is not None and (
         isinstance(ks, str)
         or not all(isinstance(k, numbers.Integral) and not isinstance(k, bool) for k in ks)
@@ -283,8 +284,10 @@ def _validate_ks(la: Any, ks: Sequence[int] | None) -> list[int]:
 def _standard_normal(shape, la: Any, generator: torch.Generator | None) -> torch.Tensor:
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator or None, got {generator!r}.")
-    device = generator.device if generator is not None else la._device
-    return torch.randn(*shape, generator=generator, device=device, dtype=la._dtype).to(la._device)
+    posterior = la.posterior
+    device = generator.device if generator is not None else posterior.device
+    draws = torch.randn(*shape, generator=generator, device=device, dtype=posterior.dtype)
+    return draws.to(posterior.device)
 
 
 def coverage_table(
@@ -316,12 +319,13 @@ def coverage_table(
     k_max = max(k for k, _, _ in pairs)
     # U over the posterior's weights (complement draws), V over the network's (the
     # same tensor unless the posterior is a subnetwork's: V embeds U)
-    U = la.H[0][:, :k_max]
-    V = la._network_directions_up_to(k_max)
-    a = la._curvature_up_to(k_max).detach()
+    posterior = la.posterior
+    U = posterior.eigenvectors[:, :k_max]
+    V = posterior.network_directions(k_max)
+    a = posterior.curvature[:k_max].detach()
     sigma2 = float(la.sigma_noise.square()) if la.likelihood == "regression" else 0.0
     prior_complement = la.complement == "prior"
-    theta = la._network_weights().detach()
+    theta = posterior.network_weights.detach()
     rows = []
     with torch.no_grad(), autodiff_friendly(la.model):
         if la.likelihood == "regression" and pred_type == "glm":
@@ -334,7 +338,7 @@ def coverage_table(
             gram_diag = None
             if prior_complement and any(t is not None for _, t, _ in pairs):
                 rows_at_once = 32 if batch_size is None else min(32, batch_size)
-                gram_diag = la._prior_gram_diagonal(X, theta, rows_at_once)
+                gram_diag = posterior.prior_gram_diagonal(X, theta, rows_at_once)
             JU2 = JU.square()
             z_score = statistics.NormalDist().inv_cdf(0.5 + level / 2)
 
@@ -390,7 +394,9 @@ def _linearised(
     """``f(X; theta*)`` and ``J(X) V`` for ``(D, m)`` directions ``V``, over row chunks
     of ``X`` (``la.jvp_chunk_size`` directions at a time).
     """
-    names, shapes, theta = la._param_names, la._param_shapes, la._network_weights().detach()
+    posterior = la.posterior
+    names, shapes = posterior.param_names, posterior.param_shapes
+    theta = posterior.network_weights.detach()
     parts = [
         jvp_directions(la.model, names, shapes, theta, rows, directions, la.jvp_chunk_size)
         for rows in row_chunks(X, batch_size, la.dict_key_x)
@@ -404,7 +410,8 @@ def _sampled_outputs(
     """``(S, n, ...)`` network outputs at weight samples ``thetas`` ``(S, D)``,
     ``la.sample_chunk_size`` samples and ``batch_size`` rows of ``X`` at a time.
     """
-    names, shapes = la._param_names, la._param_shapes
+    posterior = la.posterior
+    names, shapes = posterior.param_names, posterior.param_shapes
     chunk = la.sample_chunk_size
     return torch.cat(
         [
@@ -447,7 +454,8 @@ def _sampled_rows(
     complement draws are projected with them); ``V`` ``(D, k_max)``: the same over the
     network's weights (embedded for a subnetwork posterior).
     """
-    theta = la._network_weights().detach()
+    posterior = la.posterior
+    theta = posterior.network_weights.detach()
     k_max = U.shape[1]
     z = _standard_normal((n_samples, k_max), la, generator)
     e = None
@@ -477,13 +485,13 @@ def _sampled_rows(
         elif pred_type == "glm":
             fs = f0 + torch.einsum("...k,sk->s...", JU[..., :k], _coefficients(z, a, k, tau))
             if e is not None:
-                complement = la._embed_weight_draws(_complement_draws(e, U, k, tau))
+                complement = posterior.embed_weight_draws(_complement_draws(e, U, k, tau))
                 _, Je = _linearised(la, X, complement.T, batch_size)
                 fs = fs + Je.movedim(-1, 0)
         else:
             thetas = theta + _coefficients(z, a, k, tau) @ V[:, :k].T
             if e is not None:
-                thetas = thetas + la._embed_weight_draws(_complement_draws(e, U, k, tau))
+                thetas = thetas + posterior.embed_weight_draws(_complement_draws(e, U, k, tau))
             fs = _sampled_outputs(la, thetas, X, batch_size)
         if classification:
             if not rows:  # every candidate has the same output shape: check the labels once
@@ -521,7 +529,7 @@ def _complement_draws(e: torch.Tensor, U: torch.Tensor, k: int, tau: float) -> t
 def _truncated(la: Any, k: int) -> Any:
     """A shallow copy of ``la`` using its leading ``k`` eigenpairs (nothing recomputed)."""
     view = copy.copy(la)
-    view._n_components = k
+    view.n_components = k
     return view
 
 
@@ -533,7 +541,8 @@ def _own_prior_moments(
     chunks of ``X``.
     """
     view = _truncated(la, k)
-    parts = [view._glm_moments(rows) for rows in row_chunks(X, batch_size)]
+    glm_moments = view.posterior.glm_moments
+    parts = [glm_moments(rows) for rows in row_chunks(X, batch_size)]
     lead = torch.Size([sum(p[2][0] for p in parts), *parts[0][2][1:]])
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), lead
 
@@ -689,9 +698,8 @@ def _current_row(
     generator: torch.Generator | None,
     include_noise: bool,
 ) -> CoverageRow:
-    la._check_H_init()
     X, y, batch_size = _gather(la, loader)
-    tau = float(la._tau) if la.prior_precision.numel() == 1 else None
+    tau = la.posterior.tau
     pairs = [(la.n_components, tau, False)]
     rows = coverage_table(
         la, X, y, pairs, level, pred_type, n_samples, generator, include_noise, batch_size
@@ -704,14 +712,15 @@ def _all_ranks(la: Any, rows: list[CoverageRow], y: torch.Tensor) -> list[Covera
     (weighted means, one all-reduce; see
     :func:`laplace_glas.curvature.distributed.reduce_coverage_rows`).
     """
-    shards = data_parallel(getattr(la, "_process_group", None))
+    posterior = la.posterior
+    shards = data_parallel(posterior.process_group)
     if shards is None:
         return rows
     if la.likelihood == "classification":
         n_scored = int((y != getattr(la, "ignore_index", -100)).sum())
     else:
         n_scored = y.numel()
-    return reduce_coverage_rows(rows, n_scored, shards, la._device)
+    return reduce_coverage_rows(rows, n_scored, shards, posterior.device)
 
 
 def coverage(

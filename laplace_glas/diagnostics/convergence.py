@@ -52,9 +52,10 @@ def residual_report(la: Any) -> ResidualReport:
     """Residuals, products and time of the fitted eigen-solve (eigenvalues of the
     mean-loss GGN, including the noise precision for regression).
     """
-    info = la.lanczos_info
+    posterior = la.posterior
+    info = posterior.eigen_solve
     return ResidualReport(
-        eigenvalues=la._eigenvalues_up_to(info.k).detach().cpu(),
+        eigenvalues=posterior.ggn_eigenvalues.detach().cpu(),
         residuals=info.residuals.detach().cpu(),
         below_threshold=info.below_threshold.detach().cpu(),
         n_products=info.n_products,
@@ -161,7 +162,7 @@ def replica_check(
         refused.
 
     """
-    la._check_H_init()
+    posterior = la.posterior  # NotFittedError before fit
     if n_replicas < 1:
         raise ValueError("n_replicas must be >= 1.")
     if not 0 < threshold <= 1:
@@ -175,7 +176,7 @@ def replica_check(
             f"Replica seeds {seed}..{seed + n_replicas - 1} include the fit's seed {fit_seed}: "
             "that replica would repeat the fit exactly. Pass another seed."
         )
-    U_fit = la.lanczos_info.vectors
+    U_fit = posterior.eigen_solve.vectors
     k = U_fit.shape[1]
     overlaps, eigenvalues = [], []
     for r in range(n_replicas):

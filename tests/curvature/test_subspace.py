@@ -7,26 +7,15 @@ import copy
 import numpy as np
 import pytest
 import torch
-from conftest import loader, mlp, regression_data
+from conftest import explicit_jacobian, loader, mlp, regression_data
 from scipy.sparse.linalg import LinearOperator
 from torch import nn
-from torch.func import functional_call, jacrev
 
 from laplace_glas.curvature.eigensolve import (
     LanczosConvergenceWarning,
     compute_eigenpairs,
     mean_ggn_operator,
 )
-
-
-def explicit_jacobian(model: nn.Module, X: torch.Tensor) -> torch.Tensor:
-    """(N*C, D) Jacobian by reverse mode, independent of curvlinops."""
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    J = jacrev(lambda p: functional_call(model, p, (X,)))(params)
-    N = X.shape[0]
-    return torch.cat([J[n].reshape(N, -1, p.numel()) for n, p in params.items()], -1).reshape(
-        -1, sum(p.numel() for p in params.values())
-    )
 
 
 def explicit_mean_ggn(model, X, sigma=1.0):

@@ -17,8 +17,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import loader, mlp
-from test_subspace import explicit_jacobian
+from conftest import explicit_jacobian, loader, mlp
 from torch.nn.utils import parameters_to_vector
 
 from laplace_glas import ActiveSubspaceLaplace

@@ -16,13 +16,12 @@ import warnings
 
 import pytest
 import torch
-from conftest import loader, mlp
+from conftest import explicit_jacobian, loader, mlp
 from laplace import Laplace
 from laplace.baselaplace import BaseLaplace
 from laplace.laplace import _all_subclasses
 from laplace.lllaplace import FullLLLaplace
 from laplace.subnetlaplace import FullSubnetLaplace
-from test_subspace import explicit_jacobian
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from laplace_glas import (

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import loader, mlp, regression_data, train
+from conftest import explicit_jacobian, loader, mlp, regression_data, train
 from laplace import Laplace
-from test_subspace import explicit_jacobian
 
 N_POINTS = 5  # regression, 1 output: rank(G) <= 5
 K = 8

@@ -15,14 +15,13 @@ import warnings
 
 import pytest
 import torch
-from conftest import loader
+from conftest import explicit_jacobian, loader
 from laplace import Laplace
 from test_equivalence import (  # noqa: F401 (fixtures)
     classification_setup,
     fitted_pair,
     regression_setup,
 )
-from test_subspace import explicit_jacobian
 
 from laplace_glas.diagnostics.calibration import select_dimension
 from laplace_glas.posterior.prior import DiagonalPriorPosterior

@@ -12,8 +12,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import loader, mlp, regression_data, train
-from test_subspace import explicit_jacobian
+from conftest import explicit_jacobian, loader, mlp, regression_data, train
 
 from laplace_glas import ActiveSubspaceLaplace
 

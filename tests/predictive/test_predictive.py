@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import mlp
-from test_subspace import explicit_jacobian
+from conftest import explicit_jacobian, mlp
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 

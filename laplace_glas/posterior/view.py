@@ -1,0 +1,158 @@
+"""A read-only view of a fitted GLAS posterior: what diagnostics, calibration and
+persistence read instead of the posterior object's private state.
+
+``la.posterior`` (:attr:`laplace_glas.ActiveSubspaceLaplace.posterior`) is a frozen
+snapshot taken at the time of the call: the eigen-decomposition of the mean-loss GGN,
+the curvature the posterior sees along each direction, the prior and the settings of
+the fit. With ``K`` eigenpairs computed by ``fit`` and ``k <= K`` of them in use
+(``n_components``),
+
+.. math::
+
+    \\theta = \\theta^* + U_k z, \\qquad z_j \\sim \\mathcal{N}\\!\\left(0,
+    \\frac{1}{a_j + \\tau}\\right), \\qquad a_j = \\frac{s \\lambda_j}{T},
+
+with ``lambda_j`` the eigenvalues of the mean-loss GGN (noise precision included),
+``s`` the loss scaling's factor and ``T`` the temperature. The view holds all ``K``
+pairs so that a sweep over ``k`` (the calibration) needs no refit.
+
+The few operations that depend on which weights the posterior covers (all of the
+network's, its last layer, or a subnetwork) are the view's callables: the directions
+and draws embedded into the network's weights, and the network's outputs under the
+linearised posterior.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from laplace_glas.curvature import Eigenpairs
+from laplace_glas.validation import ArgumentTypeError
+
+__all__ = ["FittedPosterior"]
+
+
+@dataclass(frozen=True)
+class FittedPosterior:
+    """Read-only record of a fitted posterior (``la.posterior``).
+
+    Attributes
+    ----------
+    eigenvectors : torch.Tensor
+        ``(D, K)``: every computed eigenvector ``U`` over the posterior's weights.
+    ggn_eigenvalues : torch.Tensor
+        ``(K,)``: ``lambda_j`` of the mean-loss GGN (``1 / sigma^2`` included).
+    curvature : torch.Tensor
+        ``(K,)``: ``a_j = s lambda_j / T``, the posterior's curvature along ``u_j``.
+    n_components : int
+        ``k``, the number of leading pairs the posterior uses (``k <= K``).
+    prior_precision : torch.Tensor
+        laplace-torch's prior precision: ``(1,)``, ``(n_layers,)`` or ``(D,)``.
+    prior_mean : torch.Tensor
+        ``mu_0``: a scalar or ``(D,)``.
+    mean : torch.Tensor
+        ``theta*`` over the posterior's weights, ``(D,)``.
+    network_weights : torch.Tensor
+        ``theta*`` over every weight the model's predictions use (equals ``mean``
+        except for a subnetwork posterior, which embeds its weights in the network's).
+    scaling_factor : float
+        ``s``: 1 for ``loss_scaling='mean'``, ``N`` for ``'sum'``.
+    n_data : int
+        ``N``, the number of likelihood terms of the fit.
+    sigma_noise, temperature : torch.Tensor or float
+        Observation noise and temperature of the likelihood.
+    likelihood, complement : str
+        The likelihood and the complement (``'zero'`` or ``'prior'``).
+    param_names, param_shapes : tuple
+        Names and shapes of the network's parameter tensors under inference.
+    device, dtype :
+        Where the posterior's tensors live.
+    eigen_solve : Eigenpairs
+        The eigen-solve's record (``la.lanczos_info``).
+    process_group : Any
+        The process group of a data-parallel fit (None otherwise).
+    ignore_index : int
+        Classification targets left out of the loss and the scores.
+    dict_key_x, dict_key_y : str
+        Keys of inputs and targets in mapping batches.
+    network_directions : Callable[[int], torch.Tensor]
+        ``k -> (D_net, k)``: the leading ``k`` eigenvectors embedded in the network's
+        weights (any ``k <= K``).
+    embed_weight_draws : Callable[[torch.Tensor], torch.Tensor]
+        ``(S, D) -> (S, D_net)``: draws over the posterior's weights as draws over the
+        network's (zeros outside a subnetwork).
+    prior_gram_diagonal : Callable
+        ``(X, theta, chunk_size) -> (n, C)``: the diagonal of ``J P_0^{-1} J^T`` at
+        the unit prior, over the weights under inference.
+    glm_moments : Callable
+        ``X -> (f_mu, f_var, lead_shape)``: the linearised predictive's mean and
+        covariance at the posterior's current ``k`` and prior.
+    check_inputs : Callable
+        Raises a clear error for inputs the model cannot take (dtype, empty, NaN).
+    check_fitted_weights : Callable[[], bool]
+        Warns (``FittedWeightsChangedWarning``) when the model's weights moved after
+        the fit; True when they did not.
+    to_device : Callable
+        Moves a tensor input to the posterior's device (mappings as they are).
+
+    """
+
+    eigenvectors: torch.Tensor
+    ggn_eigenvalues: torch.Tensor
+    curvature: torch.Tensor
+    n_components: int
+    prior_precision: torch.Tensor
+    prior_mean: torch.Tensor
+    mean: torch.Tensor
+    network_weights: torch.Tensor
+    scaling_factor: float
+    n_data: int
+    sigma_noise: torch.Tensor
+    temperature: float | torch.Tensor
+    likelihood: str
+    complement: str
+    param_names: tuple[str, ...]
+    param_shapes: tuple[torch.Size, ...]
+    device: torch.device
+    dtype: torch.dtype
+    eigen_solve: Eigenpairs
+    process_group: Any
+    ignore_index: int
+    dict_key_x: str
+    dict_key_y: str
+    network_directions: Callable[[int], torch.Tensor]
+    embed_weight_draws: Callable[[torch.Tensor], torch.Tensor]
+    prior_gram_diagonal: Callable[..., torch.Tensor]
+    glm_moments: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Size]]
+    check_inputs: Callable[[Any], None]
+    check_fitted_weights: Callable[[], bool]
+    to_device: Callable[[Any], Any]
+
+    @property
+    def n_computed(self) -> int:
+        """``K``: the number of eigenpairs ``fit`` computed."""
+        return int(self.eigenvectors.shape[1])
+
+    @property
+    def scalar_prior(self) -> bool:
+        """Whether the prior precision is one scalar ``tau`` (the closed forms)."""
+        return self.prior_precision.numel() == 1
+
+    @property
+    def tau(self) -> float | None:
+        """The scalar prior precision ``tau``; None for a layerwise or diagonal prior."""
+        return float(self.prior_precision.reshape(-1)[0]) if self.scalar_prior else None
+
+    def check_k(self, k: int) -> int:
+        """``k`` as an int after checking it is an integer with ``1 <= k <= K``."""
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+            raise ArgumentTypeError(f"k must be an int, got {k!r}.")
+        k = int(k)
+        if not 1 <= k <= self.n_computed:
+            raise ValueError(f"k must lie in [1, {self.n_computed}], got {k}.")
+        return k
