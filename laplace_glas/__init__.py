@@ -21,6 +21,18 @@ model and the comparison harness used by the examples; importing ``laplace_glas`
 does not load it.
 """
 
+import warnings
+
+# laplace-torch (through asdl) and curvlinops (through linear_operator) call the deprecated
+# `torch.jit.script` when they are imported: a warning that says nothing to a user of this
+# package. It is silenced for these imports only; later imports are cached.
+with warnings.catch_warnings():
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning
+    )
+    import curvlinops  # noqa: F401
+    import laplace  # noqa: F401
+
 from laplace_glas.curvature.eigensolve import (
     Eigenpairs,
     LanczosConvergenceWarning,

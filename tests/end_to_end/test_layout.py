@@ -194,3 +194,10 @@ def test_curvature_does_not_import_the_layers_above_it():
                 if name.startswith(forbidden):
                     wrong.append(f"{relative(path)} imports {name}")
     assert not wrong, wrong
+
+
+def test_import_prints_no_deprecation_warning_of_the_dependencies():
+    """laplace-torch's and curvlinops' imports call the deprecated ``torch.jit.script``."""
+    subprocess.run(
+        [sys.executable, "-W", "error::FutureWarning", "-c", "import laplace_glas"], check=True
+    )
