@@ -17,6 +17,9 @@ Prints the machine, the threads, the command and the Markdown table.
 
 from __future__ import annotations
 
+import laplace_glas  # noqa: F401 (first: registers 'glas', imports laplace-torch quietly)
+
+# isort: split
 import os
 
 # Before torch/numpy load: OpenMP waiters that sleep instead of spinning (a shared 2-core
@@ -34,7 +37,6 @@ import torch
 from machine import machine_description  # benchmarks/machine.py
 from torch.utils.data import DataLoader, TensorDataset
 
-import laplace_glas  # noqa: F401  (registers hessian_structure='glas')
 from laplace_glas.applications.compare import compare_structures, default_structures, format_table
 from laplace_glas.applications.data import concrete_splits, make_mlp, train_map
 
@@ -43,7 +45,7 @@ DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/concrete/Concr
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
+        description=" ".join(__doc__.split("\n\n")[0].split()),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="Concrete_Data.csv")

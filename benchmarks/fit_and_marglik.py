@@ -14,6 +14,10 @@ Prints a Markdown table and the machine/threads used.
 
 from __future__ import annotations
 
+# first: registers hessian_structure='glas' and imports laplace-torch quietly
+import laplace_glas
+
+# isort: split
 import argparse
 import time
 import warnings
@@ -23,12 +27,11 @@ from laplace import Laplace
 from machine import machine_description  # benchmarks/machine.py
 from torch.utils.data import DataLoader, TensorDataset
 
-import laplace_glas  # registers 'glas'
 from laplace_glas.applications.data import known_noise_regression, make_mlp, train_map
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--n", type=int, default=2000)
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 10, 50])
     parser.add_argument("--threads", type=int, default=1)

@@ -17,6 +17,9 @@ Prints a Markdown table and the machine/threads used. Example::
 
 from __future__ import annotations
 
+import laplace_glas  # noqa: F401 (first: registers 'glas', imports laplace-torch quietly)
+
+# isort: split
 import argparse
 import statistics
 import time
@@ -27,7 +30,6 @@ from laplace import Laplace
 from machine import machine_description  # benchmarks/machine.py
 from torch.utils.data import DataLoader, TensorDataset
 
-import laplace_glas  # noqa: F401  (registers 'glas')
 from laplace_glas.applications.compare import PeakMemory
 from laplace_glas.applications.data import make_mlp
 
@@ -77,7 +79,7 @@ def timed_fit(make, loader, repeats: int):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lanczos-repeats", type=int, default=1)
     parser.add_argument("--steps", type=int, default=100, help="Adam steps to the MAP")

@@ -22,6 +22,9 @@ KronLaplace's error is printed where it cannot fit a model. Example::
 
 from __future__ import annotations
 
+import laplace_glas  # noqa: F401 (first: registers 'glas', imports laplace-torch quietly)
+
+# isort: split
 import argparse
 import statistics
 import time
@@ -33,7 +36,6 @@ from machine import machine_description  # benchmarks/machine.py
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import laplace_glas  # noqa: F401  (registers 'glas')
 from laplace_glas.applications.compare import PeakMemory
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature.eigensolve import mean_ggn_operator
@@ -182,7 +184,7 @@ def fit_row(name, model, batches, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--n", type=int, default=256, help="sequences per model")
     parser.add_argument("--batch", type=int, default=32, help="sequences per batch")
     parser.add_argument("--k", type=int, default=10, help="eigenpairs of the fits")

@@ -24,6 +24,10 @@ depend on training; the number of solver passes does a little). ``--quick`` is a
 
 from __future__ import annotations
 
+# first: registers hessian_structure='glas' and imports laplace-torch quietly
+import laplace_glas
+
+# isort: split
 import argparse
 import resource
 import sys
@@ -38,7 +42,6 @@ from laplace import Laplace
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine_description
 
-import laplace_glas
 from laplace_glas.applications.smiles import (
     PAD,
     SmilesLSTM,
@@ -56,7 +59,7 @@ DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/smiles/moses_t
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
+        description=" ".join(__doc__.split("\n\n")[0].split()),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="SMILES file")

@@ -37,6 +37,9 @@ writes them to a file, ``--json`` dumps the raw measurements.
 
 from __future__ import annotations
 
+import laplace_glas  # noqa: F401 (first: registers 'glas', imports laplace-torch quietly)
+
+# isort: split
 import os
 
 # Before torch/numpy are imported (here and in the forkserver, which inherits them): on a
@@ -65,7 +68,6 @@ from laplace import Laplace
 from machine import machine_description  # benchmarks/machine.py
 from torch.utils.data import DataLoader, TensorDataset
 
-import laplace_glas  # noqa: F401  (registers hessian_structure='glas')
 from laplace_glas.applications.compare import PeakMemory
 from laplace_glas.applications.data import make_mlp, train_map
 
@@ -544,7 +546,7 @@ def _targets(out: Report, raw: dict, args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------- main
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
+        description=" ".join(__doc__.split("\n\n")[0].split()),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--quick", action="store_true", help="small sizes (about a minute)")

@@ -14,6 +14,10 @@ repository; MOSES, MIT licence).
 
 from __future__ import annotations
 
+# first: registers hessian_structure='glas' and imports laplace-torch quietly
+import laplace_glas
+
+# isort: split
 import argparse
 import time
 import warnings
@@ -22,7 +26,6 @@ from pathlib import Path
 import torch
 from laplace import Laplace
 
-import laplace_glas
 from laplace_glas.applications.cli import HelpFormatter
 from laplace_glas.applications.smiles import (
     PAD,
@@ -40,7 +43,7 @@ DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/smiles/moses_t
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+        description=" ".join(__doc__.split("\n\n")[0].split()), formatter_class=HelpFormatter
     )
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="SMILES file")
     parser.add_argument("--n-train", type=int, default=2000, help="training SMILES")

@@ -23,6 +23,9 @@ repository); the public source is the UCI ML repository, data set 165 (CC BY 4.0
 
 from __future__ import annotations
 
+import laplace_glas  # noqa: F401 (first: registers 'glas', imports laplace-torch quietly)
+
+# isort: split
 import argparse
 import os
 import time
@@ -34,9 +37,8 @@ import torch.distributed as dist
 from laplace import Laplace
 from torch.utils.data import DataLoader, TensorDataset
 
-import laplace_glas  # noqa: F401  (registers hessian_structure="glas")
 from laplace_glas import CoverageNotReachedWarning
-from laplace_glas.applications.cli import HelpFormatter
+from laplace_glas.applications.cli import HelpFormatter, run_example
 from laplace_glas.applications.data import concrete_splits, make_mlp, train_map
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/concrete/Concrete_Data.csv"
@@ -45,7 +47,7 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+        description=" ".join(__doc__.split("\n\n")[0].split()), formatter_class=HelpFormatter
     )
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="Concrete_Data.csv")
     parser.add_argument("--quick", action="store_true", help="small model, k = 8 (seconds)")
@@ -155,4 +157,4 @@ def report(result: dict, info) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_example(main)

@@ -20,9 +20,11 @@ finishes in seconds (it runs in the test suite).
 
 from __future__ import annotations
 
+import laplace_glas  # noqa: F401 (first: registers 'glas', imports laplace-torch quietly)
+
+# isort: split
 import argparse
 import os
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -32,8 +34,7 @@ import torch
 from laplace import Laplace
 from torch.utils.data import DataLoader, TensorDataset
 
-import laplace_glas  # noqa: F401  (registers hessian_structure='glas')
-from laplace_glas.applications.cli import HelpFormatter
+from laplace_glas.applications.cli import HelpFormatter, run_example
 from laplace_glas.applications.data import known_noise_regression, make_mlp, train_map
 
 SIGMA = 0.1  # known observation noise
@@ -426,4 +427,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_example(main)

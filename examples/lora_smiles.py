@@ -40,6 +40,9 @@ the ``llm`` extra (``pip install -e ".[llm]"``).
 
 from __future__ import annotations
 
+import laplace_glas  # noqa: F401 (first: registers 'glas', imports laplace-torch quietly)
+
+# isort: split
 import argparse
 import math
 import statistics
@@ -54,8 +57,7 @@ from laplace import Laplace
 from torch import nn
 from torch.utils.data import DataLoader
 
-import laplace_glas  # noqa: F401  (registers hessian_structure='glas')
-from laplace_glas.applications.cli import HelpFormatter
+from laplace_glas.applications.cli import HelpFormatter, run_example
 from laplace_glas.applications.compare import PeakMemory
 from laplace_glas.applications.smiles import PAD, SmilesTokenizer, load_smiles
 from laplace_glas.huggingface import causal_lm_batch
@@ -68,7 +70,7 @@ METHODS = ("MAP", "GLAS mean", "GLAS standard", "KronLaplace", "last-layer")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+        description=" ".join(__doc__.split("\n\n")[0].split()), formatter_class=HelpFormatter
     )
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="SMILES file")
     parser.add_argument(
@@ -598,4 +600,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_example(main)

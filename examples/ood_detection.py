@@ -26,6 +26,10 @@ repository); the public source is the UCI ML repository, data set 165 (CC BY 4.0
 
 from __future__ import annotations
 
+# first: registers hessian_structure='glas' and imports laplace-torch quietly
+import laplace_glas
+
+# isort: split
 import argparse
 import time
 import warnings
@@ -35,8 +39,7 @@ import torch
 from laplace import Laplace
 from torch.utils.data import DataLoader, TensorDataset
 
-import laplace_glas  # registers hessian_structure='glas'
-from laplace_glas.applications.cli import HelpFormatter
+from laplace_glas.applications.cli import HelpFormatter, run_example
 from laplace_glas.applications.data import load_concrete, make_mlp, split, standardize, train_map
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/concrete/Concrete_Data.csv"
@@ -49,7 +52,7 @@ BASELINES = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+        description=" ".join(__doc__.split("\n\n")[0].split()), formatter_class=HelpFormatter
     )
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="Concrete_Data.csv")
     parser.add_argument("--quick", action="store_true", help="small models, k in (2, 5)")
@@ -216,4 +219,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_example(main)

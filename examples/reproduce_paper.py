@@ -31,6 +31,9 @@ Run ``python examples/reproduce_paper.py --help`` for the options.
 
 from __future__ import annotations
 
+import laplace_glas  # noqa: F401 (first: registers 'glas', imports laplace-torch quietly)
+
+# isort: split
 import argparse
 import json
 import os
@@ -52,7 +55,6 @@ import torch
 from laplace import Laplace
 from torch.utils.data import DataLoader, TensorDataset
 
-import laplace_glas  # noqa: F401  (registers hessian_structure='glas')
 from laplace_glas import (
     CoverageNotReachedWarning,
     CoverageRow,
@@ -60,7 +62,7 @@ from laplace_glas import (
     NumericalRankWarning,
     select_dimension,
 )
-from laplace_glas.applications.cli import HelpFormatter
+from laplace_glas.applications.cli import HelpFormatter, run_example
 from laplace_glas.applications.data import (
     concrete_splits,
     known_noise_regression,
@@ -945,4 +947,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_example(main)

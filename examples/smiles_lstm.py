@@ -25,6 +25,10 @@ Use ``--threads`` to pin the torch threads; timings on a loaded machine are nois
 
 from __future__ import annotations
 
+# first: registers hessian_structure='glas' and imports laplace-torch quietly
+import laplace_glas
+
+# isort: split
 import argparse
 import copy
 import os
@@ -39,7 +43,6 @@ import torch
 from laplace import Laplace
 from torch.utils.data import DataLoader, TensorDataset
 
-import laplace_glas  # registers hessian_structure='glas'
 from laplace_glas import (
     CoverageNotReachedWarning,
     activity_scores,
@@ -49,7 +52,7 @@ from laplace_glas import (
     select_dimension,
     weights_for_share,
 )
-from laplace_glas.applications.cli import HelpFormatter
+from laplace_glas.applications.cli import HelpFormatter, run_example
 from laplace_glas.applications.smiles import (
     PAD,
     SmilesLSTM,
@@ -73,7 +76,7 @@ GEN_KS = (1, 5, 20)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
+        description=" ".join(__doc__.split("\n\n")[0].split()),
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="SMILES file")
@@ -506,4 +509,4 @@ def _gen_row(scaling: str, k: str, tau: float, smiles: list[str], gen_len: int) 
 
 
 if __name__ == "__main__":
-    main()
+    run_example(main)

@@ -3,8 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["HelpFormatter"]
+__all__ = ["DataNotFoundError", "HelpFormatter", "run_example"]
+
+
+class DataNotFoundError(FileNotFoundError):
+    """A data set an example or benchmark reads is not where it was looked for."""
+
+
+def run_example(main: Callable[[], Any]) -> None:
+    """Run an example's ``main``; a missing data set ends it with one line on stderr
+    (``error: ...``, exit status 2) instead of a traceback.
+    """
+    try:
+        result = main()
+    except DataNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(result if isinstance(result, int) else 0)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from laplace_glas.applications.cli import DataNotFoundError
+
 __all__ = [
     "CONCRETE_N_FEATURES",
     "known_noise_regression",
@@ -263,10 +265,10 @@ def load_concrete(path: str | os.PathLike) -> tuple[Tensor, Tensor]:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(
-            f"Concrete data not found at {str(path)!r}. Download 'Concrete_Data.xls' from "
-            f"the {_CONCRETE_SOURCE}, save it as a ';'-separated CSV with a header row "
-            "(8 feature columns, then the compressive strength), and pass its path."
+        raise DataNotFoundError(
+            f"Concrete data not found at {str(path)!r}: pass --data PATH to a "
+            f"';'-separated Concrete_Data.csv (the {_CONCRETE_SOURCE}; its download is "
+            "Concrete_Data.xls: save that sheet as a CSV)."
         )
     with path.open(encoding="utf-8-sig", newline="") as handle:
         lines = [(i, line.strip()) for i, line in enumerate(handle, start=1)]

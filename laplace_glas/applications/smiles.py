@@ -32,6 +32,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.data import DataLoader, TensorDataset
 
+from laplace_glas.applications.cli import DataNotFoundError
 from laplace_glas.curvature.losses import TokenCrossEntropy
 from laplace_glas.validation import positive_int
 
@@ -166,9 +167,10 @@ def load_smiles(path: str | Path, limit: int | None = None) -> list[str]:
     limit = positive_int("limit", limit)
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(
-            f"SMILES file not found: {path}. Expected {MOSES_SOURCE}; e.g. the first "
-            "20,000 lines of MOSES' train.csv (SMILES column) saved as moses_train_20k.smi."
+        raise DataNotFoundError(
+            f"SMILES file not found: {path}: pass --data PATH. Expected {MOSES_SOURCE}; "
+            "e.g. the first 20,000 lines of MOSES' train.csv (SMILES column) saved as "
+            "moses_train_20k.smi."
         )
     smiles: list[str] = []
     with path.open() as handle:

@@ -108,3 +108,24 @@ def test_example_help_is_clean(script, monkeypatch, capsys):
     (parser,) = parsers
     unexplained = [a.option_strings for a in parser._actions if not a.help]
     assert not unexplained, unexplained
+
+
+def test_a_missing_data_set_ends_in_one_line_not_a_traceback(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "concrete.py"),
+            "--quick",
+            "--data",
+            str(tmp_path / "none.csv"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Concrete data not found" in errors[0] and "--data" in errors[0]
+    assert "FutureWarning" not in result.stderr
