@@ -243,7 +243,7 @@ def _candidates(
     if prior_precisions is not None:
         grid = [float(t) for t in prior_precisions]
     else:  # the posterior's own prior: tau, or None for a layerwise / diagonal one
-        grid = [float(la._tau) if la.prior_precision.numel() == 1 else None]
+        grid = [_own_tau(la)]
     if any(t is not None and not (t > 0 and math.isfinite(t)) for t in grid):
         raise ValueError("Prior precisions must be positive and finite.")
     if not grid and not empirical_bayes:
@@ -261,6 +261,12 @@ def _candidates(
                 pass
         pairs.extend((k, t, eb) for t, eb in taus.items())
     return pairs
+
+
+def _own_tau(la: Any) -> float | None:
+    """The posterior's own scalar prior precision, None for a layerwise / diagonal one."""
+    tau = la._prior.tau
+    return None if tau is None else float(tau)
 
 
 def _validate_ks(la: Any, ks: Sequence[int] | None) -> list[int]:
@@ -691,7 +697,7 @@ def _current_row(
 ) -> CoverageRow:
     la._check_H_init()
     X, y, batch_size = _gather(la, loader)
-    tau = float(la._tau) if la.prior_precision.numel() == 1 else None
+    tau = _own_tau(la)
     pairs = [(la.n_components, tau, False)]
     rows = coverage_table(
         la, X, y, pairs, level, pred_type, n_samples, generator, include_noise, batch_size
