@@ -33,8 +33,9 @@ from laplace.utils.enums import LinkApprox, PredType
 
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature.operators.factored import factored_jacobian_directions
-from laplace_glas.predictive.jvp import batched_outputs, jacobian_gram, jvp_directions, row_chunks
+from laplace_glas.predictive.jvp import batched_outputs, jvp_directions
 from laplace_glas.predictive.links import gaussian_samples, laplace_bridge
+from laplace_glas.predictive.prior_gram import PriorGram
 from laplace_glas.validation import ArgumentTypeError, positive_int
 
 __all__ = ["FittedWeightsChangedWarning", "SubspacePredictive"]
@@ -49,7 +50,7 @@ def _check_pred_type(pred_type: PredType | str) -> None:
         raise ValueError("Only glm and nn supported as prediction types.")
 
 
-class SubspacePredictive:
+class SubspacePredictive(PriorGram):
     """Predictive methods of a subspace Laplace posterior (a mixin; see the module).
 
     Attributes
@@ -118,51 +119,6 @@ class SubspacePredictive:
         weights outside it).
         """
         return draws
-
-    def _prior_gram_diagonal(self, X: Any, theta: torch.Tensor, chunk_size: int) -> torch.Tensor:
-        """The diagonal ``(n, C)`` of :meth:`_prior_gram`, ``chunk_size`` inputs at a time
-        (the calibration sweeps with ``complement='prior'``).
-        """
-        return torch.cat(
-            [
-                self._prior_gram(rows, theta).diagonal(dim1=-2, dim2=-1)
-                for rows in row_chunks(X, chunk_size, self.dict_key_x)
-            ]
-        )
-
-    def _prior_gram(self, X: Any, theta: torch.Tensor, joint: bool = False) -> torch.Tensor:
-        """``J J^T`` over the weights under inference, for ``complement='prior'``."""
-        return self._jacobian_gram(X, theta, joint)
-
-    def _jacobian_gram(
-        self, X: Any, theta: torch.Tensor, joint: bool, weights: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """``J diag(weights) J^T`` over all weights (``J J^T`` without ``weights``)."""
-        return jacobian_gram(
-            self.model,
-            self._param_names,
-            self._param_shapes,
-            theta,
-            X,
-            joint=joint,
-            dict_key_x=self.dict_key_x,
-            weights=weights,
-        )
-
-    def _weighted_prior_gram(
-        self, X: Any, theta: torch.Tensor, joint: bool = False
-    ) -> torch.Tensor:
-        """``J P_0^{-1} J^T`` (:meth:`Prior.inverse_gram`): ``J J^T / tau``
-        (:meth:`_prior_gram`) for a scalar prior, ``J diag(1/p) J^T`` over all weights
-        for a layerwise or diagonal one.
-        """
-
-        def gram(weights: torch.Tensor | None) -> torch.Tensor:
-            if weights is None:
-                return self._prior_gram(X, theta, joint=joint)
-            return self._jacobian_gram(X, theta, joint, weights=weights)
-
-        return self._prior.inverse_gram(gram)
 
     def _check_inputs(self, X: Any) -> None:
         inputs = X[self.dict_key_x] if isinstance(X, MutableMapping) else X
