@@ -85,12 +85,10 @@ class SubspacePosterior:
         the first call, ``U^T P_0^{+-1} U`` costs ``O(L k^2)`` (a marglik step no
         longer touches ``U``).
         """
-        prior = self._prior
         if type(self)._network_directions is not SubspacePredictive._network_directions:
-            prior.check_embedded(type(self).__name__)
-        return prior.posterior(
-            self.eigenvectors, self.subspace_curvature, self.complement, self._layer_grams
-        )
+            self._prior.check_embedded(type(self).__name__)
+        U, curvature = self.eigenvectors, self.subspace_curvature  # refused before a fit
+        return self._prior.posterior(U, curvature, self.complement, self._layer_grams)
 
     def _layer_grams(self) -> torch.Tensor:
         """The ``(n_layers, k, k)`` blocks ``U_l^T U_l``, cached."""
