@@ -475,6 +475,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
             curvature=self._curvature_up_to(k_computed),
             n_components=self._n_components,
             prior_precision=self.prior_precision,
+            prior=self._prior,
             prior_mean=self.prior_mean,
             mean=self.mean,
             network_weights=self._network_weights(),

@@ -312,6 +312,8 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
 
     """
 
+    _directions_embedded = True
+
     _key = ("subnetwork", "glas")
 
     def __init__(
@@ -396,9 +398,11 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
         return self._network_directions_up_to(self._n_components)
 
     def _network_directions_up_to(self, k: int) -> torch.Tensor:
-        U = self.H[0][:, :k]
-        full = U.new_zeros(self.n_params_model, U.shape[1])
-        full[self._index_on_device()] = U
+        return self._embed_directions(self.H[0][:, :k])
+
+    def _embed_directions(self, V: torch.Tensor) -> torch.Tensor:
+        full = V.new_zeros(self.n_params_model, V.shape[1])
+        full[self._index_on_device()] = V
         return full
 
     def _embed_weight_draws(self, draws: torch.Tensor) -> torch.Tensor:

@@ -24,10 +24,12 @@ from scipy.optimize import brentq
 
 __all__ = [
     "FactoredMatrix",
+    "ScalarPriorPosterior",
     "SubspaceOperator",
     "log_det_ratio",
     "optimal_prior_precision",
     "posterior_variances",
+    "proper_tau",
     "sample_subspace",
 ]
 
@@ -271,3 +273,124 @@ def _comparable(x: SubspaceOperator | torch.Tensor) -> tuple[torch.Tensor, torch
         return x._dense_or_low_rank()
     x = torch.as_tensor(x)
     return x, torch.zeros((), dtype=x.dtype, device=x.device)
+
+
+class ScalarPriorPosterior:
+    """The GLAS posterior of ``(U, a)`` under the isotropic prior precision ``tau I``.
+
+    The closed forms of this module behind the interface of
+    :class:`~laplace_glas.posterior.diagonal_prior.DiagonalPriorPosterior`:
+    ``v_j = 1 / (a_j + tau)``, ``Sigma = U diag(v) U^T + c (I - U U^T)`` with ``c = 0``
+    (``complement='zero'``) or ``c = 1/tau`` ('prior'). ``tau = 0`` (a flat prior) is
+    accepted; what needs a proper prior refuses it when asked for.
+
+    Parameters
+    ----------
+    vectors : torch.Tensor
+        ``(D, k)`` orthonormal ``U``.
+    curvature : torch.Tensor
+        ``(k,)`` ``a >= 0``.
+    tau : torch.Tensor
+        0-dim ``tau >= 0``.
+    complement : {'zero', 'prior'}
+        No variance off ``span(U)``, or the prior's.
+
+    """
+
+    def __init__(
+        self, vectors: torch.Tensor, curvature: torch.Tensor, tau: torch.Tensor, complement: str
+    ):
+        self.U = vectors
+        self.a = curvature
+        self.tau = tau
+        self.complement = complement
+
+    def proper_tau(self, what: str) -> torch.Tensor:
+        """``tau``, refused where ``what`` needs a proper prior (``tau > 0``)."""
+        return proper_tau(self.tau, what)
+
+    @property
+    def subspace_variances(self) -> torch.Tensor:
+        """``v_j = 1 / (a_j + tau)`` ``(k,)``; every ``a_j > 0`` needed when ``tau = 0``."""
+        curvature, tau = self.a, self.tau
+        if tau == 0 and bool((curvature <= 0).any()):
+            raise ValueError(
+                "With prior_precision = 0 the posterior is improper: "
+                f"{int((curvature <= 0).sum())} of the {curvature.numel()} kept directions "
+                "have zero curvature (infinite variance). Set a positive prior_precision "
+                "or use fewer components."
+            )
+        return posterior_variances(curvature, tau)
+
+    @property
+    def complement_variance(self) -> torch.Tensor:
+        """``c``: ``1/tau`` for ``complement='prior'`` (needs ``tau > 0``), else 0."""
+        if self.complement == "prior":
+            return 1.0 / self.proper_tau("complement='prior' (the prior's variance off U)")
+        return torch.zeros((), device=self.U.device, dtype=self.U.dtype)
+
+    @property
+    def precision(self) -> SubspaceOperator:
+        """``U diag(a + tau) U^T + c (I - U U^T)``, ``c = tau`` ('prior') or ``inf``."""
+        complement = self.tau if self.complement == "prior" else math.inf
+        return SubspaceOperator(self.U, self.a + self.tau, complement)
+
+    @property
+    def covariance(self) -> SubspaceOperator:
+        """``U diag(v) U^T + c (I - U U^T)``."""
+        return SubspaceOperator(self.U, self.subspace_variances, self.complement_variance)
+
+    def covariance_factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(V, w, d)`` with ``Sigma = V diag(w) V^T + d I``: ``(U, v, None)`` ('zero')
+        or ``(U, v - 1/tau, 1/tau)`` ('prior'; ``d`` 0-dim).
+        """
+        v = self.subspace_variances
+        if self.complement == "prior":
+            c = self.complement_variance
+            return self.U, v - c, c
+        return self.U, v, None
+
+    @property
+    def log_det_posterior_precision(self) -> torch.Tensor:
+        """``sum_j log(a_j + tau) + (D - k) log tau`` (needs ``tau > 0``)."""
+        tau = self.proper_tau("log_det_posterior_precision")
+        D, k = self.U.shape
+        return torch.log(self.a + tau).sum() + (D - k) * tau.log()
+
+    @property
+    def log_det_ratio(self) -> torch.Tensor:
+        """``sum_j log(1 + a_j / tau)`` (both complements; needs ``tau > 0``)."""
+        return log_det_ratio(self.a, self.proper_tau("The evidence"))
+
+    def square_norm(self, delta: torch.Tensor) -> torch.Tensor:
+        """``delta^T P delta`` for ``delta`` ``(D,)`` or ``(n, D)``: ``sum_j (a_j + tau)
+        z_j^2`` (``z = U^T delta``) plus ``tau |delta - U z|^2`` for 'prior'.
+        """
+        z = delta @ self.U
+        inside = (z.square() * (self.a + self.tau)).sum(-1)
+        if self.complement == "zero":
+            return inside
+        outside = delta.square().sum(-1) - z.square().sum(-1)
+        return inside + self.tau * outside
+
+    def log_normaliser(self) -> tuple[int, torch.Tensor]:
+        """``(D, log det P)`` for 'prior', ``(k, -sum_j log v_j)`` for 'zero'."""
+        if self.complement == "prior":
+            return self.U.shape[0], self.log_det_posterior_precision
+        return self.U.shape[1], -torch.log(self.subspace_variances).sum()
+
+    def sample(self, n_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``(n_samples, D)`` zero-mean draws ``U z + (I - U U^T) e`` (:func:`sample_subspace`)."""
+        return sample_subspace(
+            self.U, self.subspace_variances, n_samples, self.complement_variance, generator
+        )
+
+
+def proper_tau(tau: torch.Tensor, what: str) -> torch.Tensor:
+    """``tau``, refused with a ``ValueError`` where ``what`` needs a proper prior."""
+    if tau == 0:
+        raise ValueError(
+            f"{what} needs a proper prior: prior_precision is 0. Set a positive "
+            "prior_precision (e.g. with optimize_prior_precision())."
+        )
+    return tau

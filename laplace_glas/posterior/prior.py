@@ -1,306 +1,351 @@
-"""Posterior algebra of a rank-k curvature under a diagonal prior precision.
+"""The prior precision ``P_0`` as one object: scalar, layerwise or diagonal.
 
-Notation: ``U`` ``(D, k)`` orthonormal eigenvectors, ``a`` ``(k,)`` curvatures
-``a_j = s lambda_j / T >= 0``, ``P_0 = diag(p)`` the prior precision with ``p > 0``
-``(D,)`` (a scalar, one value per parameter group, or one per weight, expanded to
-``D`` entries), and ``W = U diag(sqrt(a))``. Nothing here forms a ``D x D`` matrix:
-every quantity costs ``O(k^2 D)`` or less.
+laplace-torch's ``prior_precision`` is a ``(1,)`` tensor ``tau`` (``P_0 = tau I``), one
+value per parameter tensor ``(n_layers,)`` (``P_0 = diag(p)`` with ``p_l`` repeated over
+layer ``l``'s weights) or one per weight ``(D,)``. :meth:`Prior.of` turns it into a
+:class:`ScalarPrior`, :class:`LayerwisePrior` or :class:`DiagonalPrior`; the subspace
+posterior then asks the object for what it needs instead of branching on the shape:
 
-Restricted posterior (``complement='zero'``): ``theta = theta* + U z`` with the
-``k x k`` precision of ``z``
+* :meth:`Prior.diagonal`: the per-weight diagonal ``p`` ``(D,)``;
+* :meth:`Prior.projected_gram`: ``U^T P_0 U`` ``(k, k)`` (and ``U^T P_0^{-1} U``);
+* :meth:`Prior.complement_variance`: ``(I - U U^T) P_0^{-1} (I - U U^T)``;
+* :meth:`Prior.log_det`: ``log det P_0``; :meth:`Prior.scatter`: ``delta^T P_0 delta``;
+* :meth:`Prior.inverse_gram`: ``J P_0^{-1} J^T`` from a weighted Jacobian Gram;
+* :meth:`Prior.posterior`: the posterior of ``(U, a)`` under this prior, the closed
+  forms of :class:`~laplace_glas.posterior.closed_forms.ScalarPriorPosterior` for a
+  scalar prior, the ``O(k^2 D)`` algebra of
+  :class:`~laplace_glas.posterior.diagonal_prior.DiagonalPriorPosterior` otherwise.
 
-.. math::
-
-    A = \\mathrm{diag}(a) + U^\\top P_0 U = E\\,\\mathrm{diag}(\\mu)\\,E^\\top, \\qquad
-    \\Sigma = U A^{-1} U^\\top = V \\mathrm{diag}(1/\\mu) V^\\top, \\quad V = U E,
-
-``V`` orthonormal.
-
-Prior complement (``complement='prior'``, laplace-torch's ``LowRankLaplace``): the
-precision ``P = P_0 + W W^T`` in ``R^D``. With the capacitance matrix
-
-.. math::
-
-    C = I_k + W^\\top P_0^{-1} W = R\\,\\mathrm{diag}(c)\\,R^\\top,
-
-Woodbury's identity and the matrix determinant lemma give
-
-.. math::
-
-    \\Sigma = P_0^{-1} - P_0^{-1} W C^{-1} W^\\top P_0^{-1}
-           = \\mathrm{diag}(1/p) - V \\mathrm{diag}(1/c) V^\\top, \\quad V = P_0^{-1} W R,
-    \\qquad \\log\\det P - \\log\\det P_0 = \\log\\det C.
-
-Samples are ``P_0^{-1/2} (I + B R diag(g) R^T B^T) e`` with ``B = P_0^{-1/2} W``,
-``e ~ N(0, I_D)`` and ``g_j = -1 / (sqrt(c_j) (1 + sqrt(c_j)))``, which squares to
-``(I + B B^T)^{-1}``.
-
-The evidence's Occam term is ``log det C`` for both complements: the Laplace evidence
-of the curvature ``U diag(a) U^T`` in ``R^D`` (for a scalar prior ``tau`` it is
-``sum_j log(1 + a_j / tau)``, and it equals laplace-torch's ``FullLaplace`` when
-``span(U)`` holds all the curvature).
+The algebra of :mod:`laplace_glas.posterior.diagonal_prior` is importable from here as
+well (its former home).
 """
 
 from __future__ import annotations
 
-import math
-from functools import cached_property
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 
 import torch
 
-from laplace_glas.posterior.closed_forms import FactoredMatrix, SubspaceOperator
+from laplace_glas.posterior.closed_forms import ScalarPriorPosterior, SubspaceOperator, proper_tau
+from laplace_glas.posterior.diagonal_prior import DiagonalPriorPosterior as DiagonalPriorPosterior
+from laplace_glas.posterior.diagonal_prior import (
+    LowRankDiagonalOperator as LowRankDiagonalOperator,
+)
+from laplace_glas.posterior.diagonal_prior import capacitance as capacitance
+from laplace_glas.posterior.diagonal_prior import layer_grams as layer_grams
+from laplace_glas.posterior.diagonal_prior import log_det_capacitance as log_det_capacitance
+from laplace_glas.posterior.diagonal_prior import restricted_precision as restricted_precision
 
-__all__ = [
-    "DiagonalPriorPosterior",
-    "LowRankDiagonalOperator",
-    "capacitance",
-    "layer_grams",
-    "log_det_capacitance",
-    "restricted_precision",
-]
+__all__ = ["DiagonalPrior", "LayerwisePrior", "Prior", "ScalarPrior"]
 
-
-def layer_grams(U: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """``G_l = U_l^T U_l`` ``(L, k, k)`` for the row blocks ``U_l`` of ``sizes`` rows.
-
-    With a layerwise prior ``p_l``, ``U^T P_0^{+-1} U = sum_l p_l^{+-1} G_l``: computed
-    once (``O(k^2 D)``), every later prior costs ``O(L k^2)``.
-    """
-    return torch.stack([block.T @ block for block in U.split(sizes)])
+#: ``gram(w)`` returns ``J diag(w) J^T``; ``gram(None)`` the unweighted ``J J^T``.
+Gram = Callable[[torch.Tensor | None], torch.Tensor]
 
 
-def restricted_precision(
-    U: torch.Tensor, a: torch.Tensor, p: torch.Tensor, gram: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``A = diag(a) + U^T diag(p) U``: the ``(k, k)`` precision of ``z`` (``O(k^2 D)``;
-    ``gram`` = ``U^T diag(p) U`` when known).
-    """
-    return torch.diag_embed(a) + ((U.T * p) @ U if gram is None else gram)
+class Prior(ABC):
+    """A Gaussian prior precision ``P_0 = diag(p)`` over ``D`` weights, ``p > 0``.
 
+    Build one with :meth:`of`. Subclasses store ``values`` (laplace-torch's
+    ``prior_precision``) and the parameter ``sizes`` it is laid out over.
 
-def capacitance(
-    U: torch.Tensor, a: torch.Tensor, p: torch.Tensor, gram_inverse: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``C = I + diag(sqrt a) U^T diag(1/p) U diag(sqrt a)`` ``(k, k)``, symmetric
-    positive definite (``O(k^2 D)``; ``gram_inverse`` = ``U^T diag(1/p) U`` when known).
-    """
-    root = a.clamp(min=0).sqrt()
-    inner = (U.T / p) @ U if gram_inverse is None else gram_inverse
-    eye = torch.eye(U.shape[1], dtype=U.dtype, device=U.device)
-    return eye + root[:, None] * inner * root[None, :]
-
-
-def log_det_capacitance(
-    U: torch.Tensor, a: torch.Tensor, p: torch.Tensor, gram_inverse: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``log det C = log det(P_0 + W W^T) - log det P_0`` by Cholesky.
-
-    Differentiable in ``p`` and ``a`` (the gradient of the evidence in a layerwise or
-    diagonal prior precision).
-    """
-    chol = torch.linalg.cholesky(capacitance(U, a, p, gram_inverse))
-    return 2 * chol.diagonal().log().sum()
-
-
-class LowRankDiagonalOperator(FactoredMatrix):
-    """The symmetric matrix ``M = diag(d) + V diag(w) V^T``, never formed.
-
-    The posterior precision (``d = p``, ``V = U``, ``w = a``) and covariance
-    (``d = 1/p``, ``V = P_0^{-1} W R``, ``w = -1/c``) of the prior-complement
-    posterior under a diagonal prior.
-
-    Parameters
+    Attributes
     ----------
-    diagonal : torch.Tensor
-        ``(D,)`` the diagonal part ``d``.
-    vectors : torch.Tensor
-        ``(D, k)`` the low-rank factor ``V`` (not necessarily orthonormal).
-    weights : torch.Tensor
-        ``(k,)`` the weights ``w`` (may be negative).
-
-    """
-
-    def __init__(self, diagonal: torch.Tensor, vectors: torch.Tensor, weights: torch.Tensor):
-        self.diagonal_part = diagonal
-        self.vectors = vectors
-        self.weights = weights
-
-    def __matmul__(self, x: torch.Tensor) -> torch.Tensor:
-        """``M @ x`` for ``x`` of shape ``(D,)`` or ``(D, m)`` in ``O(D k m)``."""
-        V = self.vectors
-        coeffs = self.weights.reshape(-1, *([1] * (x.ndim - 1))) * (V.T @ x)
-        d = self.diagonal_part.reshape(-1, *([1] * (x.ndim - 1)))
-        return d * x + V @ coeffs
-
-    def diagonal(self) -> torch.Tensor:
-        """``diag(M)`` in ``O(D k)``."""
-        return self.diagonal_part + self.vectors.square() @ self.weights
-
-    def to_dense(self) -> torch.Tensor:
-        """Materialise the ``D x D`` matrix (only when explicitly asked for)."""
-        V = self.vectors
-        return torch.diag(self.diagonal_part) + (V * self.weights) @ V.T
-
-    def logdet(self) -> torch.Tensor:
-        """``log det M = sum log d + log det(I_k + diag(w) V^T diag(1/d) V)`` (matrix
-        determinant lemma, ``O(k^2 D)``); ``-inf`` for a singular and NaN for a negative
-        determinant, as ``torch.logdet`` returns.
-        """
-        V, d = self.vectors, self.diagonal_part
-        eye = torch.eye(V.shape[1], dtype=V.dtype, device=V.device)
-        sign, log_abs = torch.linalg.slogdet(eye + self.weights[:, None] * ((V.T / d) @ V))
-        if bool(sign == 0):
-            return torch.full_like(log_abs, -math.inf)
-        if bool(sign < 0):
-            return torch.full_like(log_abs, math.nan)
-        return d.log().sum() + log_abs
-
-    def clone(self) -> LowRankDiagonalOperator:
-        """A copy with cloned factors (``torch.Tensor.clone``'s contract)."""
-        return LowRankDiagonalOperator(
-            self.diagonal_part.clone(), self.vectors.clone(), self.weights.clone()
-        )
-
-    def __repr__(self) -> str:
-        D, k = self.vectors.shape
-        return f"LowRankDiagonalOperator(D={D}, k={k})"
-
-
-class DiagonalPriorPosterior:
-    """The GLAS posterior of ``(U, a)`` under the diagonal prior precision ``diag(p)``.
-
-    See the module docstring for the formulas. Built per call (``O(k^2 D)``); the
-    eigen-decompositions are computed on first use.
-
-    Parameters
-    ----------
-    vectors : torch.Tensor
-        ``(D, k)`` orthonormal ``U``.
-    curvature : torch.Tensor
-        ``(k,)`` ``a >= 0``.
-    prior_precision : torch.Tensor
-        ``(D,)`` ``p > 0``.
-    complement : {'zero', 'prior'}
-        No variance off ``span(U)``, or the prior's.
-    grams : tuple of torch.Tensor, optional
-        ``(U^T P_0 U, U^T P_0^{-1} U)`` when known (e.g. from :func:`layer_grams` for a
-        layerwise prior); otherwise computed in ``O(k^2 D)``.
+    values : torch.Tensor
+        The prior precision as given: ``(1,)``, ``(n_layers,)`` or ``(D,)``.
+    sizes : tuple of int
+        The number of weights of each parameter tensor (``n_layers`` entries).
+    n_params : int
+        ``D``.
 
     """
 
     def __init__(
         self,
-        vectors: torch.Tensor,
-        curvature: torch.Tensor,
-        prior_precision: torch.Tensor,
-        complement: str,
-        grams: tuple[torch.Tensor, torch.Tensor] | None = None,
+        values: torch.Tensor,
+        sizes: Sequence[int],
+        n_params: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ):
-        if complement not in ("zero", "prior"):
-            raise ValueError(f"complement must be 'zero' or 'prior', got {complement!r}.")
-        self.U = vectors
-        self.a = curvature
-        self.p = prior_precision
-        self.complement = complement
-        self.gram, self.gram_inverse = (None, None) if grams is None else grams
+        self.values = values
+        self.sizes = tuple(int(n) for n in sizes)
+        self.n_params = sum(self.sizes) if n_params is None else int(n_params)
+        self.dtype = values.dtype if dtype is None else dtype
+        self.device = values.device if device is None else torch.device(device)
 
-    # -------------------------------------------------------------- factorisations
-    @cached_property
-    def _restricted(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mu, E)``: eigen-decomposition of ``A``."""
-        return torch.linalg.eigh(restricted_precision(self.U, self.a, self.p, self.gram))
+    @staticmethod
+    def of(
+        prior_precision: float | torch.Tensor,
+        sizes: Sequence[int],
+        n_params: int | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        allow_flat: bool = False,
+        check: bool = True,
+    ) -> Prior:
+        """The :class:`Prior` of a laplace-torch ``prior_precision``.
 
-    @cached_property
-    def _capacitance(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(c, R)``: eigen-decomposition of ``C``."""
-        return torch.linalg.eigh(capacitance(self.U, self.a, self.p, self.gram_inverse))
+        Parameters
+        ----------
+        prior_precision : float or torch.Tensor
+            A number or a tensor of shape ``()`` or ``(1,)`` (:class:`ScalarPrior`),
+            ``(D,)`` (:class:`DiagonalPrior`; wins when ``D == n_layers``, as in
+            laplace-torch) or ``(n_layers,)`` (:class:`LayerwisePrior`).
+        sizes : sequence of int
+            Weights per parameter tensor, in the order of ``model.parameters()``.
+        n_params : int, optional
+            ``D`` (default ``sum(sizes)``; a subnetwork's ``D_S`` differs).
+        dtype, device : optional
+            Of the expanded diagonal (default: those of ``prior_precision``).
+        allow_flat : bool
+            Accept a scalar ``tau = 0`` (a flat prior; the operations that need a proper
+            prior refuse it when asked for). Layerwise and diagonal values must be > 0.
+        check : bool
+            Validate shape and values (the ``ValueError`` names the problem); ``False``
+            for a value validated before (no device synchronisation).
 
-    @property
-    def _root_factor(self) -> torch.Tensor:
-        """``W = U diag(sqrt a)``."""
-        return self.U * self.a.clamp(min=0).sqrt()
-
-    # -------------------------------------------------------------- evidence
-    @property
-    def log_det_ratio(self) -> torch.Tensor:
-        """``log det C`` (both complements; differentiable in ``p`` and ``a``)."""
-        return log_det_capacitance(self.U, self.a, self.p, self.gram_inverse)
-
-    @property
-    def log_det_posterior_precision(self) -> torch.Tensor:
-        """``sum log p + log det C`` (``log det(P_0 + W W^T)``)."""
-        return self.p.log().sum() + self.log_det_ratio
-
-    # -------------------------------------------------------------- operators
-    @property
-    def precision(self) -> SubspaceOperator | LowRankDiagonalOperator:
-        """``P_0 + W W^T`` ('prior'), or ``V diag(mu) V^T`` with ``inf`` off ``span(U)``."""
-        if self.complement == "prior":
-            return LowRankDiagonalOperator(self.p, self.U, self.a)
-        mu, E = self._restricted
-        return SubspaceOperator(self.U @ E, mu, math.inf)
-
-    @property
-    def covariance(self) -> SubspaceOperator | LowRankDiagonalOperator:
-        """``Sigma``: Woodbury's form ('prior') or ``V diag(1/mu) V^T`` ('zero')."""
-        V, weights, diagonal = self.covariance_factors()
-        if diagonal is None:
-            return SubspaceOperator(V, weights, 0.0)
-        return LowRankDiagonalOperator(diagonal, V, weights)
-
-    def covariance_factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(V, w, d)`` with ``Sigma = V diag(w) V^T + diag(d)`` (``d`` None for 'zero').
-
-        The linearised predictive is then ``(J V) diag(w) (J V)^T + J diag(d) J^T``.
         """
-        if self.complement == "zero":
-            mu, E = self._restricted
-            return self.U @ E, 1.0 / mu, None
-        c, R = self._capacitance
-        V = (self._root_factor / self.p[:, None]) @ R
-        return V, -1.0 / c, 1.0 / self.p
+        if isinstance(prior_precision, torch.Tensor):
+            values = prior_precision.to(dtype=dtype or prior_precision.dtype, device=device)
+        else:
+            values = torch.as_tensor(
+                prior_precision, dtype=dtype or torch.get_default_dtype(), device=device
+            )
+        sizes = [int(n) for n in sizes]
+        D = sum(sizes) if n_params is None else int(n_params)
+        if check:
+            _check_values(values, len(sizes), D, allow_flat)
+        values = values.reshape(-1)
+        if values.numel() == 1:
+            cls: type[Prior] = ScalarPrior
+        elif values.numel() == D:
+            cls = DiagonalPrior
+        elif values.numel() == len(sizes):
+            cls = LayerwisePrior
+        else:
+            raise ValueError(
+                "prior_precision must be one number, one value per parameter tensor "
+                f"(n_layers={len(sizes)}) or one per weight (D={D}); got one of shape "
+                f"{tuple(values.shape)}."
+            )
+        return cls(values, sizes, D, dtype, device)
+
+    # ------------------------------------------------------------------ algebra
+    @property
+    def tau(self) -> torch.Tensor | None:
+        """The isotropic precision ``tau`` (0-dim), None when ``P_0`` is not ``tau I``."""
+        return None
+
+    @abstractmethod
+    def diagonal(self) -> torch.Tensor:
+        """``p`` ``(D,)``: the per-weight prior precision (``diag(P_0)``)."""
+
+    def projected_gram(self, U: torch.Tensor) -> torch.Tensor:
+        """``U^T P_0 U = U^T diag(p) U`` ``(k, k)`` for ``U`` ``(D, k)`` (``O(k^2 D)``)."""
+        return (U.T * self.diagonal()) @ U
+
+    def inverse_projected_gram(self, U: torch.Tensor) -> torch.Tensor:
+        """``U^T P_0^{-1} U = U^T diag(1/p) U`` ``(k, k)`` (``O(k^2 D)``)."""
+        return (U.T / self.diagonal()) @ U
+
+    def complement_variance(self, U: torch.Tensor) -> SubspaceOperator | LowRankDiagonalOperator:
+        """The prior's covariance off ``span(U)``: ``(I - U U^T) P_0^{-1} (I - U U^T)``.
+
+        A matrix-free ``D x D`` operator for ``U`` ``(D, k)`` orthonormal. With
+        ``s = 1/p``, ``G = U^T diag(s) U`` and ``F = [U, diag(s) U]`` ``(D, 2k)`` it is
+        ``diag(s) + F S F^T``, ``S = [[G, -I], [-I, 0]]`` (``O(k^2 D)``). For a scalar
+        prior, ``(1/tau) (I - U U^T)``: the variance ``complement='prior'`` adds off
+        ``span(U)``. (Under a layerwise or diagonal prior the posterior's covariance
+        off ``span(U)`` is Woodbury's, which also couples to ``span(U)``.)
+        """
+        s = 1.0 / self.diagonal()
+        k = U.shape[1]
+        eye = torch.eye(k, dtype=U.dtype, device=U.device)
+        inner = torch.cat(
+            [
+                torch.cat([(U.T * s) @ U, -eye], dim=1),
+                torch.cat([-eye, torch.zeros_like(eye)], dim=1),
+            ]
+        )
+        weights, Q = torch.linalg.eigh(inner)
+        F = torch.cat([U, s[:, None] * U], dim=1)
+        return LowRankDiagonalOperator(s, F @ Q, weights)
+
+    def log_det(self) -> torch.Tensor:
+        """``log det P_0 = sum_i log p_i`` over the ``D`` weights."""
+        return self.diagonal().log().sum()
+
+    def scatter(self, delta: torch.Tensor) -> torch.Tensor:
+        """``delta^T P_0 delta = sum_i p_i delta_i^2`` for ``delta = theta - mu_0``
+        ``(D,)`` or ``(n, D)``.
+        """
+        return (delta.square() * self.diagonal()).sum(-1)
+
+    def inverse_gram(self, gram: Gram) -> torch.Tensor:
+        """``J P_0^{-1} J^T = gram(1/p)`` for ``gram(w) = J diag(w) J^T``."""
+        return gram(1.0 / self.diagonal())
+
+    def check_embedded(self, owner: str) -> None:
+        """Refuse a posterior whose directions are embedded in a larger network
+        (``owner``, e.g. a subnetwork's): only a scalar prior is implemented there.
+        """
+        raise ValueError(
+            f"A layerwise or diagonal prior_precision is not implemented for "
+            f"{owner} (its directions are embedded in the network); "
+            "use a scalar prior_precision."
+        )
+
+    def posterior(
+        self,
+        U: torch.Tensor,
+        curvature: torch.Tensor,
+        complement: str,
+        layer_grams: Callable[[], torch.Tensor] | None = None,
+    ) -> ScalarPriorPosterior | DiagonalPriorPosterior:
+        """The posterior of ``(U, a)`` under this prior.
+
+        Parameters
+        ----------
+        U : torch.Tensor
+            ``(D, k)`` orthonormal eigenvectors.
+        curvature : torch.Tensor
+            ``(k,)`` ``a >= 0``.
+        complement : {'zero', 'prior'}
+            No variance off ``span(U)``, or the prior's.
+        layer_grams : callable, optional
+            Returns the cached ``(n_layers, k, k)`` blocks ``U_l^T U_l`` (used by a
+            layerwise prior only).
+
+        """
+        return DiagonalPriorPosterior(U, curvature, self.diagonal(), complement)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(D={self.n_params}, n_layers={len(self.sizes)})"
+
+
+class ScalarPrior(Prior):
+    """``P_0 = tau I``: one precision ``tau`` for all ``D`` weights (``tau = 0`` is a
+    flat prior, refused where a proper one is needed).
+    """
 
     @property
-    def subspace_variances(self) -> torch.Tensor:
-        """``diag(U^T Sigma U)``: the posterior variance along each ``u_j`` ``(k,)``."""
-        V, weights, diagonal = self.covariance_factors()
-        UV = self.U.T @ V
-        variances = UV.square() @ weights
-        if diagonal is not None:
-            variances = variances + self.U.square().T @ diagonal
-        return variances
+    def tau(self) -> torch.Tensor:
+        """``tau`` (0-dim)."""
+        return self.values.reshape(())
 
-    # -------------------------------------------------------------- densities
-    def square_norm(self, delta: torch.Tensor) -> torch.Tensor:
-        """``delta^T P delta`` for ``delta`` ``(D,)`` or ``(n, D)``; for 'zero' only the
-        component in ``span(U)`` counts (``z^T A z``, ``z = U^T delta``).
-        """
-        z = delta @ self.U
-        if self.complement == "zero":
-            A = restricted_precision(self.U, self.a, self.p, self.gram)
-            return ((z @ A) * z).sum(-1)
-        return (delta.square() * self.p).sum(-1) + (z.square() * self.a).sum(-1)
+    def diagonal(self) -> torch.Tensor:
+        """``tau 1_D`` (laplace-torch's ``prior_precision_diag``)."""
+        return self.values * torch.ones(self.n_params, device=self.device, dtype=self.dtype)
 
-    def log_normaliser(self) -> tuple[int, torch.Tensor]:
-        """``(dim, log det)`` of the Gaussian density: ``(D, log det P)`` for 'prior',
-        ``(k, log det A)`` for 'zero' (the density of ``z`` on the subspace).
-        """
-        if self.complement == "prior":
-            return self.U.shape[0], self.log_det_posterior_precision
-        return self.U.shape[1], self._restricted[0].log().sum()
+    def projected_gram(self, U: torch.Tensor) -> torch.Tensor:
+        """``U^T (tau I) U = tau I_k`` (``U`` orthonormal)."""
+        return self.tau * torch.eye(U.shape[1], dtype=U.dtype, device=U.device)
 
-    def sample(self, n_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        """``(n_samples, D)`` zero-mean draws with covariance ``Sigma`` (``O(n D k)``)."""
-        U = self.U
-        D, k = U.shape
-        if self.complement == "zero":
-            mu, E = self._restricted
-            z = torch.randn(n_samples, k, generator=generator, device=U.device, dtype=U.dtype)
-            return (z * mu.rsqrt()) @ (U @ E).T
-        c, R = self._capacitance
-        root_c = c.sqrt()
-        g = -1.0 / (root_c * (1.0 + root_c))
-        BR = (self._root_factor * self.p.rsqrt()[:, None]) @ R  # (D, k)
-        e = torch.randn(n_samples, D, generator=generator, device=U.device, dtype=U.dtype)
-        y = e + ((e @ BR) * g) @ BR.T
-        return y * self.p.rsqrt()
+    def inverse_projected_gram(self, U: torch.Tensor) -> torch.Tensor:
+        """``I_k / tau`` (``U`` orthonormal; needs ``tau > 0``)."""
+        tau = proper_tau(self.tau, "U^T P_0^{-1} U")
+        return torch.eye(U.shape[1], dtype=U.dtype, device=U.device) / tau
+
+    def complement_variance(self, U: torch.Tensor) -> SubspaceOperator:
+        """``(1/tau) (I - U U^T)`` (needs ``tau > 0``)."""
+        tau = proper_tau(self.tau, "complement='prior' (the prior's variance off U)")
+        return SubspaceOperator(U, U.new_zeros(U.shape[1]), 1.0 / tau)
+
+    def log_det(self) -> torch.Tensor:
+        """``D log tau`` (needs ``tau > 0``)."""
+        return self.n_params * proper_tau(self.tau, "log_det_prior_precision").log()
+
+    def scatter(self, delta: torch.Tensor) -> torch.Tensor:
+        """``tau |delta|^2``."""
+        return self.tau * delta.square().sum(-1)
+
+    def inverse_gram(self, gram: Gram) -> torch.Tensor:
+        """``J J^T / tau``: one unweighted Gram ``gram(None)``, then a scale."""
+        return gram(None) * (1.0 / self.tau)
+
+    def check_embedded(self, owner: str) -> None:
+        """A scalar prior applies to embedded directions too: nothing to refuse."""
+
+    def posterior(
+        self,
+        U: torch.Tensor,
+        curvature: torch.Tensor,
+        complement: str,
+        layer_grams: Callable[[], torch.Tensor] | None = None,
+    ) -> ScalarPriorPosterior:
+        """The closed forms: :class:`~laplace_glas.posterior.closed_forms.ScalarPriorPosterior`."""
+        return ScalarPriorPosterior(U, curvature, self.tau, complement)
+
+
+class LayerwisePrior(Prior):
+    """``P_0 = diag(p)`` with one ``p_l > 0`` per parameter tensor, repeated over its
+    ``sizes[l]`` weights.
+
+    With the blocks ``G_l = U_l^T U_l`` (:func:`layer_grams`), ``U^T P_0^{+-1} U =
+    sum_l p_l^{+-1} G_l``: ``O(L k^2)`` per prior once the blocks are known.
+    """
+
+    def diagonal(self) -> torch.Tensor:
+        """``(p_1 1_{n_1}, ..., p_L 1_{n_L})`` (laplace-torch's ``prior_precision_diag``)."""
+        return torch.cat(
+            [
+                p * torch.ones(n, device=self.device, dtype=self.dtype)
+                for p, n in zip(self.values, self.sizes, strict=True)
+            ]
+        )
+
+    def projected_gram(self, U: torch.Tensor, blocks: torch.Tensor | None = None) -> torch.Tensor:
+        """``sum_l p_l U_l^T U_l`` (``blocks``: the ``(L, k, k)`` ``U_l^T U_l`` if known)."""
+        blocks = layer_grams(U, list(self.sizes)) if blocks is None else blocks
+        return torch.einsum("lij,l->ij", blocks, self.values)
+
+    def inverse_projected_gram(
+        self, U: torch.Tensor, blocks: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``sum_l U_l^T U_l / p_l``."""
+        blocks = layer_grams(U, list(self.sizes)) if blocks is None else blocks
+        return torch.einsum("lij,l->ij", blocks, 1.0 / self.values)
+
+    def posterior(
+        self,
+        U: torch.Tensor,
+        curvature: torch.Tensor,
+        complement: str,
+        layer_grams: Callable[[], torch.Tensor] | None = None,
+    ) -> DiagonalPriorPosterior:
+        """:class:`DiagonalPriorPosterior` with both projected Grams from the blocks."""
+        blocks = None if layer_grams is None else layer_grams()
+        grams = (self.projected_gram(U, blocks), self.inverse_projected_gram(U, blocks))
+        return DiagonalPriorPosterior(U, curvature, self.diagonal(), complement, grams)
+
+
+class DiagonalPrior(Prior):
+    """``P_0 = diag(p)`` with one ``p_i > 0`` per weight."""
+
+    def diagonal(self) -> torch.Tensor:
+        """``p`` as given."""
+        return self.values
+
+
+def _check_values(values: torch.Tensor, n_layers: int, D: int, allow_flat: bool) -> None:
+    """Shape ``()``, ``(1,)``, ``(n_layers,)`` or ``(D,)``; finite; ``> 0`` (``>= 0``
+    for a scalar with ``allow_flat``).
+    """
+    if values.ndim > 1 or (values.ndim == 1 and values.numel() not in (1, n_layers, D)):
+        raise ValueError(
+            "prior_precision must be one number, one value per parameter tensor "
+            f"(n_layers={n_layers}) or one per weight (D={D}); got one of shape "
+            f"{tuple(values.shape)}."
+        )
+    if not values.is_floating_point():
+        raise ValueError(f"prior_precision must be floating point, got {values.dtype}.")
+    values = values.detach()
+    scalar = values.numel() == 1
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError("prior_precision must be finite; got NaN or inf.")
+    smallest = float(values.min())
+    if smallest < 0 or (smallest == 0 and not (scalar and allow_flat)):
+        bound = ">= 0" if scalar and allow_flat else "> 0"
+        raise ValueError(f"prior_precision must be {bound} in every entry; got min {smallest:.3g}.")

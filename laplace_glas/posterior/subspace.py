@@ -3,17 +3,19 @@
 :class:`SubspacePosterior` is a mixin of
 :class:`~laplace_glas.laplace.ActiveSubspaceLaplace`: the precision and covariance
 operators, the evidence's log-determinants, the log density, sampling and prior
-tuning. With a scalar prior precision ``tau`` they are the closed forms of
-:mod:`laplace_glas.posterior.closed_forms` (``v_j = 1 / (a_j + tau)``, 1-D empirical Bayes); with a
-layerwise or diagonal prior ``P_0 = diag(p)`` (laplace-torch's ``prior_precision`` of
-one value per parameter tensor or per weight) they are the ``O(k^2 D)`` algebra of
-:mod:`laplace_glas.posterior.prior`: the ``k x k`` restricted precision
+tuning. They ask the prior (a :class:`~laplace_glas.posterior.prior.Prior` built from
+``prior_precision``) for the posterior of ``(U, a)``: with a scalar prior precision
+``tau`` the closed forms of :mod:`laplace_glas.posterior.closed_forms`
+(``v_j = 1 / (a_j + tau)``, 1-D empirical Bayes); with a layerwise or diagonal prior
+``P_0 = diag(p)`` (laplace-torch's ``prior_precision`` of one value per parameter
+tensor or per weight) the ``O(k^2 D)`` algebra of
+:mod:`laplace_glas.posterior.diagonal_prior`: the ``k x k`` restricted precision
 ``diag(a) + U^T P_0 U`` (``complement='zero'``) or Woodbury's form of
 ``(P_0 + U diag(a) U^T)^{-1}`` (``complement='prior'``), and the evidence's Occam term
 ``log det(I + diag(sqrt a) U^T P_0^{-1} U diag(sqrt a))``.
 
 The mixin reads ``eigenvectors``, ``subspace_curvature``, ``prior_precision``,
-``prior_precision_diag``, ``complement``, ``mean`` and ``n_params`` of the class it is
+``params``, ``complement``, ``mean`` and ``n_params`` of the class it is
 mixed into.
 """
 
@@ -31,18 +33,17 @@ from laplace.utils.utils import fix_prior_prec_structure
 from torch.utils.data import DataLoader
 
 from laplace_glas.posterior.closed_forms import (
+    ScalarPriorPosterior,
     SubspaceOperator,
-    log_det_ratio,
     optimal_prior_precision,
-    posterior_variances,
-    sample_subspace,
+    proper_tau,
 )
-from laplace_glas.posterior.prior import (
+from laplace_glas.posterior.diagonal_prior import (
     DiagonalPriorPosterior,
     LowRankDiagonalOperator,
     layer_grams,
 )
-from laplace_glas.predictive.subspace_predictive import SubspacePredictive
+from laplace_glas.posterior.prior import Prior
 from laplace_glas.validation import (
     choice,
     finite_number,
@@ -61,61 +62,64 @@ class SubspacePosterior:
     the module).
     """
 
+    #: True where the posterior's directions are embedded in a larger network (a
+    #: subnetwork posterior): layerwise and diagonal priors are refused there.
+    _directions_embedded = False
+
     # ------------------------------------------------------------------ prior
     @property
-    def _prior_is_scalar(self) -> bool:
-        """One prior precision for all weights (the closed forms apply)."""
-        return self.prior_precision.numel() == 1
+    def _prior(self) -> Prior:
+        """``prior_precision`` as a :class:`~laplace_glas.posterior.prior.Prior` (scalar,
+        layerwise or diagonal; validated when it was set).
+        """
+        return Prior.of(
+            self.prior_precision,
+            [q.numel() for q in self.params],
+            self.n_params,
+            dtype=self._dtype,
+            device=self._device,
+            check=False,
+        )
 
-    def _diagonal_prior(self) -> DiagonalPriorPosterior:
-        """The posterior under the expanded prior ``diag(p)`` (non-scalar priors).
+    def _posterior(self) -> ScalarPriorPosterior | DiagonalPriorPosterior:
+        """The posterior of ``(U, a)`` under the prior (:meth:`Prior.posterior`).
 
         A layerwise prior uses the cached per-layer Gram matrices ``U_l^T U_l``: after
         the first call, ``U^T P_0^{+-1} U`` costs ``O(L k^2)`` (a marglik step no
         longer touches ``U``).
         """
-        if type(self)._network_directions is not SubspacePredictive._network_directions:
-            raise ValueError(
-                f"A layerwise or diagonal prior_precision is not implemented for "
-                f"{type(self).__name__} (its directions are embedded in the network); "
-                "use a scalar prior_precision."
-            )
-        U = self.eigenvectors
-        grams = None
-        p = self.prior_precision.reshape(-1)
-        if p.numel() == self.n_layers and self.n_layers != self.n_params:
-            # keyed on the eigenvector tensor itself (held, so never reused), its
-            # in-place version and k
-            vectors, k = self.H[0], self._n_components
-            cache = getattr(self, "_layer_gram_cache", None)
-            if cache is None or cache[0] is not vectors or cache[1:3] != (vectors._version, k):
-                blocks = layer_grams(U.detach(), [q.numel() for q in self.params])
-                cache = (vectors, vectors._version, k, blocks)
-                self._layer_gram_cache = cache
-            blocks = cache[3]
-            grams = (
-                torch.einsum("lij,l->ij", blocks, p),
-                torch.einsum("lij,l->ij", blocks, 1.0 / p),
-            )
-        return DiagonalPriorPosterior(
-            U, self.subspace_curvature, self.prior_precision_diag, self.complement, grams
-        )
+        if self._directions_embedded:
+            self._prior.check_embedded(type(self).__name__)
+        U, curvature = self.eigenvectors, self.subspace_curvature  # refused before a fit
+        return self._prior.posterior(U, curvature, self.complement, self._layer_grams)
+
+    def _layer_grams(self) -> torch.Tensor:
+        """The ``(n_layers, k, k)`` blocks ``U_l^T U_l``, cached."""
+        # keyed on the eigenvector tensor itself (held, so never reused), its in-place
+        # version and k
+        vectors, k = self.H[0], self._n_components
+        cache = getattr(self, "_layer_gram_cache", None)
+        if cache is None or cache[0] is not vectors or cache[1:3] != (vectors._version, k):
+            blocks = layer_grams(self.eigenvectors.detach(), [q.numel() for q in self.params])
+            cache = (vectors, vectors._version, k, blocks)
+            self._layer_gram_cache = cache
+        return cache[3]
 
     def _covariance_factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(V, w, d)`` with ``Sigma = V diag(w) V^T + diag(d)`` (``d`` None: no term;
-        a 0-dim ``d`` is ``d I``).
+        a 0-dim ``d`` is ``d I``), ``V`` over the network's weights.
 
         Scalar prior: ``V = U``, ``w = v`` (``complement='zero'``) or ``w = v - 1/tau``,
         ``d = 1/tau`` ('prior'). Otherwise :meth:`DiagonalPriorPosterior.covariance_factors`.
         """
-        if not self._prior_is_scalar:
-            return self._diagonal_prior().covariance_factors()
-        v = self.posterior_variances
-        U = self._network_directions()  # over the network's weights
-        if self.complement == "prior":
-            c = self._complement_variance
-            return U, v - c, c
-        return U, v, None
+        V, weights, diagonal = self._posterior().covariance_factors()
+        return self._embed_directions(V), weights, diagonal
+
+    def _embed_directions(self, V: torch.Tensor) -> torch.Tensor:
+        """``(n_params, m)`` directions over the posterior's weights as ``(D, m)`` over
+        ``self.params`` (the identity here; a subnetwork posterior embeds them).
+        """
+        return V
 
     @property
     def _tau(self) -> torch.Tensor:
@@ -125,13 +129,7 @@ class SubspacePosterior:
 
     def _proper_tau(self, what: str) -> torch.Tensor:
         """``tau``, refused where ``what`` needs a proper prior (``tau > 0``)."""
-        tau = self._tau
-        if tau == 0:
-            raise ValueError(
-                f"{what} needs a proper prior: prior_precision is 0. Set a positive "
-                "prior_precision (e.g. with optimize_prior_precision())."
-            )
-        return tau
+        return proper_tau(self._tau, what)
 
     @property
     def posterior_variances(self) -> torch.Tensor:
@@ -142,17 +140,7 @@ class SubspacePosterior:
         layerwise or diagonal prior ``z`` is correlated and this is ``diag(U^T Sigma U)``,
         the variance along each ``u_j``.
         """
-        if not self._prior_is_scalar:
-            return self._diagonal_prior().subspace_variances
-        curvature, tau = self.subspace_curvature, self._tau
-        if tau == 0 and bool((curvature <= 0).any()):
-            raise ValueError(
-                "With prior_precision = 0 the posterior is improper: "
-                f"{int((curvature <= 0).sum())} of the {curvature.numel()} kept directions "
-                "have zero curvature (infinite variance). Set a positive prior_precision "
-                "or use fewer components."
-            )
-        return posterior_variances(curvature, tau)
+        return self._posterior().subspace_variances
 
     @property
     def _complement_variance(self) -> torch.Tensor:
@@ -171,11 +159,7 @@ class SubspacePosterior:
         ('prior') or ``U (diag(a) + U^T P_0 U) U^T`` with ``inf`` off ``span(U)``
         ('zero').
         """
-        if not self._prior_is_scalar:
-            return self._diagonal_prior().precision
-        tau = self._tau
-        complement = tau if self.complement == "prior" else math.inf
-        return SubspaceOperator(self.eigenvectors, self.subspace_curvature + tau, complement)
+        return self._posterior().precision
 
     @property
     def posterior_covariance(self) -> SubspaceOperator | LowRankDiagonalOperator:
@@ -183,13 +167,9 @@ class SubspacePosterior:
 
         With a layerwise or diagonal prior: ``U (diag(a) + U^T P_0 U)^{-1} U^T`` ('zero')
         or Woodbury's ``(P_0 + U diag(a) U^T)^{-1}`` ('prior'), see
-        :mod:`laplace_glas.posterior.prior`.
+        :mod:`laplace_glas.posterior.diagonal_prior`.
         """
-        if not self._prior_is_scalar:
-            return self._diagonal_prior().covariance
-        return SubspaceOperator(
-            self.eigenvectors, self.posterior_variances, self._complement_variance
-        )
+        return self._posterior().covariance
 
     @property
     def log_det_posterior_precision(self) -> torch.Tensor:
@@ -200,18 +180,12 @@ class SubspacePosterior:
         ``sum_j log(1 + a_j / tau)``. With a layerwise or diagonal prior:
         ``log det(P_0 + U diag(a) U^T)``.
         """
-        if not self._prior_is_scalar:
-            return self._diagonal_prior().log_det_posterior_precision
-        tau = self._proper_tau("log_det_posterior_precision")
-        k = self._n_components
-        return torch.log(self.subspace_curvature + tau).sum() + (self.n_params - k) * tau.log()
+        return self._posterior().log_det_posterior_precision
 
     @property
     def log_det_prior_precision(self) -> torch.Tensor:
         """``D log tau`` (needs ``tau > 0``); ``sum_i log p_i`` for a non-scalar prior."""
-        if not self._prior_is_scalar:
-            return self.prior_precision_diag.log().sum()
-        return self.n_params * self._proper_tau("log_det_prior_precision").log()
+        return self._prior.log_det()
 
     @property
     def log_det_ratio(self) -> torch.Tensor:
@@ -222,9 +196,7 @@ class SubspacePosterior:
         ``log det(I + diag(sqrt a) U^T P_0^{-1} U diag(sqrt a))`` (``O(k^2 D)``;
         differentiable in the prior precision).
         """
-        if not self._prior_is_scalar:
-            return self._diagonal_prior().log_det_ratio
-        return log_det_ratio(self.subspace_curvature, self._proper_tau("The evidence"))
+        return self._posterior().log_det_ratio
 
     def square_norm(self, value: torch.Tensor) -> torch.Tensor:
         """``(theta - theta*)^T P (theta - theta*)``.
@@ -234,15 +206,7 @@ class SubspacePosterior:
         """
         self._check_H_init()
         self._check_weight_vectors(value)
-        delta = value - self.mean
-        if not self._prior_is_scalar:
-            return self._diagonal_prior().square_norm(delta)
-        z = delta @ self.eigenvectors
-        inside = (z.square() * (self.subspace_curvature + self._tau)).sum(-1)
-        if self.complement == "zero":
-            return inside
-        outside = delta.square().sum(-1) - z.square().sum(-1)
-        return inside + self._tau * outside
+        return self._posterior().square_norm(value - self.mean)
 
     def log_prob(self, value: torch.Tensor, normalized: bool = True) -> torch.Tensor:
         """Log density of ``value`` ``(D,)`` or ``(n, D)`` under the posterior.
@@ -254,13 +218,7 @@ class SubspacePosterior:
         square_norm = self.square_norm(value)
         if not normalized:
             return -square_norm / 2
-        if not self._prior_is_scalar:
-            dim, log_det = self._diagonal_prior().log_normaliser()
-        elif self.complement == "prior":
-            dim, log_det = self.n_params, self.log_det_posterior_precision
-        else:
-            dim = self._n_components
-            log_det = -torch.log(self.posterior_variances).sum()
+        dim, log_det = self._posterior().log_normaliser()
         return -dim / 2 * math.log(2 * math.pi) + log_det / 2 - square_norm / 2
 
     def sample(
@@ -270,16 +228,7 @@ class SubspacePosterior:
         self._check_H_init()
         n_samples = positive_int("n_samples", n_samples, allow_none=False)
         self._check_generator(generator)
-        if not self._prior_is_scalar:
-            return self.mean.reshape(1, -1) + self._diagonal_prior().sample(n_samples, generator)
-        draws = sample_subspace(
-            self.eigenvectors,
-            self.posterior_variances,
-            n_samples,
-            self._complement_variance,
-            generator,
-        )
-        return self.mean.reshape(1, -1) + draws
+        return self.mean.reshape(1, -1) + self._posterior().sample(n_samples, generator)
 
     def _check_weight_vectors(self, value: Any) -> None:
         """``value`` must be ``(D,)`` or ``(n, D)`` floating weight vectors."""

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from laplace_glas.curvature import Eigenpairs
+from laplace_glas.posterior.prior import Prior
 from laplace_glas.validation import ArgumentTypeError
 
 __all__ = ["FittedPosterior"]
@@ -53,6 +54,9 @@ class FittedPosterior:
         ``k``, the number of leading pairs the posterior uses (``k <= K``).
     prior_precision : torch.Tensor
         laplace-torch's prior precision: ``(1,)``, ``(n_layers,)`` or ``(D,)``.
+    prior : Prior
+        The same prior as one object (:class:`~laplace_glas.posterior.prior.Prior`:
+        scalar, layerwise or diagonal) with the operations the subspace algebra needs.
     prior_mean : torch.Tensor
         ``mu_0``: a scalar or ``(D,)``.
     mean : torch.Tensor
@@ -107,6 +111,7 @@ class FittedPosterior:
     curvature: torch.Tensor
     n_components: int
     prior_precision: torch.Tensor
+    prior: Prior
     prior_mean: torch.Tensor
     mean: torch.Tensor
     network_weights: torch.Tensor
@@ -141,12 +146,12 @@ class FittedPosterior:
     @property
     def scalar_prior(self) -> bool:
         """Whether the prior precision is one scalar ``tau`` (the closed forms)."""
-        return self.prior_precision.numel() == 1
+        return self.prior.tau is not None
 
     @property
     def tau(self) -> float | None:
         """The scalar prior precision ``tau``; None for a layerwise or diagonal prior."""
-        return float(self.prior_precision.reshape(-1)[0]) if self.scalar_prior else None
+        return None if self.prior.tau is None else float(self.prior.tau)
 
     def check_k(self, k: int) -> int:
         """``k`` as an int after checking it is an integer with ``1 <= k <= K``."""

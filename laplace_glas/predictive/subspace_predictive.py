@@ -14,11 +14,11 @@ arguments and return shapes as laplace-torch's ``ParametricLaplace.__call__``,
 with ``J U`` from ``k`` forward-mode JVPs ('glm'; ``J J^T`` only when ``c > 0``), or
 network outputs at weight samples ('nn').
 
-The mixin reads the posterior through ``mean``, ``eigenvectors``,
-``posterior_variances``, ``_complement_variance``, ``_covariance_factors`` (``Sigma =
-V diag(w) V^T + diag(d)``, which covers layerwise and diagonal priors) and ``sample``
-of the class it is mixed into; the model runs in eval mode inside (see
-:func:`laplace_glas.autodiff.context.autodiff_friendly`).
+The mixin reads the posterior through ``mean``, ``eigenvectors``, ``_prior`` (the
+:class:`~laplace_glas.posterior.prior.Prior`), ``_posterior`` and
+``_covariance_factors`` (``Sigma = V diag(w) V^T + diag(d)``, which covers layerwise
+and diagonal priors) and ``sample`` of the class it is mixed into; the model runs in
+eval mode inside (see :func:`laplace_glas.autodiff.context.autodiff_friendly`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from laplace.utils.enums import LinkApprox, PredType
 
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature.operators.factored import factored_jacobian_directions
-from laplace_glas.predictive.jvp import batched_outputs, jacobian_gram, jvp_directions, row_chunks
+from laplace_glas.predictive.jvp import batched_outputs, jvp_directions
 from laplace_glas.predictive.links import gaussian_samples, laplace_bridge
+from laplace_glas.predictive.prior_gram import PriorGram
 from laplace_glas.validation import ArgumentTypeError, positive_int
 
 __all__ = ["FittedWeightsChangedWarning", "SubspacePredictive"]
@@ -49,7 +50,7 @@ def _check_pred_type(pred_type: PredType | str) -> None:
         raise ValueError("Only glm and nn supported as prediction types.")
 
 
-class SubspacePredictive:
+class SubspacePredictive(PriorGram):
     """Predictive methods of a subspace Laplace posterior (a mixin; see the module).
 
     Attributes
@@ -118,46 +119,6 @@ class SubspacePredictive:
         weights outside it).
         """
         return draws
-
-    def _prior_gram_diagonal(self, X: Any, theta: torch.Tensor, chunk_size: int) -> torch.Tensor:
-        """The diagonal ``(n, C)`` of :meth:`_prior_gram`, ``chunk_size`` inputs at a time
-        (the calibration sweeps with ``complement='prior'``).
-        """
-        return torch.cat(
-            [
-                self._prior_gram(rows, theta).diagonal(dim1=-2, dim2=-1)
-                for rows in row_chunks(X, chunk_size, self.dict_key_x)
-            ]
-        )
-
-    def _prior_gram(self, X: Any, theta: torch.Tensor, joint: bool = False) -> torch.Tensor:
-        """``J J^T`` over the weights under inference, for ``complement='prior'``."""
-        return self._jacobian_gram(X, theta, joint)
-
-    def _jacobian_gram(
-        self, X: Any, theta: torch.Tensor, joint: bool, weights: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """``J diag(weights) J^T`` over all weights (``J J^T`` without ``weights``)."""
-        return jacobian_gram(
-            self.model,
-            self._param_names,
-            self._param_shapes,
-            theta,
-            X,
-            joint=joint,
-            dict_key_x=self.dict_key_x,
-            weights=weights,
-        )
-
-    def _weighted_prior_gram(
-        self, X: Any, theta: torch.Tensor, c: torch.Tensor, joint: bool = False
-    ) -> torch.Tensor:
-        """``c J J^T`` for a scalar ``c`` (:meth:`_prior_gram`), ``J diag(c) J^T`` for a
-        ``(D,)`` diagonal (layerwise or diagonal prior, all weights).
-        """
-        if c.ndim == 0:
-            return self._prior_gram(X, theta, joint=joint) * c
-        return self._jacobian_gram(X, theta, joint, weights=c)
 
     def _check_inputs(self, X: Any) -> None:
         inputs = X[self.dict_key_x] if isinstance(X, MutableMapping) else X
@@ -299,8 +260,8 @@ class SubspacePredictive:
         self._check_inputs(X)
         at_fitted_weights = self._check_fitted_weights()
         X = self._to_device(X)
-        # Sigma = U diag(weights) U^T + diag(c): c = None (no term), 1/tau, or (D,);
-        # U over the network's weights (a subnetwork posterior embeds its directions)
+        # Sigma = U diag(weights) U^T + c P_0^{-1}, c = 0 (None) or 1; U over the
+        # network's weights (a subnetwork posterior embeds its directions)
         U, weights, c = self._covariance_factors()
         theta = self._network_weights()
         theta = theta if self.enable_backprop else theta.detach()
@@ -318,12 +279,12 @@ class SubspacePredictive:
                 JU_flat = JU.reshape(-1, JU.shape[-1])
                 f_var = (JU_flat * weights) @ JU_flat.T
                 if c is not None:
-                    f_var = f_var + self._weighted_prior_gram(X, theta, c, joint=True)
+                    f_var = f_var + self._weighted_prior_gram(X, theta, joint=True)
                 f_mu = f_mu.flatten()
             else:
                 f_var = torch.einsum("nck,k,nlk->ncl", JU, weights, JU)
                 if c is not None:
-                    f_var = f_var + self._weighted_prior_gram(X, theta, c)
+                    f_var = f_var + self._weighted_prior_gram(X, theta)
         if not self.enable_backprop:
             f_mu, f_var = f_mu.detach(), f_var.detach()
         return f_mu, f_var, lead
@@ -445,37 +406,32 @@ class SubspacePredictive:
     def functional_variance(self, Js: torch.Tensor) -> torch.Tensor:
         """``J Sigma J^T`` per input: ``(batch, C, C)`` from Jacobians ``(batch, C, D)``."""
         self._check_jacobians(Js)
-        if not self._prior_is_scalar:
-            V, weights, diagonal = self._covariance_factors()
-            JV = Js @ V
-            f_var = torch.einsum("nck,k,nlk->ncl", JV, weights, JV)
-            if diagonal is not None:
-                f_var = f_var + torch.einsum("ncp,p,nkp->nck", Js, diagonal, Js)
+        V, weights, diagonal = self._posterior().covariance_factors()
+        JV = Js @ V
+        f_var = torch.einsum("nck,k,nlk->ncl", JV, weights, JV)
+        if diagonal is None:
             return f_var
-        JU = Js @ self.eigenvectors
-        if self.complement == "zero":
-            return torch.einsum("nck,k,nlk->ncl", JU, self.posterior_variances, JU)
-        c = self._complement_variance
-        weights = self.posterior_variances - c
-        prior = torch.einsum("ncp,nkp->nck", Js, Js) * c
-        return prior + torch.einsum("nck,k,nlk->ncl", JU, weights, JU)
+
+        def gram(w: torch.Tensor | None) -> torch.Tensor:
+            if w is None:
+                return torch.einsum("ncp,nkp->nck", Js, Js)
+            return torch.einsum("ncp,p,nkp->nck", Js, w, Js)
+
+        return f_var + self._prior.inverse_gram(gram)
 
     def functional_covariance(self, Js: torch.Tensor) -> torch.Tensor:
         """Joint ``J Sigma J^T``: ``(batch*C, batch*C)`` from Jacobians ``(batch, C, D)``."""
         self._check_jacobians(Js)
         n_batch, n_outs, n_params = Js.shape
         Js = Js.reshape(n_batch * n_outs, n_params)
-        if not self._prior_is_scalar:
-            V, weights, diagonal = self._covariance_factors()
-            JV = Js @ V
-            f_cov = (JV * weights) @ JV.T
-            return f_cov if diagonal is None else f_cov + (Js * diagonal) @ Js.T
-        JU = Js @ self.eigenvectors
-        if self.complement == "zero":
-            return (JU * self.posterior_variances) @ JU.T
-        c = self._complement_variance
-        weights = self.posterior_variances - c
-        return Js @ Js.T * c + (JU * weights) @ JU.T
+        V, weights, diagonal = self._posterior().covariance_factors()
+        JV = Js @ V
+        f_cov = (JV * weights) @ JV.T
+        if diagonal is None:
+            return f_cov
+        return f_cov + self._prior.inverse_gram(
+            lambda w: Js @ Js.T if w is None else (Js * w) @ Js.T
+        )
 
     def _nn_functional_samples(
         self,

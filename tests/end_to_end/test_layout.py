@@ -174,6 +174,7 @@ def test_curvature_does_not_import_the_layers_above_it():
             "laplace_glas.io",
         ),
         "posterior": (
+            "laplace_glas.predictive",
             "laplace_glas.diagnostics",
             "laplace_glas.laplace",
             "laplace_glas.subsets",

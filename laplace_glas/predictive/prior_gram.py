@@ -1,0 +1,72 @@
+"""The prior's term ``J P_0^{-1} J^T`` of the linearised predictive.
+
+With ``complement='prior'`` the posterior keeps the prior's variance off ``span(U)``,
+and the 'glm' covariance gains ``J P_0^{-1} J^T`` (corrected inside ``span(U)`` by the
+low-rank factors): ``J J^T / tau`` for a scalar prior, ``J diag(1/p) J^T`` for a
+layerwise or diagonal one (:meth:`laplace_glas.posterior.prior.Prior.inverse_gram`).
+:class:`PriorGram` is a mixin of
+:class:`~laplace_glas.predictive.subspace_predictive.SubspacePredictive`; it reads
+``model``, ``_param_names``, ``_param_shapes``, ``dict_key_x`` and ``_prior`` of the
+class it is mixed into.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from laplace_glas.predictive.jvp import jacobian_gram, row_chunks
+
+__all__ = ["PriorGram"]
+
+
+class PriorGram:
+    """Jacobian Gram matrices over the weights under inference (a mixin; see the
+    module).
+    """
+
+    def _prior_gram_diagonal(self, X: Any, theta: torch.Tensor, chunk_size: int) -> torch.Tensor:
+        """The diagonal ``(n, C)`` of :meth:`_prior_gram`, ``chunk_size`` inputs at a time
+        (the calibration sweeps with ``complement='prior'``).
+        """
+        return torch.cat(
+            [
+                self._prior_gram(rows, theta).diagonal(dim1=-2, dim2=-1)
+                for rows in row_chunks(X, chunk_size, self.dict_key_x)
+            ]
+        )
+
+    def _prior_gram(self, X: Any, theta: torch.Tensor, joint: bool = False) -> torch.Tensor:
+        """``J J^T`` over the weights under inference, for ``complement='prior'``."""
+        return self._jacobian_gram(X, theta, joint)
+
+    def _jacobian_gram(
+        self, X: Any, theta: torch.Tensor, joint: bool, weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``J diag(weights) J^T`` over all weights (``J J^T`` without ``weights``)."""
+        return jacobian_gram(
+            self.model,
+            self._param_names,
+            self._param_shapes,
+            theta,
+            X,
+            joint=joint,
+            dict_key_x=self.dict_key_x,
+            weights=weights,
+        )
+
+    def _weighted_prior_gram(
+        self, X: Any, theta: torch.Tensor, joint: bool = False
+    ) -> torch.Tensor:
+        """``J P_0^{-1} J^T`` (:meth:`Prior.inverse_gram`): ``J J^T / tau``
+        (:meth:`_prior_gram`) for a scalar prior, ``J diag(1/p) J^T`` over all weights
+        for a layerwise or diagonal one.
+        """
+
+        def gram(weights: torch.Tensor | None) -> torch.Tensor:
+            if weights is None:
+                return self._prior_gram(X, theta, joint=joint)
+            return self._jacobian_gram(X, theta, joint, weights=weights)
+
+        return self._prior.inverse_gram(gram)
