@@ -21,7 +21,7 @@ model and the comparison harness used by the examples; importing ``laplace_glas`
 does not load it.
 """
 
-from laplace_glas.curvature.eigensolve import (
+from laplace_glas.curvature import (
     Eigenpairs,
     LanczosConvergenceWarning,
     NumericalRankWarning,
