@@ -33,7 +33,7 @@ with warnings.catch_warnings():
     import curvlinops  # noqa: F401
     import laplace  # noqa: F401
 
-from laplace_glas.curvature.eigensolve import (
+from laplace_glas.curvature import (
     Eigenpairs,
     LanczosConvergenceWarning,
     NumericalRankWarning,

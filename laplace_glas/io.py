@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from laplace_glas.curvature.eigensolve import Eigenpairs
+from laplace_glas.curvature.eigenpairs import Eigenpairs
 from laplace_glas.curvature.fitting import loss_fn_name
 from laplace_glas.validation import (
     homoscedastic_noise,

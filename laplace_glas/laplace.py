@@ -4,7 +4,9 @@ The class is thin: the predictive methods live in the mixin
 :mod:`laplace_glas.predictive.subspace_predictive`, the posterior operators, evidence terms,
 sampling and prior tuning in the mixin :mod:`laplace_glas.posterior.subspace` (with the
 layerwise / diagonal prior algebra in :mod:`laplace_glas.posterior.prior`), the eigen-solve in
-:mod:`laplace_glas.curvature.eigensolve`, the data pass of ``fit`` and the choice of the
+:mod:`laplace_glas.curvature.eigensolve` (the problem in
+:mod:`laplace_glas.curvature.problem`, the operator and solver chosen by
+:mod:`laplace_glas.curvature.planner`), the data pass of ``fit`` and the choice of the
 GGN's loss in :mod:`laplace_glas.curvature.fitting`, the closed forms in
 :mod:`laplace_glas.posterior.closed_forms`, the forward-mode JVPs in
 :mod:`laplace_glas.predictive.jvp`,
@@ -33,7 +35,8 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -46,8 +49,7 @@ from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, RandomSampler
 
 from laplace_glas.autodiff.context import autodiff_friendly
-from laplace_glas.curvature.backends import curvature_operator, resolve_backend
-from laplace_glas.curvature.batches import XYBatches, batch_size, split_batch, subsample_loader
+from laplace_glas.curvature.backends import resolve_backend
 from laplace_glas.curvature.distributed import (
     Shards,
     broadcast_eigenpairs,
@@ -55,24 +57,13 @@ from laplace_glas.curvature.distributed import (
     distribute_operator,
     gridsearch,
     reduce_map_loss,
-    sum_count,
 )
-from laplace_glas.curvature.eigensolve import (
-    Eigenpairs,
-    NumericalRankWarning,
-    compute_eigenpairs,
-    mean_ggn_operator,
-)
-from laplace_glas.curvature.fitting import (
-    MapLoss,
-    count_terms,
-    curvature_loss,
-    loss_at_map,
-    validate_loss_fn,
-)
-from laplace_glas.curvature.operators.factored import FactoredGGN
-from laplace_glas.curvature.operators.updated import UpdatedCurvature
-from laplace_glas.curvature.planner import SOLVERS
+from laplace_glas.curvature.eigenpairs import Eigenpairs, NumericalRankWarning
+from laplace_glas.curvature.eigensolve import compute_eigenpairs
+from laplace_glas.curvature.fitting import MapLoss, loss_at_map, validate_loss_fn
+from laplace_glas.curvature.operators.updated import StoredCurvature, add_stored_curvature
+from laplace_glas.curvature.planner import SOLVERS, Plan, plan_solve
+from laplace_glas.curvature.problem import CurvatureProblem, curvature_likelihood
 from laplace_glas.diagnostics.calibration import DimensionSelection, select_dimension
 from laplace_glas.io import glas_state, restore_glas_state
 from laplace_glas.posterior.subspace import SubspacePosterior
@@ -381,7 +372,7 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
         ``'reward_modeling'`` as ``'classification'`` (Bradley-Terry preference pairs:
         a softmax over the pair's two rewards).
         """
-        return "classification" if self.likelihood == "reward_modeling" else self.likelihood
+        return curvature_likelihood(self.likelihood)
 
     def _init_H(self) -> None:
         self.H: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -669,18 +660,14 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
                     f"fit(override=False) adds data of the fitted kind: the model now has "
                     f"{out_shape[-1]} outputs, the fitted posterior {self.n_outputs}."
                 )
-            stored = (*self.H, self.n_data)
-        eig = self.compute_eigenpairs(
-            train_loader,
-            n_components=self.H[0].shape[1] if update else None,
-            generator=generator,
-            subsample_size=self.subsample_size,
-            progress_bar=show,
-            _out_shape=out_shape,
-            _n_data=n_data,
-            _stored_curvature=stored,
-            process_group=process_group,
+            stored = StoredCurvature(*self.H, self.n_data)
+        k = self._validate_n_components(
+            self.H[0].shape[1] if update else self._n_components, self.n_params
         )
+        problem = self._curvature_problem(
+            train_loader, out_shape, n_data, generator, self.subsample_size, shards, show
+        )
+        eig = self._solve(problem, k, generator, stored=stored)
         if update:
             loss, n_data = self.loss + loss, self.n_data + n_data
         n_below = int(eig.below_threshold.sum())
@@ -733,9 +720,6 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
         tol: float | None = None,
         maxiter: int | None = None,
         ncv: int | None = None,
-        _out_shape: torch.Size | None = None,
-        _n_data: int | None = None,
-        _stored_curvature: tuple[torch.Tensor, torch.Tensor, int] | None = None,
         process_group: Any = None,
     ) -> Eigenpairs:
         """Top eigenpairs of the unit-noise mean-loss GGN (or of ``loss_fn``'s) at the
@@ -762,159 +746,103 @@ class ActiveSubspaceLaplace(SubspacePredictive, SubspacePosterior, ParametricLap
         k = self._validate_n_components(k, self.n_params)
         reiterable("train_loader", train_loader)
         ncv = lanczos_basis_size(self.ncv if ncv is None else ncv, k, self.n_params)
+        tol = self.tol if tol is None else tolerance(tol)
+        maxiter = self.maxiter if maxiter is None else positive_int("maxiter", maxiter)
         if generator is None:
             generator = torch.Generator().manual_seed(self.seed)
         if process_group is None:
             process_group = getattr(self, "_process_group", None)
         shards = data_parallel(process_group)
-        if _out_shape is None and getattr(self, "_out_shape", None):
-            # after fit: the output shape per point is the model's; N is this loader's
-            _out_shape = self._out_shape
-            _n_data = count_terms(
-                train_loader,
-                self._curvature_likelihood,
-                self.ignore_index,
-                self.dict_key_x,
-                self.dict_key_y,
-            )
-            _n_data = sum_count(_n_data, shards, self._device)
-            if _n_data == 0:
-                raise ValueError("The loader is empty (or all its targets are ignore_index).")
-        if _out_shape is None or _n_data is None:
-            _, _n_data, _out_shape = self._loss_at_map(train_loader, False, shards)
-        eigen_loader, eigen_n = train_loader, _n_data
-        if subsample_size is not None:
-            eigen_loader = subsample_loader(train_loader, subsample_size, generator)
-            eigen_n = count_terms(
-                eigen_loader,
-                self._curvature_likelihood,
-                self.ignore_index,
-                self.dict_key_x,
-                self.dict_key_y,
-            )
-            eigen_n = sum_count(eigen_n, shards, self._device)
-
-        batch_size_fn = None
-        first_X = split_batch(next(iter(train_loader)), self.dict_key_y)[0]
-        if isinstance(first_X, MutableMapping):
-            key_x = self.dict_key_x
-
-            def batch_size_fn(X: MutableMapping) -> int:
-                return batch_size(X, key_x)
-
-        loss_func, scale, num_data = curvature_loss(
-            self._curvature_likelihood,
-            eigen_n,
-            _out_shape,
-            ignore_index=self.ignore_index,
-            loss_fn=self.loss_fn,
-            device=self._device,
-            dtype=self._dtype,
+        out_shape, n_terms = getattr(self, "_out_shape", None), None
+        if not out_shape:  # before fit: a pass at the MAP gives both
+            _, n_terms, out_shape = self._loss_at_map(train_loader, False, shards)
+        # after fit: the output shape per point is the model's; N is this loader's
+        problem = self._curvature_problem(
+            train_loader, out_shape, n_terms, generator, subsample_size, shards, progress_bar
         )
-        with autodiff_friendly(self.model):
-            operator, local_scale, solver, operator_name = self._curvature_operator(
-                loss_func,
-                scale,
-                eigen_loader,
-                n_terms=eigen_n,
-                num_data=num_data,
-                batch_size_fn=batch_size_fn,
-                k=k,
-                out_ndim=len(_out_shape),
-                progress_bar=progress_bar,
-            )
-            fallback = (operator, local_scale)
-            if shards is not None and isinstance(operator, FactoredGGN):
-                # what every rank uses if the factors cannot be built on one of them
-                fallback = (
-                    mean_ggn_operator(
-                        self.model,
-                        loss_func,
-                        self.params,
-                        XYBatches(eigen_loader, self.dict_key_y),
-                        num_data=num_data,
-                        batch_size_fn=batch_size_fn,
-                    ),
-                    scale,
-                )
-            operator, local_scale, solver, operator_name = distribute_operator(
-                operator,
-                local_scale,
-                solver,
-                operator_name,
-                fallback,
-                shards,
-                dtype=self._dtype,
-                device=self._device,
-            )
-            if _stored_curvature is not None:  # fit(override=False): add to the stored
-                U_old, h_old, n_old = _stored_curvature
-                # the new data weigh by all their terms, also when a subsample is solved
-                operator = UpdatedCurvature(
-                    U_old, h_old, n_old, _n_data, operator, local_scale, self._dtype
-                )
-                local_scale, eigen_n = 1.0, n_old + _n_data
-                solver = "block" if solver == "block" else "lanczos"
-                operator_name = f"stored rank-{U_old.shape[1]} curvature + {operator_name}"
-            eig = compute_eigenpairs(
-                operator,
-                k,
-                scale=local_scale,
-                dtype=self._dtype,
-                device=self._device,
-                tol=self.tol if tol is None else tolerance(tol),
-                maxiter=self.maxiter if maxiter is None else positive_int("maxiter", maxiter),
-                ncv=ncv,
-                generator=generator,
-                rank_threshold=self.rank_threshold,
-                n_data=eigen_n,
-                progress_bar=progress_bar,
-                solver=solver,
-                block_size=self.block_size,
-                operator_name=operator_name,
-            )
-        return broadcast_eigenpairs(eig, shards)
+        return self._solve(problem, k, generator, tol=tol, maxiter=maxiter, ncv=ncv)
 
-    def _curvature_operator(
+    def _curvature_problem(
         self,
-        loss_func: nn.Module,
-        scale: float,
         loader: Any,
-        *,
-        n_terms: int,
-        num_data: int,
-        batch_size_fn: Callable | None,
-        k: int,
-        out_ndim: int,
+        out_shape: torch.Size,
+        n_terms: int | None,
+        generator: torch.Generator,
+        subsample_size: int | None,
+        shards: Shards | None,
         progress_bar: bool,
-    ) -> tuple[object, float, str, str]:
-        """The curvature operator of ``self.curvature`` (the backend's matrix), its
-        scale, the solver and the operator's name
-        (:func:`laplace_glas.curvature.backends.curvature_operator`).
+    ) -> CurvatureProblem:
+        """The curvature of ``loader`` with this posterior's settings
+        (:meth:`~laplace_glas.curvature.problem.CurvatureProblem.build`; ``n_terms=None``
+        counts ``N``).
         """
-        return curvature_operator(
-            self.curvature,
-            loss_func,
-            scale,
-            self.solver,
-            model=self.model,
-            params=self.params,
-            data=XYBatches(loader, self.dict_key_y),
-            loader=loader,
-            num_data=num_data,
-            batch_size_fn=batch_size_fn,
-            likelihood=self._curvature_likelihood,
+        return CurvatureProblem.build(
+            self.model,
+            self.params,
+            loader,
+            self.likelihood,
+            out_shape,
             n_terms=n_terms,
-            k=k,
-            out_ndim=out_ndim,
+            subsample_size=subsample_size,
+            generator=generator,
             loss_fn=self.loss_fn,
             ignore_index=self.ignore_index,
             dict_key_x=self.dict_key_x,
             dict_key_y=self.dict_key_y,
             device=self._device,
             dtype=self._dtype,
+            shards=shards,
             progress_bar=progress_bar,
         )
+
+    def _solve(
+        self,
+        problem: CurvatureProblem,
+        k: int,
+        generator: torch.Generator,
+        *,
+        stored: StoredCurvature | None = None,
+        tol: float | None = None,
+        maxiter: int | None = None,
+        ncv: int | None = None,
+    ) -> Eigenpairs:
+        """The top-``k`` eigenpairs of ``problem`` (plus ``stored``, the fitted
+        curvature, for ``fit(override=False)``), on every rank of ``problem.shards``.
+
+        ``tol``, ``maxiter`` and ``ncv`` are checked values; ``None`` takes the
+        constructor's (``ncv``: checked against ``k``).
+        """
+        if ncv is None:
+            ncv = lanczos_basis_size(self.ncv, k, self.n_params)
+        with autodiff_friendly(self.model):
+            plan = distribute_operator(self._plan(problem, k), problem)
+            if stored is not None:  # fit(override=False): add to the stored curvature
+                plan = add_stored_curvature(plan, stored, problem.n_loader_terms, self._dtype)
+            eig = compute_eigenpairs(
+                plan.operator,
+                k,
+                scale=plan.scale,
+                dtype=self._dtype,
+                device=self._device,
+                tol=self.tol if tol is None else tol,
+                maxiter=self.maxiter if maxiter is None else maxiter,
+                ncv=ncv,
+                generator=generator,
+                rank_threshold=self.rank_threshold,
+                n_data=plan.n_data,
+                progress_bar=problem.progress_bar,
+                solver=plan.solver,
+                block_size=self.block_size,
+                operator_name=plan.operator_name,
+            )
+        eig = replace(eig, plan={**plan.summary(), "solver": eig.solver})
+        return broadcast_eigenpairs(eig, problem.shards)
+
+    def _plan(self, problem: CurvatureProblem, k: int) -> Plan:
+        """The operator and solver for ``problem`` with this posterior's ``solver`` and
+        ``curvature`` (:func:`laplace_glas.curvature.planner.plan_solve`).
+        """
+        return plan_solve(problem, k, self.solver, self.curvature)
 
     # ------------------------------------------------------------------ posterior
     @property

@@ -40,6 +40,7 @@ posterior is laplace-torch's ``FullLLLaplace`` / ``FullSubnetLaplace``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,8 @@ from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES
+from laplace_glas.curvature.planner import Plan
+from laplace_glas.curvature.problem import CurvatureProblem
 from laplace_glas.laplace import ActiveSubspaceLaplace
 from laplace_glas.predictive.jvp import jvp_directions, parameter_names
 
@@ -379,15 +382,15 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
     def _index_on_device(self) -> torch.Tensor:
         return self.subnetwork_indices.to(self._device)
 
-    def _curvature_operator(
-        self, loss_func: nn.Module, scale: float, loader: Any, **kwargs: Any
-    ) -> tuple[object, float, str, str]:
-        operator, scale, solver, name = super()._curvature_operator(
-            loss_func, scale, loader, **kwargs
+    def _plan(self, problem: CurvatureProblem, k: int) -> Plan:
+        """The whole network's plan, its operator restricted to the subnetwork."""
+        plan = super()._plan(problem, k)
+        return replace(
+            plan,
+            operator=SubsetOperator(plan.operator, self.subnetwork_indices, self._dtype),
+            solver="block" if plan.solver == "block" else "lanczos",
+            operator_name=f"{plan.operator_name}, subnetwork of {self.n_params}",
         )
-        subset = SubsetOperator(operator, self.subnetwork_indices, self._dtype)
-        solver = "block" if solver == "block" else "lanczos"
-        return subset, scale, solver, f"{name}, subnetwork of {self.n_params}"
 
     def _network_weights(self) -> torch.Tensor:
         if self._theta_map is None:  # restored by load_state_dict: the model's weights

@@ -72,7 +72,7 @@ from laplace import Laplace
 from torch import nn
 
 from laplace_glas.curvature.batches import split_batch
-from laplace_glas.curvature.eigensolve import NumericalRankWarning
+from laplace_glas.curvature.eigenpairs import NumericalRankWarning
 from laplace_glas.diagnostics.calibration import CoverageNotReachedWarning
 
 __all__ = [

@@ -35,6 +35,9 @@ Refused with a ``ValueError`` naming the class: a stochastic GGN
 change between Lanczos products) and any class that is none of the above (e.g. a
 user's own ``CurvatureInterface``), which has no matrix-free operator here.
 
+The operators themselves are built by the planner
+(:func:`~laplace_glas.curvature.planner.plan_solve`).
+
 Only the GGN has the fast paths (:mod:`~laplace_glas.curvature.operators.factored`,
 :mod:`~laplace_glas.curvature.solvers.gram`,
 :mod:`~laplace_glas.curvature.operators.linearized`); the
@@ -46,12 +49,9 @@ recorded in
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from curvlinops import EFLinearOperator, HessianLinearOperator
 from laplace.curvature import (
     AsdlEF,
     AsdlGGN,
@@ -64,11 +64,9 @@ from laplace.curvature import (
 )
 from torch import nn
 
-from laplace_glas.curvature.eigensolve import mean_ggn_operator
 from laplace_glas.curvature.losses import TokenCrossEntropy
-from laplace_glas.curvature.planner import select_operator
 
-__all__ = ["CURVATURES", "CurvatureChoice", "curvature_operator", "resolve_backend"]
+__all__ = ["CURVATURES", "CurvatureChoice", "resolve_backend"]
 
 CURVATURES = ("ggn", "ef", "hessian")
 """The matrices a backend can stand for."""
@@ -83,7 +81,6 @@ _MAPPED = {
 }
 _EF_LOSSES = (nn.MSELoss, nn.CrossEntropyLoss, nn.BCEWithLogitsLoss)
 _NAMES = {"ggn": "GGN", "ef": "empirical Fisher", "hessian": "Hessian"}
-_OPERATORS = {"ef": EFLinearOperator, "hessian": HessianLinearOperator}
 _OPERATOR_NAMES = {
     "ggn": "GGNLinearOperator",
     "ef": "EFLinearOperator",
@@ -163,88 +160,6 @@ def resolve_backend(backend: Any, backend_kwargs: dict[str, Any] | None = None) 
             stacklevel=3,
         )
     return CurvatureChoice(kind, name)
-
-
-def curvature_operator(
-    choice: CurvatureChoice,
-    loss_func: nn.Module,
-    scale: float,
-    solver: str,
-    *,
-    model: nn.Module,
-    params: Sequence[torch.Tensor],
-    data: Iterable,
-    loader: Iterable,
-    num_data: int,
-    batch_size_fn: Callable | None,
-    likelihood: str,
-    n_terms: int,
-    k: int,
-    out_ndim: int = 1,
-    loss_fn: nn.Module | None = None,
-    ignore_index: int = -100,
-    dict_key_x: str = "input_ids",
-    dict_key_y: str = "labels",
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    progress_bar: bool = False,
-) -> tuple[object, float, str, str]:
-    """The operator of ``choice.kind``, its scale, the solver and the operator's name.
-
-    The GGN goes through :func:`~laplace_glas.curvature.planner.select_operator`
-    (factored / dual fast paths). The empirical Fisher and the Hessian are curvlinops'
-    ``EFLinearOperator`` / ``HessianLinearOperator`` of the same ``loss_func`` with the
-    same ``scale`` (``scale * M(loss_func) = M_1``, the mean-loss matrix of unit-noise
-    ``l_n``), solved by Lanczos unless ``solver='block'``; a request for the factored
-    or dual solver is answered with a warning. ``out_ndim`` is the number of output
-    axes of one data point (2 for sequence outputs, which the empirical Fisher refuses).
-    """
-    if choice.kind == "ggn":
-        operator = mean_ggn_operator(
-            model, loss_func, params, data, num_data=num_data, batch_size_fn=batch_size_fn
-        )
-        return select_operator(
-            operator,
-            scale,
-            solver,
-            model=model,
-            params=params,
-            loader=loader,
-            likelihood=likelihood,
-            n_terms=n_terms,
-            k=k,
-            loss_func=loss_func,
-            data=data,
-            num_data=num_data,
-            batch_size_fn=batch_size_fn,
-            loss_fn=loss_fn,
-            ignore_index=ignore_index,
-            dict_key_x=dict_key_x,
-            dict_key_y=dict_key_y,
-            device=device,
-            dtype=dtype,
-            progress_bar=progress_bar,
-        )
-    if solver in ("dual", "factored"):
-        warnings.warn(
-            f"solver={solver!r} needs the factored GGN; the {_NAMES[choice.kind]} "
-            f"({choice.backend}) uses curvlinops + Lanczos.",
-            UserWarning,
-            stacklevel=3,
-        )
-    if choice.kind == "ef":
-        loss_func = _ef_loss(loss_func, out_ndim)
-    operator = _OPERATORS[choice.kind](
-        model,
-        loss_func,
-        list(params),
-        data,
-        check_deterministic=False,
-        num_data=num_data,
-        batch_size_fn=batch_size_fn,
-    )
-    name = "curvlinops EF" if choice.kind == "ef" else "curvlinops Hessian"
-    return operator, scale, "block" if solver == "block" else "lanczos", name
 
 
 def _ef_loss(loss_func: nn.Module, out_ndim: int) -> nn.Module:

@@ -59,6 +59,7 @@ import torch.distributed as dist
 from laplace.utils.utils import validate
 
 from laplace_glas.curvature.fitting import MapLoss
+from laplace_glas.curvature.operators.curvlinops import mean_ggn_operator
 from laplace_glas.curvature.operators.factored import FactoredGGN
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES, TorchOperator
 
@@ -221,40 +222,42 @@ class AllReducedGGN(TorchOperator):
         return GV
 
 
-def distribute_operator(
-    operator: Any,
-    scale: float,
-    solver: str,
-    operator_name: str,
-    fallback: tuple[Any, float],
-    shards: Shards | None,
-    *,
-    dtype: torch.dtype,
-    device: torch.device | str,
-) -> tuple[Any, float, str, str]:
-    """The all-reduced operator, its scale, the solver and the record for a distributed
-    fit (the arguments unchanged for a single process).
+def distribute_operator(plan: Any, problem: Any) -> Any:
+    """The plan of a distributed fit: its operator all-reduced over ``problem.shards``
+    (``plan`` itself for a single process).
 
-    ``operator, scale, solver, operator_name`` are what
-    :func:`~laplace_glas.curvature.planner.select_operator` chose on this rank;
-    ``fallback`` is the curvlinops operator and its scale, used on every rank unless
-    the factored operator was built on all of them. The dual solve becomes Lanczos on
-    the all-reduced factored products (see the module docstring).
+    ``plan`` (a :class:`~laplace_glas.curvature.planner.Plan`) is what
+    :func:`~laplace_glas.curvature.planner.plan_solve` chose on this rank for
+    ``problem`` (a :class:`~laplace_glas.curvature.problem.CurvatureProblem`). Every
+    rank uses curvlinops' operator of the problem unless the factored operator was
+    built on all of them. The dual solve becomes Lanczos on the all-reduced factored
+    products (see the module docstring).
     """
+    shards = problem.shards
     if shards is None:
-        return operator, scale, solver, operator_name
+        return plan
+    operator, scale, solver, name = plan.operator, plan.scale, plan.solver, plan.operator_name
     factored = isinstance(operator, FactoredGGN)
     # every rank calls this collective once, whatever its own outcome
-    if not agree_on_operator(factored, shards, device) and factored:
-        operator, scale = fallback
-        operator_name = "curvlinops (not factored: the factors exceed a budget on another rank)"
+    if not agree_on_operator(factored, shards, problem.device) and factored:
+        operator = mean_ggn_operator(
+            problem.model,
+            problem.loss_func,
+            problem.params,
+            problem.data,
+            num_data=problem.num_data,
+            batch_size_fn=problem.batch_size_fn,
+        )
+        scale = problem.scale
+        name = "curvlinops (not factored: the factors exceed a budget on another rank)"
         factored = False
     if factored and solver in ("auto", "dual"):
-        operator_name = f"{operator_name} (dual solve not distributed: Lanczos on its products)"
+        name = f"{name} (dual solve not distributed: Lanczos on its products)"
     if solver in ("auto", "dual"):
         solver = "lanczos"
-    operator_name = f"{operator_name}, all-reduced over {shards.world_size} ranks"
-    return AllReducedGGN(operator, shards, dtype, device), scale, solver, operator_name
+    name = f"{name}, all-reduced over {shards.world_size} ranks"
+    operator = AllReducedGGN(operator, shards, problem.dtype, problem.device)
+    return replace(plan, operator=operator, scale=scale, solver=solver, operator_name=name)
 
 
 def broadcast_eigenpairs(eig: Any, shards: Shards | None) -> Any:

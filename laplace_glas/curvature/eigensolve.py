@@ -1,8 +1,9 @@
 """Leading eigenpairs of the mean-loss GGN, found matrix-free by Lanczos.
 
 The operator is curvlinops' :class:`~curvlinops.GGNLinearOperator` of the *mean*
-loss, wrapped as a SciPy ``LinearOperator``; ``scipy.sparse.linalg.eigsh``
-(implicitly restarted Lanczos, ARPACK) finds its top-k eigenpairs
+loss (:mod:`~laplace_glas.curvature.operators.curvlinops`) or one of GLAS's faster
+operators; :func:`compute_eigenpairs` finds its top-k eigenpairs with ARPACK's Lanczos
+(:mod:`~laplace_glas.curvature.solvers.lanczos`), block Krylov or the dual Gram solve
 
 .. math::
 
@@ -10,28 +11,34 @@ loss, wrapped as a SciPy ``LinearOperator``; ``scipy.sparse.linalg.eigsh``
     G = \\frac{1}{N} \\sum_{n=1}^N J_n^\\top \\Lambda_n J_n ,
 
 without ever forming the D x D matrix. This module knows nothing of
-laplace-torch; it takes a model, a loss and an iterable of ``(X, y)`` batches.
+laplace-torch. The record :class:`~laplace_glas.curvature.eigenpairs.Eigenpairs`, its
+warnings and :func:`mean_ggn_operator` are re-exported from their modules.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from curvlinops import GGNLinearOperator
-from scipy.sparse.linalg import ArpackError, ArpackNoConvergence, LinearOperator, eigsh
-from torch import nn
+from scipy.sparse.linalg import LinearOperator
 from tqdm.auto import tqdm
 
+from laplace_glas.curvature.eigenpairs import (
+    _ZERO_GGN,
+    Eigenpairs,
+    LanczosConvergenceWarning,
+    NumericalRankWarning,
+)
+from laplace_glas.curvature.operators.curvlinops import mean_ggn_operator
 from laplace_glas.curvature.operators.factored import FactoredGGN
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES
 from laplace_glas.curvature.planner import choose_solver
 from laplace_glas.curvature.solvers.block_krylov import block_krylov_eigenpairs
 from laplace_glas.curvature.solvers.gram import dual_eigenpairs
+from laplace_glas.curvature.solvers.lanczos import solve_lanczos
 
 __all__ = [
     "Eigenpairs",
@@ -40,289 +47,6 @@ __all__ = [
     "compute_eigenpairs",
     "mean_ggn_operator",
 ]
-
-
-class LanczosConvergenceWarning(UserWarning):
-    """The eigen-solve stopped before all requested eigenpairs converged, or its final
-    residuals exceed the tolerance (e.g. a loader whose data changes between passes).
-    """
-
-
-_ZERO_GGN = (
-    "The GGN is zero at these weights: the model's outputs do not depend on the "
-    "parameters under inference (or all their gradients vanish, e.g. saturated or dead "
-    "units). There is no curvature to build a posterior from."
-)
-
-
-class NumericalRankWarning(UserWarning):
-    """Some eigenvalues are below what the operator's precision can resolve."""
-
-
-@dataclass(frozen=True)
-class Eigenpairs:
-    """Immutable record of an eigen-solve of a symmetric PSD operator.
-
-    In a fitted ``ActiveSubspaceLaplace`` (``la.lanczos_info``) the operator is the
-    unit-noise GGN ``G_1 = (1/N) sum_n J_n^T Lambda_n J_n`` (``Lambda = I`` for
-    regression); ``la.eigenvalues`` is ``values / sigma^2``.
-
-    Attributes
-    ----------
-    values : torch.Tensor
-        ``(k,)`` eigenvalues, descending. Values below ``rank_threshold`` are set to
-        zero (they are round-off, not curvature); see ``below_threshold``.
-    vectors : torch.Tensor
-        ``(D, k)`` orthonormal eigenvectors, column ``j`` belongs to ``values[j]``.
-    residuals : torch.Tensor
-        ``(k,)`` relative residuals ``||G u_j - lambda_j u_j|| / lambda_j`` of the raw
-        Ritz pairs (``inf`` where ``lambda_j`` is zero).
-    below_threshold : torch.Tensor
-        ``(k,)`` bool mask of the eigenpairs whose raw eigenvalue fell below
-        ``rank_threshold * lambda_1``.
-    raw_values : torch.Tensor
-        ``(k,)`` the Ritz values as returned by the solver (descending).
-    n_products : int
-        Operator-vector products spent (a matrix product with m columns counts m),
-        including the ``k`` products of the residual check.
-    n_requested : int
-        The number of eigenpairs asked for.
-    n_converged : int
-        The number of eigenpairs the solver reported as converged.
-    wall_time : float
-        Seconds spent in the solve and the residual check.
-    n_data : int
-        Number of data points the operator averaged over.
-    rank_threshold : float
-        Relative threshold used for ``below_threshold``.
-    solver : str
-        Name of the solver (``'lanczos'``, ``'block'`` or ``'dual'``, the Gram solve).
-    n_passes : int
-        Operator calls, i.e. passes over the data (a ``matmat`` with many columns is
-        one pass), including the residual check. The factored operator needs one
-        data pass in all, to build its factors; its calls are counted all the same.
-    operator : str
-        ``'curvlinops'``, ``'factored'``, or ``'curvlinops (not factored: why)'``.
-
-    """
-
-    values: torch.Tensor
-    vectors: torch.Tensor
-    residuals: torch.Tensor
-    below_threshold: torch.Tensor
-    raw_values: torch.Tensor
-    n_products: int
-    n_requested: int
-    n_converged: int
-    wall_time: float
-    n_data: int
-    rank_threshold: float
-    solver: str = "lanczos"
-    n_passes: int = 0
-    operator: str = "curvlinops"
-
-    @property
-    def k(self) -> int:
-        """Number of eigenpairs held."""
-        return int(self.values.numel())
-
-    def __repr__(self) -> str:
-        """One line: sizes, eigenvalue range and cost, no tensor contents."""
-        if self.k == 0:
-            spectrum = "no eigenvalues"
-        else:
-            spectrum = (
-                f"eigenvalues [{float(self.values.min()):.4g}, {float(self.values.max()):.4g}]"
-            )
-        finite = self.residuals[torch.isfinite(self.residuals)]
-        residual = f"{float(finite.max()):.2g}" if finite.numel() else "n/a"
-        return (
-            f"Eigenpairs(k={self.k}, D={self.vectors.shape[0]}, dtype={self.vectors.dtype}, "
-            f"solver={self.solver!r}, {spectrum}, {int(self.below_threshold.sum())} below "
-            f"threshold, {self.n_products} products, {self.n_passes} passes, "
-            f"max residual {residual}, {self.wall_time:.3g} s)"
-        )
-
-    def truncate(self, k: int) -> Eigenpairs:
-        """The leading ``k`` eigenpairs, without recomputing anything."""
-        if not 1 <= k <= self.k:
-            raise ValueError(f"Cannot truncate {self.k} eigenpairs to k={k}.")
-        return replace(
-            self,
-            values=self.values[:k],
-            vectors=self.vectors[:, :k],
-            residuals=self.residuals[:k],
-            below_threshold=self.below_threshold[:k],
-            raw_values=self.raw_values[:k],
-        )
-
-    def to(self, device: torch.device | str | None = None, dtype=None) -> Eigenpairs:
-        """Move the tensors (mask excluded from the dtype change)."""
-        return replace(
-            self,
-            values=self.values.to(device=device, dtype=dtype),
-            vectors=self.vectors.to(device=device, dtype=dtype),
-            residuals=self.residuals.to(device=device, dtype=dtype),
-            raw_values=self.raw_values.to(device=device, dtype=dtype),
-            below_threshold=self.below_threshold.to(device=device),
-        )
-
-    def to_dict(self) -> dict:
-        """Plain-dict form (tensors and Python scalars only; safe for
-        ``torch.load(weights_only=True)``).
-        """
-        return {
-            "values": self.values,
-            "vectors": self.vectors,
-            "residuals": self.residuals,
-            "below_threshold": self.below_threshold,
-            "raw_values": self.raw_values,
-            "n_products": int(self.n_products),
-            "n_requested": int(self.n_requested),
-            "n_converged": int(self.n_converged),
-            "wall_time": float(self.wall_time),
-            "n_data": int(self.n_data),
-            "rank_threshold": float(self.rank_threshold),
-            "solver": str(self.solver),
-            "n_passes": int(self.n_passes),
-            "operator": str(self.operator),
-        }
-
-    @classmethod
-    def from_dict(cls, state: dict) -> Eigenpairs:
-        """Inverse of :meth:`to_dict`."""
-        return cls(**state)
-
-
-class _CountingOperator(LinearOperator):
-    """``scale * A`` for a SciPy operator ``A``, counting products and rejecting
-    non-finite results.
-    """
-
-    def __init__(
-        self,
-        operator: LinearOperator,
-        scale: float,
-        on_product: Callable[[int], None] | None = None,
-    ):
-        super().__init__(dtype=operator.dtype, shape=operator.shape)
-        self._operator = operator
-        self._scale = scale
-        self._on_product = on_product
-        self.n_products = 0
-        self.n_calls = 0
-        self.all_zero = True  # every product so far was exactly zero
-
-    def _record(self, result: np.ndarray, n_columns: int) -> np.ndarray:
-        self.n_products += n_columns
-        self.n_calls += 1
-        if self._on_product is not None:
-            self._on_product(n_columns)
-        if not np.all(np.isfinite(result)):
-            raise FloatingPointError(
-                "A GGN-vector product returned NaN or inf. Check the model's outputs "
-                "and the training data for non-finite values."
-            )
-        self.all_zero = self.all_zero and not np.any(result)
-        return self._scale * result
-
-    def _matvec(self, x: np.ndarray) -> np.ndarray:
-        return self._record(self._operator.matvec(x), 1)
-
-    def _matmat(self, X: np.ndarray) -> np.ndarray:
-        return self._record(self._operator.matmat(X), X.shape[1])
-
-    def _adjoint(self) -> _CountingOperator:
-        return self
-
-
-def mean_ggn_operator(
-    model: nn.Module,
-    loss_func: nn.Module,
-    params: Sequence[torch.Tensor],
-    data: Iterable,
-    num_data: int,
-    batch_size_fn: Callable | None = None,
-    progress_bar: bool = False,
-) -> GGNLinearOperator:
-    """Curvlinops' GGN operator of a loss, without its determinism probe.
-
-    ``reduction='mean'`` gives the GGN of the mean loss over ``num_data`` points;
-    ``reduction='sum'`` the GGN of the summed loss, which the caller scales by one
-    over the number of likelihood terms (e.g. tokens) to get the mean-loss GGN.
-    ``check_deterministic`` is switched off: it costs two gradient passes and two
-    products and rejects shuffled loaders; the model must be in eval mode instead.
-    """
-    if getattr(loss_func, "reduction", None) not in ("mean", "sum"):
-        raise ValueError("The loss needs a `reduction` attribute, 'mean' or 'sum'.")
-    return GGNLinearOperator(
-        model,
-        loss_func,
-        list(params),
-        data,
-        progressbar=progress_bar,
-        check_deterministic=False,
-        num_data=num_data,
-        batch_size_fn=batch_size_fn,
-    )
-
-
-def _solve_lanczos(
-    operator: GGNLinearOperator | LinearOperator,
-    k: int,
-    scale: float,
-    dtype: torch.dtype,
-    tol: float,
-    maxiter: int | None,
-    ncv: int | None,
-    generator: torch.Generator | None,
-    pbar: tqdm,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
-    """ARPACK on the SciPy operator; returns values, vectors, their images, products,
-    converged count (descending order).
-    """
-    D = operator.shape[0]
-    np_dtype = NUMPY_DTYPES[dtype]
-    scipy_operator = (
-        operator.to_scipy(dtype=np_dtype) if hasattr(operator, "to_scipy") else operator
-    )
-    counting = _CountingOperator(scipy_operator, scale, on_product=pbar.update)
-    v0 = torch.randn(D, generator=generator, dtype=torch.float64).numpy().astype(np_dtype)
-    try:
-        values, vectors = eigsh(counting, k=k, which="LA", tol=tol, maxiter=maxiter, ncv=ncv, v0=v0)
-        n_converged = k
-    except ArpackNoConvergence as err:
-        values, vectors = err.eigenvalues, err.eigenvectors
-        n_converged = len(values)
-        if n_converged == 0:
-            raise RuntimeError(
-                f"Lanczos did not converge for any of the {k} requested eigenpairs "
-                f"after {counting.n_products} GGN products; raise maxiter or tol."
-            ) from None
-        warnings.warn(
-            f"Lanczos did not converge for {k - n_converged} of the {k} requested "
-            f"eigenpairs ({counting.n_products} GGN products); keeping the "
-            f"{n_converged} converged ones.",
-            LanczosConvergenceWarning,
-            stacklevel=3,
-        )
-    except ArpackError as err:
-        if counting.all_zero:
-            raise ValueError(_ZERO_GGN) from None
-        raise RuntimeError(f"ARPACK failed on the GGN operator: {err}") from err
-    order = np.argsort(values)[::-1]
-    values = np.ascontiguousarray(values[order])
-    vectors = np.ascontiguousarray(vectors[:, order])
-    images = counting.matmat(vectors)  # residual check: one product with k columns
-    as_torch = lambda a: torch.as_tensor(a, dtype=dtype)  # noqa: E731
-    return (
-        as_torch(values),
-        as_torch(vectors),
-        as_torch(images),
-        counting.n_products,
-        n_converged,
-        counting.n_calls,
-    )
 
 
 def _solve_block(
@@ -428,6 +152,41 @@ def _warn_large_residuals(
         )
 
 
+def _checked_solver(operator: GGNLinearOperator | LinearOperator, k: int, solver: str) -> str:
+    """The solver for ``k`` pairs of ``operator`` (``'auto'`` resolved), after checking
+    ``k`` and the solver.
+    """
+    D = operator.shape[0]
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
+        raise TypeError(f"k must be an int, got {type(k).__name__}.")
+    if k < 1 or k >= D:
+        raise ValueError(
+            f"k={k} eigenpairs requested from a {D}-dimensional operator: Lanczos "
+            f"(scipy eigsh) needs 1 <= k < D = {D}."
+        )
+    if solver not in ("lanczos", "block", "dual", "auto"):
+        raise ValueError(f"solver must be 'lanczos', 'block', 'dual' or 'auto', got {solver!r}.")
+    if solver == "auto":
+        solver = choose_solver(operator, k)
+    if solver == "dual" and not isinstance(operator, FactoredGGN):
+        raise ValueError("solver='dual' needs a FactoredGGN operator.")
+    return solver
+
+
+def _thresholded(
+    raw: torch.Tensor, residual_norms: torch.Tensor, rank_threshold: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Relative residuals (``inf`` at zero), the mask below ``rank_threshold * lambda_1``,
+    the eigenvalues with those set to zero, and ``lambda_1`` (clamped at zero).
+    """
+    residuals = residual_norms / raw.abs()
+    residuals = torch.where(raw.abs() > 0, residuals, torch.full_like(raw, float("inf")))
+    top = raw[0].clamp(min=0)
+    below = raw <= rank_threshold * top
+    cleaned = torch.where(below, torch.zeros_like(raw), raw)
+    return residuals, below, cleaned, top
+
+
 def compute_eigenpairs(
     operator: GGNLinearOperator | LinearOperator,
     k: int,
@@ -505,20 +264,7 @@ def compute_eigenpairs(
         If Lanczos converged for not a single eigenpair.
 
     """
-    D = operator.shape[0]
-    if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
-        raise TypeError(f"k must be an int, got {type(k).__name__}.")
-    if k < 1 or k >= D:
-        raise ValueError(
-            f"k={k} eigenpairs requested from a {D}-dimensional operator: Lanczos "
-            f"(scipy eigsh) needs 1 <= k < D = {D}."
-        )
-    if solver not in ("lanczos", "block", "dual", "auto"):
-        raise ValueError(f"solver must be 'lanczos', 'block', 'dual' or 'auto', got {solver!r}.")
-    if solver == "auto":
-        solver = choose_solver(operator, k)
-    if solver == "dual" and not isinstance(operator, FactoredGGN):
-        raise ValueError("solver='dual' needs a FactoredGGN operator.")
+    solver = _checked_solver(operator, k, solver)
     if operator_name is None:
         operator_name = {"FactoredGGN": "factored", "LinearizedGGN": "linearised"}.get(
             type(operator).__name__, "curvlinops"
@@ -540,7 +286,7 @@ def compute_eigenpairs(
             )
             pbar.update(n_products)
         elif solver == "lanczos":
-            raw, U, GU, n_products, n_converged, n_passes = _solve_lanczos(
+            raw, U, GU, n_products, n_converged, n_passes = solve_lanczos(
                 operator, k, scale, dtype, tol, maxiter, ncv, generator, pbar
             )
         else:
@@ -567,11 +313,7 @@ def compute_eigenpairs(
         raise ValueError(_ZERO_GGN)
     if solver != "dual":
         residual_norms = torch.linalg.vector_norm(GU - U * raw, dim=0)
-    residuals = residual_norms / raw.abs()
-    residuals = torch.where(raw.abs() > 0, residuals, torch.full_like(raw, float("inf")))
-    top = raw[0].clamp(min=0)
-    below = raw <= rank_threshold * top
-    cleaned = torch.where(below, torch.zeros_like(raw), raw)
+    residuals, below, cleaned, top = _thresholded(raw, residual_norms, rank_threshold)
     if n_converged == k:
         _warn_large_residuals(residual_norms / top, below, tol, dtype)
     return Eigenpairs(

@@ -17,6 +17,11 @@
 * ``'lanczos'``: curvlinops + ARPACK, the reference; ``'block'``: block Krylov on the
   factored, linearised or curvlinops operator (the first that applies).
 
+:func:`plan_solve` makes the choice for one
+:class:`~laplace_glas.curvature.problem.CurvatureProblem` and returns it as a
+:class:`Plan`; laplace-torch's empirical Fisher and Hessian backends
+(:mod:`~laplace_glas.curvature.backends`) get curvlinops' operators of those matrices.
+
 The budget rule: the factors (activations and ``R`` output-side gradients per
 weight layer), and the linearised operator's kept graphs, may each take
 ``max(2 GiB, 4 k D itemsize)`` bytes, the Gram matrix ``max(768 MiB, k D itemsize)``;
@@ -27,23 +32,81 @@ beyond them the next option is used, so memory stays ``O(k D)`` plus the activat
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import nn
 
+from laplace_glas.curvature.backends import (
+    _NAMES,
+    CurvatureChoice,
+    _ef_loss,
+)
+from laplace_glas.curvature.operators.curvlinops import curvlinops_operator, mean_ggn_operator
 from laplace_glas.curvature.operators.factored import (
     FactoredGGN,
     build_factored_ggn,
     default_factor_budget,
 )
 from laplace_glas.curvature.operators.linearized import build_linearized_ggn
+from laplace_glas.curvature.problem import CurvatureProblem
 from laplace_glas.curvature.solvers.gram import gram_fits, gram_flops
 
-__all__ = ["SOLVERS", "choose_solver", "select_operator"]
+__all__ = ["SOLVERS", "Plan", "choose_solver", "plan_solve"]
 
 SOLVERS = ("auto", "dual", "factored", "lanczos", "block")
 """The ``solver`` values :class:`~laplace_glas.ActiveSubspaceLaplace` accepts."""
+
+_GGN = CurvatureChoice("ggn", "CurvlinopsGGN")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one curvature problem is solved: the top eigenpairs of ``scale * operator``.
+
+    Attributes
+    ----------
+    operator : object
+        The operator (factored, linearised, curvlinops', or a wrapper of one of them).
+    scale : float
+        The factor of every product.
+    solver : str
+        ``'auto'``, ``'dual'``, ``'lanczos'`` or ``'block'`` for
+        :func:`~laplace_glas.curvature.eigensolve.compute_eigenpairs`.
+    operator_name : str
+        Recorded as ``Eigenpairs.operator``, with the reasons for a fallback.
+    n_data : int
+        The number of likelihood terms the operator averages over (recorded).
+    curvature : {'ggn', 'ef', 'hessian'}
+        The matrix (laplace-torch's backend).
+    budget_bytes : int or None
+        The memory budget of the factors and of the kept graphs (None where no fast
+        path was tried).
+    reasons : tuple of str
+        Why the factored (and the linearised) operator was not used.
+
+    """
+
+    operator: Any
+    scale: float
+    solver: str
+    operator_name: str
+    n_data: int
+    curvature: str = "ggn"
+    budget_bytes: int | None = None
+    reasons: tuple[str, ...] = ()
+
+    def summary(self) -> dict[str, Any]:
+        """The plan without its operator (plain values, for ``Eigenpairs.plan``)."""
+        return {
+            "curvature": self.curvature,
+            "operator": self.operator_name,
+            "solver": self.solver,
+            "scale": float(self.scale),
+            "n_data": int(self.n_data),
+            "budget_bytes": -1 if self.budget_bytes is None else int(self.budget_bytes),
+            "reasons": tuple(self.reasons),
+        }
 
 
 def lanczos_products(k: int) -> int:
@@ -66,76 +129,62 @@ def choose_solver(operator, k: int) -> str:
     return "dual" if dual <= primal else "lanczos"
 
 
-def select_operator(
-    curvlinops_operator,
-    scale: float,
-    solver: str,
-    *,
-    model: nn.Module,
-    params: Sequence[torch.Tensor],
-    loader: Iterable,
-    likelihood: str,
-    n_terms: int,
+def plan_solve(
+    problem: CurvatureProblem,
     k: int,
-    loss_func: nn.Module,
-    data: Iterable,
-    num_data: int,
-    batch_size_fn: Callable | None = None,
-    loss_fn: nn.Module | None = None,
-    ignore_index: int = -100,
-    dict_key_x: str = "input_ids",
-    dict_key_y: str = "labels",
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    progress_bar: bool = False,
-) -> tuple[object, float, str, str]:
-    """The operator, its scale, the solver for
-    :func:`~laplace_glas.curvature.eigensolve.compute_eigenpairs` and the operator's
-    description for the record.
+    solver: str = "auto",
+    curvature: CurvatureChoice | None = None,
+) -> Plan:
+    """The operator and the solver for the top-``k`` eigenpairs of ``problem``.
 
-    ``curvlinops_operator`` (with ``scale``) is returned for ``solver='lanczos'`` (the
+    The GGN: curvlinops' operator (with ``problem.scale``) for ``solver='lanczos'`` (the
     reference); the other solvers get the factored operator where the model qualifies
     (``'block'`` then multiplies its blocks with two GEMMs per layer instead of a pass
-    over the data), else the linearised operator of ``loss_func`` on ``data`` (the
-    batches curvlinops reads, with its ``num_data`` and ``batch_size_fn``; same
-    ``scale``) within the budget, else ``curvlinops_operator``.
+    over the data), else the linearised operator of ``problem.loss_func`` on
+    ``problem.data`` within the budget, else curvlinops' operator; a request for the
+    factored or dual solver that cannot be met is answered with a warning.
+
+    The empirical Fisher and the Hessian (``curvature``, from
+    :func:`~laplace_glas.curvature.backends.resolve_backend`) are curvlinops'
+    ``EFLinearOperator`` / ``HessianLinearOperator`` of the same loss with the same
+    scale, solved by Lanczos unless ``solver='block'``.
     """
-    if solver == "lanczos":
-        return curvlinops_operator, scale, solver, "curvlinops"
-    n_params = sum(p.numel() for p in params)
-    budget = default_factor_budget(k, n_params, torch.finfo(dtype).bits // 8)
-    built = build_factored_ggn(
-        model,
-        params,
-        loader,
-        likelihood,
-        n_terms,
-        ignore_index=ignore_index,
-        dict_key_x=dict_key_x,
-        dict_key_y=dict_key_y,
-        device=device,
-        budget_bytes=budget,
-        loss_fn=loss_fn,
-        progress_bar=progress_bar,
+    curvature = _GGN if curvature is None else curvature
+    if curvature.kind != "ggn":
+        return _curvlinops_plan(problem, solver, curvature)
+    reference = mean_ggn_operator(
+        problem.model,
+        problem.loss_func,
+        problem.params,
+        problem.data,
+        num_data=problem.num_data,
+        batch_size_fn=problem.batch_size_fn,
     )
+    if solver == "lanczos":
+        return Plan(reference, problem.scale, solver, "curvlinops", problem.n_terms)
+    itemsize = torch.finfo(problem.dtype).bits // 8
+    budget = default_factor_budget(k, problem.n_params, itemsize)
+    built = _factored(problem, budget)
     if not isinstance(built, str):
-        return built, 1.0, {"factored": "lanczos"}.get(solver, solver), "factored"
+        solver = {"factored": "lanczos"}.get(solver, solver)
+        return Plan(built, 1.0, solver, "factored", problem.n_terms, budget_bytes=budget)
     linearized = build_linearized_ggn(
-        model,
-        loss_func,
-        params,
-        data,
-        num_data=num_data,
-        batch_size_fn=batch_size_fn,
-        device=device,
+        problem.model,
+        problem.loss_func,
+        problem.params,
+        problem.data,
+        num_data=problem.num_data,
+        batch_size_fn=problem.batch_size_fn,
+        device=problem.device,
         budget_bytes=budget,
-        progress_bar=progress_bar,
+        progress_bar=problem.progress_bar,
     )
     if isinstance(linearized, str):
-        operator = curvlinops_operator
+        operator, reasons = reference, (built, linearized)
         name = f"curvlinops (not factored: {built}; not linearised: {linearized})"
     else:
-        operator, name = linearized, f"linearised (not factored: {built})"
+        operator, reasons = linearized, (built,)
+        name = f"linearised (not factored: {built})"
     if solver in ("dual", "factored"):
         warnings.warn(
             f"solver={solver!r} needs the factored GGN, which this fit cannot use "
@@ -144,4 +193,49 @@ def select_operator(
             stacklevel=3,
         )
     # the block solver works on any operator
-    return operator, scale, "block" if solver == "block" else "lanczos", name
+    solver = "block" if solver == "block" else "lanczos"
+    return Plan(operator, problem.scale, solver, name, problem.n_terms, "ggn", budget, reasons)
+
+
+def _factored(problem: CurvatureProblem, budget: int) -> FactoredGGN | str:
+    """The factored GGN of ``problem`` within ``budget`` bytes, or why not."""
+    return build_factored_ggn(
+        problem.model,
+        problem.params,
+        problem.loader,
+        problem.likelihood,
+        problem.n_terms,
+        ignore_index=problem.ignore_index,
+        dict_key_x=problem.dict_key_x,
+        dict_key_y=problem.dict_key_y,
+        device=problem.device,
+        budget_bytes=budget,
+        loss_fn=problem.loss_fn,
+        progress_bar=problem.progress_bar,
+    )
+
+
+def _curvlinops_plan(problem: CurvatureProblem, solver: str, curvature: CurvatureChoice) -> Plan:
+    """The plan of curvlinops' empirical Fisher or Hessian operator of ``problem``'s loss."""
+    if solver in ("dual", "factored"):
+        warnings.warn(
+            f"solver={solver!r} needs the factored GGN; the {_NAMES[curvature.kind]} "
+            f"({curvature.backend}) uses curvlinops + Lanczos.",
+            UserWarning,
+            stacklevel=3,
+        )
+    loss_func = problem.loss_func
+    if curvature.kind == "ef":
+        loss_func = _ef_loss(loss_func, len(problem.out_shape))
+    operator = curvlinops_operator(
+        curvature.kind,
+        problem.model,
+        loss_func,
+        problem.params,
+        problem.data,
+        num_data=problem.num_data,
+        batch_size_fn=problem.batch_size_fn,
+    )
+    name = "curvlinops EF" if curvature.kind == "ef" else "curvlinops Hessian"
+    solver = "block" if solver == "block" else "lanczos"
+    return Plan(operator, problem.scale, solver, name, problem.n_terms, curvature.kind)

@@ -19,11 +19,41 @@ when the same data is added again).
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any, NamedTuple
+
 import numpy as np
 import torch
 from scipy.sparse.linalg import LinearOperator
 
-__all__ = ["UpdatedCurvature"]
+__all__ = ["StoredCurvature", "UpdatedCurvature", "add_stored_curvature"]
+
+
+class StoredCurvature(NamedTuple):
+    """A fitted posterior's curvature, ``H_old ~ U diag(h) U^T``."""
+
+    vectors: torch.Tensor
+    """``(D, K)`` orthonormal eigenvectors ``U``."""
+    curvatures: torch.Tensor
+    """``(K,)`` summed curvatures ``h = N_old * lambda``."""
+    n_terms: int
+    """``N_old``, the likelihood terms behind it."""
+
+
+def add_stored_curvature(plan: Any, stored: StoredCurvature, n_new: int, dtype: torch.dtype):
+    """The plan of ``fit(override=False)``: ``plan``'s operator (the new data's curvature
+    over ``n_new`` terms, all of them also when a subsample is solved) added to
+    ``stored``, solved by Lanczos (or the block solver).
+    """
+    operator = UpdatedCurvature(*stored, n_new, plan.operator, plan.scale, dtype)
+    return replace(
+        plan,
+        operator=operator,
+        scale=1.0,
+        solver="block" if plan.solver == "block" else "lanczos",
+        operator_name=f"stored rank-{stored.vectors.shape[1]} curvature + {plan.operator_name}",
+        n_data=stored.n_terms + n_new,
+    )
 
 
 class UpdatedCurvature(LinearOperator):

@@ -5,6 +5,8 @@
 * :mod:`~laplace_glas.curvature.solvers.gram`: the dual eigen-solve of the factored GGN
   through the ``NR x NR`` Gram matrix ``K = S S^T``.
 
-ARPACK's Lanczos (``scipy.sparse.linalg.eigsh``) is driven from
-:mod:`laplace_glas.curvature.eigensolve`.
+* :mod:`~laplace_glas.curvature.solvers.lanczos`: ARPACK's implicitly restarted Lanczos
+  (``scipy.sparse.linalg.eigsh``), the reference.
+
+:func:`laplace_glas.curvature.eigensolve.compute_eigenpairs` drives all three.
 """

@@ -183,54 +183,26 @@ def block_krylov_eigenpairs(
         operator's own precision halves their memory without losing accuracy.
 
     """
-    if not 1 <= k < dim:
-        raise ValueError(f"Need 1 <= k < dim = {dim}, got k = {k}.")
-    block_size = positive_int("block_size", block_size)
-    max_passes = positive_int("max_passes", max_passes, allow_none=False)
-    p = min(block_size or max(k, 8), dim)
-    if max_basis is not None and max_basis < min(dim, k + 2 * p):
-        # a thick restart keeps k + p Ritz vectors and then needs room for a new block
-        raise ValueError(
-            f"max_basis={max_basis} is too small for k={k} and block_size={p}: it must be "
-            f"at least k + 2 * block_size = {k + 2 * p} (or dim)."
-        )
-    max_basis = min(dim, max_basis or max(2 * k + p, 3 * p))
+    p, max_basis, max_passes = _block_sizes(dim, k, block_size, max_basis, max_passes)
     drop = 100 * torch.finfo(dtype).eps
-
-    image_dtype = image_dtype or dtype
     # the basis and its images live in two preallocated buffers (no copies as they grow)
-    basis = torch.empty(dim, max_basis, dtype=dtype, device=device)
-    images = torch.empty(dim, max_basis, dtype=image_dtype, device=device)
-    T = torch.zeros(max_basis, max_basis, dtype=dtype, device=device)
-
-    def append(Q: torch.Tensor, GQ: torch.Tensor, m: int) -> int:
-        """Add the block and its image at column ``m``; extend ``T = basis^T images``."""
-        q = Q.shape[1]
-        basis[:, m : m + q] = Q
-        images[:, m : m + q] = GQ
-        column = _cross(basis[:, : m + q], images[:, m : m + q], dtype)  # (m + q, q)
-        row = _cross(images[:, :m], Q, dtype)  # (m, q): the transposed product
-        T[:m, m : m + q] = (column[:m] + row) / 2
-        T[m : m + q, :m] = T[:m, m : m + q].T
-        T[m : m + q, m : m + q] = (column[m:] + column[m:].T) / 2
-        return m + q
+    space = _KrylovBasis(dim, max_basis, dtype, image_dtype or dtype, device)
 
     def random_block() -> torch.Tensor:
         block = torch.randn(dim, p, generator=generator, dtype=torch.float64)
         return block.to(device, dtype)
 
     Q = _orthonormalize(random_block(), None, drop)
-    m = append(Q, matmat(Q).to(image_dtype), 0)
+    space.append(Q, matmat(Q))
     newest = Q.shape[1]
     n_products, n_passes = Q.shape[1], 1
     del Q
     verified: torch.Tensor | None = None  # top-k Ritz values when a fresh block was added
     fresh_at: int | None = None  # the pass that added it
     while True:
-        theta, S = torch.linalg.eigh(T[:m, :m])
-        theta, S = theta.flip(0), S.flip(1)
+        theta, S = space.ritz()
         kk = min(k, theta.numel())
-        residual = _residual_norms(basis[:, :m], images[:, :m], S[:, :kk], theta[:kk])
+        residual = space.residual_norms(S[:, :kk], theta[:kk])
         floor = rank_threshold * theta[0].clamp(min=0)
         converged = residual <= torch.maximum(tol * theta[:kk].abs(), floor)
         if n_passes >= max_passes:
@@ -248,36 +220,110 @@ def block_krylov_eigenpairs(
                 verified, fresh, fresh_at = theta[:k].clone(), True, n_passes
         # next block: the images of the newest block (or a random one), orthogonalised
         # against the basis
-        seed_block = random_block() if fresh else images[:, m - newest : m].to(dtype, copy=True)
-        new = _orthonormalize(seed_block, basis[:, :m], drop)
+        seed_block = random_block() if fresh else space.newest_images(newest)
+        new = _orthonormalize(seed_block, space.Q, drop)
         if new.shape[1] == 0:  # Krylov space exhausted (invariant subspace found)
             break
-        if m + new.shape[1] > max_basis:  # thick restart from the leading Ritz vectors
+        if space.m + new.shape[1] > max_basis:  # thick restart from the leading Ritz vectors
             keep = min(theta.numel(), max(k + p, max_basis - new.shape[1]))
-            _times(basis[:, :m], S[:, :keep], dtype, out=basis[:, :keep])
-            _times(images[:, :m], S[:, :keep], dtype, out=images[:, :keep])
-            m = keep
-            T[:m, :m] = _cross(basis[:, :m], images[:, :m], dtype)
-            T[:m, :m] = (T[:m, :m] + T[:m, :m].T) / 2
+            space.restart(S[:, :keep])
             # the basis now holds the Ritz vectors themselves
-            theta, S = theta[:m], torch.eye(m, dtype=dtype, device=device)
-            new = _orthonormalize(new, basis[:, :m], drop)
+            theta, S = theta[:keep], torch.eye(keep, dtype=dtype, device=device)
+            new = _orthonormalize(new, space.Q, drop)
             if new.shape[1] == 0:
                 break
         Q = new[:, :p]
         del new
-        m = append(Q, matmat(Q).to(image_dtype), m)
+        space.append(Q, matmat(Q))
         newest = Q.shape[1]
         n_products += newest
         n_passes += 1
         del Q
-    X = _times(basis[:, :m], S[:, :kk], dtype)
-    GX = _times(images[:, :m], S[:, :kk], dtype)
     return BlockKrylovResult(
         values=theta[:kk],
-        vectors=X,
-        images=GX,
+        vectors=_times(space.Q, S[:, :kk], dtype),
+        images=_times(space.GQ, S[:, :kk], dtype),
         n_products=n_products,
         n_passes=n_passes,
         converged=converged,
     )
+
+
+def _block_sizes(
+    dim: int, k: int, block_size: int | None, max_basis: int | None, max_passes: int
+) -> tuple[int, int, int]:
+    """The checked block size ``p``, basis size and pass limit."""
+    if not 1 <= k < dim:
+        raise ValueError(f"Need 1 <= k < dim = {dim}, got k = {k}.")
+    block_size = positive_int("block_size", block_size)
+    max_passes = positive_int("max_passes", max_passes, allow_none=False)
+    p = min(block_size or max(k, 8), dim)
+    if max_basis is not None and max_basis < min(dim, k + 2 * p):
+        # a thick restart keeps k + p Ritz vectors and then needs room for a new block
+        raise ValueError(
+            f"max_basis={max_basis} is too small for k={k} and block_size={p}: it must be "
+            f"at least k + 2 * block_size = {k + 2 * p} (or dim)."
+        )
+    return p, min(dim, max_basis or max(2 * k + p, 3 * p)), max_passes
+
+
+class _KrylovBasis:
+    """The basis ``Q``, its images ``G Q`` and ``T = Q^T G Q`` in preallocated buffers
+    of ``max_basis`` columns; ``m`` columns are in use.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        max_basis: int,
+        dtype: torch.dtype,
+        image_dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        self.dtype, self.image_dtype = dtype, image_dtype
+        self.basis = torch.empty(dim, max_basis, dtype=dtype, device=device)
+        self.images = torch.empty(dim, max_basis, dtype=image_dtype, device=device)
+        self.T = torch.zeros(max_basis, max_basis, dtype=dtype, device=device)
+        self.m = 0
+
+    @property
+    def Q(self) -> torch.Tensor:
+        return self.basis[:, : self.m]
+
+    @property
+    def GQ(self) -> torch.Tensor:
+        return self.images[:, : self.m]
+
+    def append(self, Q: torch.Tensor, GQ: torch.Tensor) -> None:
+        """Add the block and its image at column ``m``; extend ``T = basis^T images``."""
+        m, q, T, dtype = self.m, Q.shape[1], self.T, self.dtype
+        self.basis[:, m : m + q] = Q
+        self.images[:, m : m + q] = GQ.to(self.image_dtype)
+        column = _cross(self.basis[:, : m + q], self.images[:, m : m + q], dtype)  # (m + q, q)
+        row = _cross(self.images[:, :m], Q, dtype)  # (m, q): the transposed product
+        T[:m, m : m + q] = (column[:m] + row) / 2
+        T[m : m + q, :m] = T[:m, m : m + q].T
+        T[m : m + q, m : m + q] = (column[m:] + column[m:].T) / 2
+        self.m = m + q
+
+    def ritz(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ritz values (descending) and the coefficients of the Ritz vectors."""
+        theta, S = torch.linalg.eigh(self.T[: self.m, : self.m])
+        return theta.flip(0), S.flip(1)
+
+    def residual_norms(self, S: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+        return _residual_norms(self.Q, self.GQ, S, theta)
+
+    def newest_images(self, q: int) -> torch.Tensor:
+        """A copy of the images of the last ``q`` columns, in the basis' dtype."""
+        return self.images[:, self.m - q : self.m].to(self.dtype, copy=True)
+
+    def restart(self, S: torch.Tensor) -> None:
+        """Thick restart: the basis becomes the Ritz vectors ``Q S``."""
+        keep, dtype = S.shape[1], self.dtype
+        _times(self.Q, S, dtype, out=self.basis[:, :keep])
+        _times(self.GQ, S, dtype, out=self.images[:, :keep])
+        self.m = keep
+        T = self.T
+        T[:keep, :keep] = _cross(self.Q, self.GQ, dtype)
+        T[:keep, :keep] = (T[:keep, :keep] + T[:keep, :keep].T) / 2
