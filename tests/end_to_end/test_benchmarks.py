@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -66,3 +67,39 @@ def test_linearized_cost_runs_and_the_operators_agree():
         assert float(row[-2]) < 1e-5  # relative difference of the products
     for row in products[2:]:
         assert "linearised" in row[2] and float(row[-2]) < 1e-4  # eigenvalues
+
+
+def test_value_benchmark_quick_tables():
+    """benchmarks/value.py --quick: every data set's table has the MAP, kron and GLAS
+    rows with finite numbers (the concrete table only where the data set is present)."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "value.py"), "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert out.startswith("# Predictive quality") and "machine: " in out and "command: " in out
+    concrete = (ROOT.parent / "shared" / "data" / "concrete" / "Concrete_Data.csv").is_file()
+    sections = out.split("\n## ")[1:]
+    names = [section.splitlines()[0].strip() for section in sections]
+    assert names == ["gap", "concrete", "blobs"]
+    for name, section in zip(names, sections):
+        rows = {
+            line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| method")
+        }
+        if name == "concrete" and not concrete:
+            assert "skipped:" in section and not rows
+            continue
+        assert {"MAP", "kron", "GLAS (default)", "GLAS loss_scaling=sum"} <= set(rows), rows
+        n_metrics = {"gap": 2, "concrete": 3, "blobs": 5}[name]
+        for method in ("MAP", "kron", "GLAS (default)", "GLAS loss_scaling=sum"):
+            cells = rows[method][:n_metrics]
+            if name == "gap" and method == "MAP":
+                cells = cells[:1]  # no posterior, no gap ratio
+            values = [float(c.split("±")[0]) for c in cells]
+            assert all(math.isfinite(v) for v in values), (name, method, cells)

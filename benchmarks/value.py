@@ -1,0 +1,548 @@
+"""Predictive quality of GLAS against laplace-torch's posteriors and the plain network.
+
+Does GLAS's predictive beat laplace-torch's KFAC (and the MAP network) where users look?
+For each data set and seed (``--seeds``, default 0 1 2) one float64 tanh MLP is trained
+to its MAP (Adam on the mean loss, ``train_map``); then every method is fitted on the
+same network and training data:
+
+* ``MAP``: the network alone (regression: N(f, sigma^2); classification: softmax);
+* laplace-torch ``kron``, ``diag``, last-layer ``kron`` (``subset_of_weights=
+  'last_layer'``) and ``full`` (only when D <= ``--full-max-params``, 3000);
+* GLAS (``hessian_structure='glas'``, ``n_components = --k``, 20) in each variant of
+  ``--variants`` (a JSON list of constructor-keyword dicts). The default variants are
+  ``{}`` (the library default), ``{"loss_scaling": "sum"}``, ``{"loss_scaling": "sum",
+  "complement": "prior"}`` and, only if the installed laplace_glas accepts it,
+  ``{"loss_scaling": "sum", "complement": "diag"}``.
+
+Every posterior's prior precision is tuned by its own ``la.optimize_prior_precision()``
+(laplace-torch's default: ``method='marglik'``, a scalar prior; GLAS solves the same
+1-D optimum in closed form), and every prediction is the ``'glm'`` predictive (probit
+link for classification). ``fit [s]`` is ``la.fit``, ``prior [s]`` the tuning.
+
+Data sets (all offline):
+
+* ``gap``: 1-D "in-between" regression, x uniform on [-2, -0.7] U [0.7, 2], y = sin(3x)
+  + 0.1 eps. ``gap ratio``: the mean epistemic (function-space) predictive std over the
+  gap x in [-0.5, 0.5] divided by its mean over the training inputs (> 1: the posterior
+  knows it has not seen the gap). Test NLL on fresh points from the same two clusters.
+* ``concrete``: UCI Concrete (``../shared/data/concrete/Concrete_Data.csv`` from the
+  repository root; skipped with a reason if absent), standardised, 80% train / 20% test.
+  Test NLL, coverage and mean width of central 90% intervals of y.
+* ``blobs``: 4 overlapping Gaussian classes in 2-D, plus out-of-distribution inputs on
+  a ring at 3x the training data's RMS radius. Test NLL, accuracy, ECE (15 equal-width
+  bins), Brier score and OOD AUROC (score 1 - max prob, in-distribution test points
+  against the ring; rank-based, ties counted half).
+
+Regression noise: ``sigma`` is the MAP's training RMSE, a plug-in estimate the same for
+every method (it is passed as ``sigma_noise`` and not refitted); the predictive of y is
+N(f_mu, f_var + sigma^2).
+
+Cells are mean +- sd over the seeds. A method that raises for a seed (or yields a
+non-finite metric) is recorded as failed for that seed, with a short reason, and the
+run goes on. ``--quick`` (1 seed, fewer points and steps, k = 5) is a smoke test of
+well under a minute. Example::
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/value.py --out benchmarks/value_results.md
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before torch/numpy load: OpenMP waiters that sleep instead of spinning (a shared
+# machine otherwise slows small products a lot), one BLAS thread for scipy/ARPACK.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import argparse
+import json
+import math
+import shlex
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from laplace import Laplace
+from machine import machine_description  # benchmarks/machine.py
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import laplace_glas  # noqa: F401  (registers hessian_structure='glas')
+from laplace_glas.applications.data import concrete_splits, make_mlp, train_map
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONCRETE = ROOT.parent / "shared" / "data" / "concrete" / "Concrete_Data.csv"
+DATASETS = ("gap", "concrete", "blobs")
+DTYPE = torch.float64
+LEVEL = 0.9
+Z90 = statistics.NormalDist().inv_cdf(0.5 + LEVEL / 2)
+ECE_BINS = 15
+BASE_VARIANTS: list[dict[str, Any]] = [
+    {},
+    {"loss_scaling": "sum"},
+    {"loss_scaling": "sum", "complement": "prior"},
+]
+DIAG_VARIANT: dict[str, Any] = {"loss_scaling": "sum", "complement": "diag"}
+
+
+def log(message: str) -> None:
+    """Progress goes to stderr; stdout carries only the report."""
+    print(message, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------ data
+@dataclass
+class Problem:
+    """One data set at one seed: the trained MAP network and its evaluation inputs."""
+
+    likelihood: str
+    model: nn.Module
+    X_train: Tensor
+    y_train: Tensor
+    X_test: Tensor
+    y_test: Tensor
+    sigma: float | None = None  # regression noise (MAP training RMSE)
+    X_gap: Tensor | None = None  # gap: inputs in the gap
+    X_ood: Tensor | None = None  # blobs: out-of-distribution ring
+    info: str = ""
+
+
+@dataclass
+class Config:
+    """Sizes of one run (default or --quick)."""
+
+    width: int
+    steps: int
+    n_gap: int
+    n_blobs: int
+    n_test: int
+
+
+def gap_points(n: int, g: torch.Generator) -> tuple[Tensor, Tensor]:
+    """``n`` points, half on [-2, -0.7], half on [0.7, 2]; y = sin(3x) + 0.1 eps."""
+    u = torch.rand(n, 1, generator=g, dtype=DTYPE)
+    side = torch.ones(n, 1, dtype=DTYPE)
+    side[: n // 2] = -1.0
+    X = side * (0.7 + 1.3 * u)
+    y = torch.sin(3 * X) + 0.1 * torch.randn(n, 1, generator=g, dtype=DTYPE)
+    return X, y
+
+
+def blob_points(n: int, g: torch.Generator) -> tuple[Tensor, Tensor]:
+    """``n`` points of 4 unit-variance Gaussian classes centred at (+-1.5, +-1.5)."""
+    centres = torch.tensor([[1.5, 1.5], [-1.5, 1.5], [-1.5, -1.5], [1.5, -1.5]], dtype=DTYPE)
+    y = torch.arange(n) % 4
+    X = centres[y] + torch.randn(n, 2, generator=g, dtype=DTYPE)
+    return X, y
+
+
+def rmse(model: nn.Module, X: Tensor, y: Tensor) -> float:
+    with torch.no_grad():
+        return float((model(X) - y).square().mean().sqrt())
+
+
+def make_problem(name: str, seed: int, cfg: Config, concrete_path: Path) -> Problem:
+    """Data of ``name`` at ``seed`` and the MAP network trained on it."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = [cfg.width, cfg.width]
+    if name == "gap":
+        X, y = gap_points(cfg.n_gap, g)
+        Xt, yt = gap_points(cfg.n_test, g)
+        model = make_mlp([1, *hidden, 1], dtype=DTYPE, seed=seed)
+        train_map(model, X, y, steps=cfg.steps, lr=1e-2, weight_decay=1e-4, generator=g)
+        sigma = rmse(model, X, y)
+        X_gap = torch.linspace(-0.5, 0.5, 101, dtype=DTYPE).reshape(-1, 1)
+        info = f"train {len(X)}, test {len(Xt)}, gap grid 101 points"
+        return Problem("regression", model, X, y, Xt, yt, sigma, X_gap=X_gap, info=info)
+    if name == "concrete":
+        (X, y), (Xt, yt) = concrete_splits(concrete_path, g, fractions=(0.8, 0.2))
+        X, y, Xt, yt = (t.to(DTYPE) for t in (X, y, Xt, yt))
+        model = make_mlp([X.shape[1], *hidden, 1], dtype=DTYPE, seed=seed)
+        train_map(model, X, y, steps=cfg.steps, lr=3e-3, weight_decay=1e-4, generator=g)
+        sigma = rmse(model, X, y)
+        info = (
+            f"train {len(X)}, test {len(Xt)} (standardised); MAP test RMSE "
+            f"{rmse(model, Xt, yt):.3f}"
+        )
+        return Problem("regression", model, X, y, Xt, yt, sigma, info=info)
+    if name == "blobs":
+        X, y = blob_points(cfg.n_blobs, g)
+        Xt, yt = blob_points(cfg.n_test, g)
+        model = make_mlp([2, *hidden, 4], dtype=DTYPE, seed=seed)
+        train_map(model, X, y, steps=cfg.steps, lr=1e-2, weight_decay=1e-4, loss="ce")
+        spread = float((X - X.mean(0)).square().sum(1).mean().sqrt())
+        angle = 2 * math.pi * torch.rand(cfg.n_test, generator=g, dtype=DTYPE)
+        X_ood = X.mean(0) + 3 * spread * torch.stack([angle.cos(), angle.sin()], 1)
+        info = (
+            f"train {len(X)}, test {len(Xt)}, OOD ring {len(X_ood)} points at radius "
+            f"{3 * spread:.2f} (3x the RMS radius {spread:.2f})"
+        )
+        return Problem("classification", model, X, y, Xt, yt, X_ood=X_ood, info=info)
+    raise ValueError(f"unknown data set {name!r}")
+
+
+# --------------------------------------------------------------------------- metrics
+def auroc(score_neg: Tensor, score_pos: Tensor) -> float:
+    """Area under the ROC curve of ``score_pos`` (label 1) against ``score_neg`` (label
+    0), by the Mann-Whitney rank sum with tied scores given their average rank."""
+    scores = torch.cat([score_neg, score_pos]).double()
+    _, inverse, counts = torch.unique(scores, sorted=True, return_inverse=True, return_counts=True)
+    upper = torch.cumsum(counts, 0).double()  # rank of each distinct value's last copy
+    avg_rank = upper - (counts.double() - 1) / 2
+    ranks = avg_rank[inverse]
+    n_neg, n_pos = len(score_neg), len(score_pos)
+    u = float(ranks[n_neg:].sum()) - n_pos * (n_pos + 1) / 2
+    return u / (n_neg * n_pos)
+
+
+def ece(probs: Tensor, y: Tensor, n_bins: int = ECE_BINS) -> float:
+    """Expected calibration error of the top-class confidence, equal-width bins."""
+    conf, pred = probs.max(1)
+    correct = (pred == y).double()
+    bins = torch.clamp((conf * n_bins).long(), max=n_bins - 1)
+    total = 0.0
+    for b in range(n_bins):
+        mask = bins == b
+        if mask.any():
+            total += float(mask.sum()) * abs(float(correct[mask].mean() - conf[mask].mean()))
+    return total / len(y)
+
+
+def regression_metrics(f_mu: Tensor, f_var: Tensor, y: Tensor, sigma: float) -> dict[str, float]:
+    var_y = f_var + sigma**2
+    resid = y.reshape(f_mu.shape) - f_mu
+    nll = 0.5 * (torch.log(2 * math.pi * var_y) + resid.square() / var_y)
+    half = Z90 * var_y.sqrt()
+    return {
+        "nll": float(nll.mean()),
+        "cov90": float((resid.abs() <= half).double().mean()),
+        "width90": float((2 * half).mean()),
+    }
+
+
+def classification_metrics(probs: Tensor, y: Tensor, probs_ood: Tensor) -> dict[str, float]:
+    probs = probs.clamp(min=1e-12)
+    onehot = nn.functional.one_hot(y, probs.shape[1]).to(probs.dtype)
+    return {
+        "nll": float(-probs.gather(1, y.reshape(-1, 1)).log().mean()),
+        "acc": float((probs.argmax(1) == y).double().mean()),
+        "ece": ece(probs, y),
+        "brier": float((probs - onehot).square().sum(1).mean()),
+        "auroc": auroc(1 - probs.max(1).values, 1 - probs_ood.max(1).values),
+    }
+
+
+# --------------------------------------------------------------------------- methods
+@dataclass
+class Method:
+    """A posterior built by ``Laplace(model, lik, subset, structure, **kwargs)``; the MAP
+    network alone when ``structure`` is None."""
+
+    name: str
+    subset: str = "all"
+    structure: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    max_params: int | None = None
+
+
+def glas_label(variant: dict[str, Any]) -> str:
+    if not variant:
+        return "GLAS (default)"
+    return "GLAS " + ", ".join(f"{key}={value}" for key, value in variant.items())
+
+
+def accepts(variant: dict[str, Any]) -> bool:
+    """Whether the installed laplace_glas constructs a GLAS posterior with ``variant``."""
+    model = make_mlp([1, 3, 1], dtype=DTYPE, seed=0)
+    try:
+        Laplace(model, "regression", subset_of_weights="all", hessian_structure="glas", **variant)
+    except ValueError:
+        return False
+    return True
+
+
+def methods(variants: list[dict[str, Any]], k: int, full_max_params: int) -> list[Method]:
+    out = [
+        Method("MAP"),
+        Method("kron", structure="kron"),
+        Method("diag", structure="diag"),
+        Method("last-layer kron", subset="last_layer", structure="kron"),
+        Method("full", structure="full", max_params=full_max_params),
+    ]
+    for variant in variants:
+        kwargs = {"n_components": k, **variant}
+        out.append(Method(glas_label(variant), structure="glas", kwargs=kwargs))
+    return out
+
+
+def predict(la: Any, problem: Problem, X: Tensor, batch: int = 250) -> Any:
+    """The 'glm' predictive (probit for classification) of ``X``, or the MAP's."""
+    parts = []
+    with torch.no_grad():
+        for start in range(0, len(X), batch):
+            xb = X[start : start + batch]
+            if la is None:
+                out = problem.model(xb)
+                if problem.likelihood == "classification":
+                    parts.append(out.softmax(-1))
+                else:
+                    parts.append((out, torch.zeros_like(out)))
+            elif problem.likelihood == "classification":
+                parts.append(la(xb, pred_type="glm", link_approx="probit"))
+            else:
+                f_mu, f_var = la(xb, pred_type="glm")
+                if f_var.ndim == 3:
+                    f_var = torch.diagonal(f_var, dim1=-2, dim2=-1)
+                parts.append((f_mu, f_var.reshape(f_mu.shape).clamp(min=0)))
+    if problem.likelihood == "classification":
+        return torch.cat(parts)
+    return torch.cat([m for m, _ in parts]), torch.cat([v for _, v in parts])
+
+
+def evaluate(la: Any, problem: Problem) -> dict[str, float]:
+    if problem.likelihood == "classification":
+        probs = predict(la, problem, problem.X_test)
+        probs_ood = predict(la, problem, problem.X_ood)
+        return classification_metrics(probs, problem.y_test, probs_ood)
+    f_mu, f_var = predict(la, problem, problem.X_test)
+    metrics = regression_metrics(f_mu, f_var, problem.y_test, problem.sigma)
+    if problem.X_gap is not None:
+        if la is None:
+            metrics["gap_ratio"] = math.nan  # no posterior: no epistemic std
+        else:
+            std_gap = predict(la, problem, problem.X_gap)[1].sqrt().mean()
+            std_train = predict(la, problem, problem.X_train)[1].sqrt().mean()
+            metrics["gap_ratio"] = float(std_gap / std_train)
+    return metrics
+
+
+def short(err: BaseException, limit: int = 70) -> str:
+    text = f"{type(err).__name__}: {err}".replace("\n", " ").replace("|", "/")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def run_method(method: Method, problem: Problem) -> dict[str, float]:
+    """Fit, tune and evaluate one method; raises on failure."""
+    if method.structure is None:
+        return {**evaluate(None, problem), "fit_s": 0.0, "prior_s": 0.0}
+    kwargs = dict(method.kwargs)
+    if problem.likelihood == "regression":
+        kwargs["sigma_noise"] = problem.sigma
+    la = Laplace(
+        problem.model,
+        problem.likelihood,
+        subset_of_weights=method.subset,
+        hessian_structure=method.structure,
+        **kwargs,
+    )
+    loader = DataLoader(TensorDataset(problem.X_train, problem.y_train), batch_size=256)
+    start = time.perf_counter()
+    la.fit(loader)
+    fit_s = time.perf_counter() - start
+    start = time.perf_counter()
+    la.optimize_prior_precision()  # laplace-torch's default: method='marglik'
+    prior_s = time.perf_counter() - start
+    prior = la.prior_precision
+    prior = float(prior.detach().double().mean()) if isinstance(prior, Tensor) else float(prior)
+    metrics = evaluate(la, problem)
+    metrics.update(fit_s=fit_s, prior_s=prior_s, prior=prior)
+    bad = [key for key, value in metrics.items() if key != "gap_ratio" and not math.isfinite(value)]
+    if bad:
+        raise FloatingPointError(f"non-finite {', '.join(bad)}")
+    return metrics
+
+
+# ---------------------------------------------------------------------------- tables
+# (key, column header, format) per data set
+COLUMNS = {
+    "gap": [
+        ("nll", "test NLL", ".3f"),
+        ("gap_ratio", "gap ratio", ".2f"),
+    ],
+    "concrete": [
+        ("nll", "test NLL", ".3f"),
+        ("cov90", "90% coverage", ".3f"),
+        ("width90", "90% width", ".3f"),
+    ],
+    "blobs": [
+        ("nll", "test NLL", ".3f"),
+        ("acc", "accuracy", ".3f"),
+        ("ece", "ECE", ".3f"),
+        ("brier", "Brier", ".3f"),
+        ("auroc", "OOD AUROC", ".3f"),
+    ],
+}
+COMMON = [
+    ("prior", "prior prec.", ".3g"),
+    ("fit_s", "fit [s]", ".2f"),
+    ("prior_s", "prior [s]", ".2f"),
+]
+
+
+def cell(values: list[float], spec: str) -> str:
+    values = [v for v in values if math.isfinite(v)]
+    if not values:
+        return "–"
+    mean = statistics.fmean(values)
+    if len(values) == 1:
+        return format(mean, spec)
+    return f"{format(mean, spec)} ± {format(statistics.stdev(values), spec)}"
+
+
+@dataclass
+class Row:
+    results: list[dict[str, float]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    n_failed: int = 0
+
+
+def table(dataset: str, rows: dict[str, Row], n_seeds: int) -> str:
+    columns = COLUMNS[dataset] + COMMON
+    lines = [
+        "| method | " + " | ".join(title for _, title, _ in columns) + " | note |",
+        "|---|" + "---|" * (len(columns) + 1),
+    ]
+    for name, row in rows.items():
+        notes = list(dict.fromkeys(row.notes))
+        if not row.results:
+            cells = [notes[0] if notes else "failed"] + ["–"] * (len(columns) - 1)
+            lines.append(f"| {name} | " + " | ".join(cells) + " | |")
+            continue
+        cells = [
+            cell([r.get(key, math.nan) for r in row.results], spec) for key, _, spec in columns
+        ]
+        if name == "MAP":
+            cells[-3:] = ["–", "–", "–"]
+        if row.n_failed:
+            notes.insert(0, f"{len(row.results)}/{n_seeds} seeds")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {'; '.join(notes)} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="[0 1 2; quick 0]")
+    parser.add_argument("--k", type=int, default=None, help="GLAS n_components [20; quick 5]")
+    parser.add_argument(
+        "--variants",
+        type=str,
+        default=None,
+        help="GLAS variants, a JSON list of constructor-kwarg dicts "
+        '(default: [{}, {"loss_scaling": "sum"}, {"loss_scaling": "sum", "complement": '
+        '"prior"}] and the complement="diag" one where supported)',
+    )
+    parser.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
+    parser.add_argument("--concrete-data", type=Path, default=DEFAULT_CONCRETE)
+    parser.add_argument("--full-max-params", type=int, default=3000)
+    parser.add_argument("--quick", action="store_true", help="1 seed, small sizes, k = 5")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None, help="also write the Markdown here")
+    args = parser.parse_args(argv)
+    args.seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
+    args.k = args.k or (5 if args.quick else 20)
+    if args.variants is not None:
+        variants = json.loads(args.variants)
+        if not isinstance(variants, list) or not all(isinstance(v, dict) for v in variants):
+            parser.error("--variants must be a JSON list of objects")
+        args.variants = variants
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    cfg = (
+        Config(width=16, steps=300, n_gap=60, n_blobs=120, n_test=100)
+        if args.quick
+        else Config(width=32, steps=2000, n_gap=150, n_blobs=400, n_test=400)
+    )
+    out: list[str] = []
+
+    def emit(text: str = "") -> None:
+        print(text, flush=True)
+        out.append(text)
+
+    argv_shown = sys.argv[1:] if argv is None else argv
+    emit("# Predictive quality: GLAS vs laplace-torch's posteriors and the MAP network")
+    emit()
+    emit(f"machine: {machine_description()}")
+    emit()
+    emit(f"command: `{shlex.join(['python', 'benchmarks/value.py', *argv_shown])}`")
+    emit()
+
+    variants = args.variants
+    if variants is None:
+        variants = list(BASE_VARIANTS)
+        if accepts(DIAG_VARIANT):
+            variants.append(DIAG_VARIANT)
+        else:
+            emit(
+                "note: this laplace_glas does not accept complement='diag'; "
+                "the GLAS loss_scaling=sum, complement=diag variant is skipped."
+            )
+            emit()
+    method_list = methods(variants, args.k, args.full_max_params)
+    emit(
+        f"Seeds {' '.join(map(str, args.seeds))}; float64 tanh MLPs 2 x {cfg.width} hidden, "
+        f"MAP by {cfg.steps} full-batch Adam steps; GLAS k = {args.k}; prior precision "
+        "of every posterior by `la.optimize_prior_precision()` (marglik); 'glm' predictive "
+        "(probit for classification). Regression sigma = the MAP's training RMSE (plug-in, "
+        "not refitted), y-predictive variance = f-variance + sigma^2. Cells: mean ± sd "
+        "over seeds; fit and prior tuning in seconds."
+    )
+
+    for dataset in args.datasets:
+        emit()
+        emit(f"## {dataset}")
+        emit()
+        if dataset == "concrete" and not args.concrete_data.is_file():
+            emit(f"skipped: the Concrete data is not at {args.concrete_data}")
+            continue
+        rows = {m.name: Row() for m in method_list}
+        infos, dims = [], set()
+        for seed in args.seeds:
+            start = time.perf_counter()
+            problem = make_problem(dataset, seed, cfg, args.concrete_data)
+            D = sum(p.numel() for p in problem.model.parameters())
+            dims.add(D)
+            sigma = "" if problem.sigma is None else f", sigma {problem.sigma:.3f}"
+            infos.append(f"seed {seed}: {problem.info}{sigma}")
+            log(f"[{dataset} seed {seed}] MAP in {time.perf_counter() - start:.1f} s, D = {D}")
+            for method in method_list:
+                row = rows[method.name]
+                if method.max_params is not None and D > method.max_params:
+                    row.notes.append(f"skipped: D = {D} > {method.max_params}")
+                    continue
+                start, status = time.perf_counter(), "ok"
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        row.results.append(run_method(method, problem))
+                except Exception as err:  # a failed method must not stop the benchmark
+                    row.n_failed += 1
+                    status = f"failed: {short(err)}"
+                    row.notes.append(status)
+                elapsed = time.perf_counter() - start
+                log(f"[{dataset} seed {seed}] {method.name}: {elapsed:.1f} s, {status}")
+        emit(f"D = {', '.join(map(str, sorted(dims)))} weights. " + "; ".join(infos) + ".")
+        emit()
+        emit(table(dataset, rows, len(args.seeds)))
+
+    emit()
+    emit(f"total {time.perf_counter() - started:.0f} s")
+    if args.out is not None:
+        args.out.write_text("\n".join(out) + "\n")
+
+
+if __name__ == "__main__":
+    main()
