@@ -107,6 +107,9 @@ def scalar_value(name: str, value: Any) -> float:
     )
 
 
+_checked_seed = seed  # the check, under a name that the parameter `seed` does not hide
+
+
 def finite_number(name: str, value: Any, low: float = -math.inf, high: float = math.inf) -> float:
     """A finite real ``value`` in ``[low, high]`` (see :func:`scalar_value`)."""
     number = scalar_value(name, value)
@@ -310,3 +313,73 @@ def choice(name: str, value: Any, allowed: tuple[str, ...], meaning: str = "") -
         options = " or ".join(names) if len(names) == 2 else "one of " + ", ".join(names)
         raise ValueError(f"{name} must be {options}{meaning}, got {value!r}.")
     return value
+
+
+def trainable_size_and_dtype(model: Any) -> tuple[int, torch.dtype]:
+    """``D`` and the floating dtype of a model's parameters that require grad; a clear
+    error for an object that is not a module or has no such parameters.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ArgumentTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    n_params = sum(p.numel() for p in trainable)
+    if n_params == 0:
+        raise ValueError(
+            "The model has no parameters that require grad: there is nothing to put a posterior on."
+        )
+    return n_params, parameter_dtype(trainable)
+
+
+def solver_settings(
+    n_components: int,
+    n_params: int,
+    *,
+    solver: str,
+    block_size: Any,
+    tol: Any,
+    maxiter: Any,
+    ncv: Any,
+    seed: Any,
+    generator: Any,
+    subsample_size: Any,
+    rank_threshold: Any,
+    jvp_chunk_size: Any,
+    sample_chunk_size: Any,
+    ignore_index: Any,
+    progress_bar: Any,
+) -> dict[str, Any]:
+    """The eigen-solve's and the predictive's settings of the constructor, checked:
+    a mapping from attribute name to value (``solver`` is checked by the caller).
+    """
+    if generator is not None and (
+        not isinstance(generator, torch.Generator) or generator.device.type != "cpu"
+    ):
+        raise ValueError(f"generator must be a CPU torch.Generator or None, got {generator!r}.")
+    block_size, maxiter, ncv, subsample_size, jvp_chunk_size = (
+        positive_int(name, value)
+        for name, value in (
+            ("block_size", block_size),
+            ("maxiter", maxiter),
+            ("ncv", ncv),
+            ("subsample_size", subsample_size),
+            ("jvp_chunk_size", jvp_chunk_size),
+        )
+    )
+    lanczos_basis_size(ncv, n_components, n_params)
+    if rank_threshold is not None:
+        rank_threshold = finite_number("rank_threshold", rank_threshold, 0.0, 1.0)
+    return {
+        "solver": solver,
+        "block_size": block_size,
+        "tol": tolerance(tol),
+        "maxiter": maxiter,
+        "ncv": ncv,
+        "seed": _checked_seed(seed),
+        "generator": generator,
+        "subsample_size": subsample_size,
+        "rank_threshold": rank_threshold,
+        "jvp_chunk_size": jvp_chunk_size,
+        "sample_chunk_size": positive_int("sample_chunk_size", sample_chunk_size, allow_none=False),
+        "ignore_index": integer("ignore_index", ignore_index),
+        "progress_bar": flag("progress_bar", progress_bar),
+    }

@@ -66,6 +66,30 @@ class SubspacePosterior:
     #: subnetwork posterior): layerwise and diagonal priors are refused there.
     _directions_embedded = False
 
+    # ------------------------------------------------------------------ evidence terms
+    @property
+    def scatter(self) -> torch.Tensor:
+        """``(theta* - mu_0)^T P_0 (theta* - mu_0)`` over the full space (laplace-torch's
+        convention).
+        """
+        self._check_H_init()
+        return super().scatter
+
+    @property
+    def log_likelihood(self) -> torch.Tensor:
+        """``-s * Lbar(theta*) / T`` plus the Gaussian normaliser for regression:
+        laplace-torch's log likelihood with the GLAS loss scaling.
+
+        ``Lbar`` is the mean loss (``0.5 * ||f - y||^2 / sigma^2`` per point, or the
+        cross-entropy per target). As in laplace-torch at ``temperature = N`` (which
+        ``loss_scaling='mean'`` equals), the normaliser ``-N C log(sigma sqrt(2 pi))``
+        is not scaled: under mean scaling the evidence's dependence on ``sigma_noise``
+        is not a likelihood's, so tune ``sigma_noise`` with ``loss_scaling='sum'`` (or
+        on held-out data), not through the mean-scaled evidence.
+        """
+        self._check_H_init()
+        return super().log_likelihood
+
     # ------------------------------------------------------------------ prior
     @property
     def _prior(self) -> Prior:

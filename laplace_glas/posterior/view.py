@@ -1,7 +1,7 @@
 """A read-only view of a fitted GLAS posterior: what diagnostics, calibration and
 persistence read instead of the posterior object's private state.
 
-``la.posterior`` (:attr:`laplace_glas.ActiveSubspaceLaplace.posterior`) is a frozen
+``la.posterior`` (:attr:`laplace_glas.laplace.ActiveSubspaceLaplace.posterior`) is a frozen
 snapshot taken at the time of the call: the eigen-decomposition of the mean-loss GGN,
 the curvature the posterior sees along each direction, the prior and the settings of
 the fit. With ``K`` eigenpairs computed by ``fit`` and ``k <= K`` of them in use

@@ -19,7 +19,7 @@ from laplace_glas import (
     interval_width,
     select_dimension,
 )
-from laplace_glas.diagnostics.calibration import _credible_sets
+from laplace_glas.diagnostics.coverage import _credible_sets
 
 
 @pytest.fixture(scope="module")

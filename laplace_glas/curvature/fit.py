@@ -1,0 +1,304 @@
+"""The fit half of laplace-torch's contract for a subspace Laplace posterior (a mixin).
+
+``fit`` runs the data's way through the curvature package: the loss at the MAP and
+``N`` (:func:`~laplace_glas.curvature.fitting.loss_at_map`), one
+:class:`~laplace_glas.curvature.problem.CurvatureProblem`, one
+:class:`~laplace_glas.curvature.planner.Plan` (operator and solver), the data-parallel
+wrapper where a process group is given, and the eigen-solve
+(:func:`~laplace_glas.curvature.eigensolve.compute_eigenpairs`). The result is stored
+in laplace-torch's form: ``H = (U, h)`` with ``h = N * eig(G_1)``, ``G_1`` the
+unit-noise GGN of the mean loss
+
+.. math::
+
+    G_1 = \\frac{1}{N} \\sum_{n=1}^N J_n^\\top \\Lambda_n J_n .
+
+:class:`~laplace_glas.ActiveSubspaceLaplace` inherits it; the last-layer and subnetwork
+posteriors override :meth:`SubspaceFit._plan` and ``fit`` where their weights differ.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch.nn.utils import parameters_to_vector
+from torch.utils.data import DataLoader, RandomSampler
+
+from laplace_glas.autodiff.context import autodiff_friendly
+from laplace_glas.curvature.distributed import (
+    Shards,
+    broadcast_eigenpairs,
+    data_parallel,
+    distribute_operator,
+    reduce_map_loss,
+)
+from laplace_glas.curvature.eigenpairs import Eigenpairs, NumericalRankWarning
+from laplace_glas.curvature.eigensolve import compute_eigenpairs
+from laplace_glas.curvature.fitting import MapLoss, loss_at_map
+from laplace_glas.curvature.operators.updated import StoredCurvature, add_stored_curvature
+from laplace_glas.curvature.planner import Plan, plan_solve
+from laplace_glas.curvature.problem import CurvatureProblem
+from laplace_glas.validation import (
+    flag,
+    lanczos_basis_size,
+    positive_int,
+    reiterable,
+    tolerance,
+)
+
+__all__ = ["SubspaceFit"]
+
+
+class SubspaceFit:
+    """``fit`` and ``compute_eigenpairs`` of a subspace Laplace posterior (a mixin; see
+    the module).
+    """
+
+    def fit(
+        self,
+        train_loader: DataLoader,
+        override: bool = True,
+        progress_bar: bool | None = None,
+        *,
+        process_group: Any = None,
+    ) -> None:
+        """Compute the top-k eigenpairs of the mean-loss GGN and the loss at the MAP.
+
+        Parameters
+        ----------
+        train_loader : DataLoader or iterable of batches
+            ``(X, y)`` batches, or mappings with the target under ``dict_key_y``.
+            The model's current weights are the MAP ``theta*``.
+        override : bool, default=True
+            True: a new fit. False (after a fit): add this loader's curvature, loss
+            and number of terms to the stored ones, as laplace-torch does. The stored
+            curvature is rank ``K``, so the update is the top-``K`` eigen-solve of
+            ``(U diag(h) U^T + N_new G_new) / (N_old + N_new)``
+            (:mod:`laplace_glas.curvature.operators.updated`): exact when ``K`` reaches the rank
+            of the old GGN, otherwise off the union's fit by at most
+            ``N_old * lambda_{K+1}(G_old)`` in the summed curvature. Solved by Lanczos
+            (or the block solver with ``solver='block'``). The mean becomes the
+            model's current weights.
+        progress_bar : bool, optional
+            Overrides the constructor's ``progress_bar``.
+        process_group : torch.distributed process group, optional
+            Data-parallel fit: each rank passes its own shard of the data; the loss,
+            ``N`` and every GGN product are summed with ``all_reduce`` and all ranks end
+            with rank 0's eigenpairs (:mod:`laplace_glas.curvature.distributed`).
+            Default: ``torch.distributed``'s default group when it is initialised; a
+            group of one rank fits on the local data alone.
+
+        """
+        update = not flag("override", override) and getattr(self, "_eigenpairs", None) is not None
+        show = self.progress_bar if progress_bar is None else progress_bar
+        if (
+            isinstance(train_loader, DataLoader)
+            and train_loader.drop_last
+            and isinstance(train_loader.sampler, RandomSampler)
+        ):
+            raise ValueError(
+                "A shuffled DataLoader with drop_last=True changes the data between "
+                "GGN products; use drop_last=False."
+            )
+        reiterable("train_loader", train_loader)
+        self.model.eval()
+        shards = data_parallel(process_group)
+        # nothing is assigned until the solve has succeeded: a failed fit leaves the
+        # previous posterior (or the unfitted state) as it was
+        loss, n_data, out_shape = self._loss_at_map(train_loader, show, shards)
+        generator = self.generator
+        if generator is None:
+            generator = torch.Generator().manual_seed(self.seed)
+        stored = None
+        if update:
+            if out_shape[-1] != self.n_outputs:
+                raise ValueError(
+                    f"fit(override=False) adds data of the fitted kind: the model now has "
+                    f"{out_shape[-1]} outputs, the fitted posterior {self.n_outputs}."
+                )
+            stored = StoredCurvature(*self.H, self.n_data)
+        k = self._validate_n_components(
+            self.H[0].shape[1] if update else self._n_components, self.n_params
+        )
+        problem = self._curvature_problem(
+            train_loader, out_shape, n_data, generator, self.subsample_size, shards, show
+        )
+        eig = self._solve(problem, k, generator, stored=stored)
+        if update:
+            loss, n_data = self.loss + loss, self.n_data + n_data
+        n_below = int(eig.below_threshold.sum())
+        if n_below:
+            warnings.warn(
+                f"{n_below} of the {eig.k} eigenvalues lie below "
+                f"{eig.rank_threshold:.1e} x lambda_1, beyond what the "
+                f"{str(self._dtype).replace('torch.', '')} GGN products resolve: they "
+                "are treated as zero curvature (prior variance along those directions). "
+                "Use fewer components, or float64 for the spectrum's tail.",
+                NumericalRankWarning,
+                stacklevel=2,
+            )
+        self.mean = parameters_to_vector(self.params).detach()
+        self.loss = loss
+        self.n_data = n_data  # likelihood terms: data points, or tokens for sequences
+        self.n_outputs = out_shape[-1]
+        self._out_shape = out_shape
+        self.model.output_size = self.n_outputs
+        self._eigenpairs = eig
+        self._n_components = eig.k
+        self.H = (eig.vectors, n_data * eig.values)
+        self._process_group = process_group
+
+    def _loss_at_map(self, loader: Any, show: bool, shards: Shards | None = None) -> MapLoss:
+        """:func:`laplace_glas.curvature.fitting.loss_at_map` with this posterior's
+        settings, summed over the ranks of ``shards``.
+        """
+        local = loss_at_map(
+            self.model,
+            loader,
+            self._curvature_likelihood,
+            ignore_index=self.ignore_index,
+            dict_key_x=self.dict_key_x,
+            dict_key_y=self.dict_key_y,
+            device=self._device,
+            dtype=self._dtype,
+            loss_fn=self.loss_fn,
+            progress_bar=show,
+        )
+        return reduce_map_loss(local, shards)
+
+    def compute_eigenpairs(
+        self,
+        train_loader: DataLoader,
+        n_components: int | None = None,
+        generator: torch.Generator | None = None,
+        subsample_size: int | None = None,
+        progress_bar: bool = False,
+        tol: float | None = None,
+        maxiter: int | None = None,
+        ncv: int | None = None,
+        process_group: Any = None,
+    ) -> Eigenpairs:
+        """Top eigenpairs of the unit-noise mean-loss GGN (or of ``loss_fn``'s) at the
+        model's weights.
+
+        The solve ``fit`` uses, exposed so that it can be repeated with other random
+        starts or data subsamples (see :func:`laplace_glas.diagnostics.convergence.replica_check`)
+        without touching this object's posterior. Lanczos settings default to the
+        constructor's. After ``fit``, ``train_loader`` should hold data of the fitted
+        kind (the output shape per point is reused; its number of terms ``N`` is counted, so the
+        eigenvalues are those of this loader's mean GGN even when its size differs).
+        ``process_group`` (default: the fit's) spreads the solve over the ranks as in
+        :meth:`fit`.
+
+        Returns
+        -------
+        Eigenpairs
+            Eigenvalues of ``G_1 = (1/N) sum_n J_n^T Lambda_n J_n`` with unit noise
+            (divide by ``sigma^2`` for the regression GGN); with ``loss_fn``,
+            ``Lambda_n`` is that loss's Hessian in the outputs.
+
+        """
+        k = self._n_components if n_components is None else n_components
+        k = self._validate_n_components(k, self.n_params)
+        reiterable("train_loader", train_loader)
+        ncv = lanczos_basis_size(self.ncv if ncv is None else ncv, k, self.n_params)
+        tol = self.tol if tol is None else tolerance(tol)
+        maxiter = self.maxiter if maxiter is None else positive_int("maxiter", maxiter)
+        if generator is None:
+            generator = torch.Generator().manual_seed(self.seed)
+        if process_group is None:
+            process_group = getattr(self, "_process_group", None)
+        shards = data_parallel(process_group)
+        out_shape, n_terms = getattr(self, "_out_shape", None), None
+        if not out_shape:  # before fit: a pass at the MAP gives both
+            _, n_terms, out_shape = self._loss_at_map(train_loader, False, shards)
+        # after fit: the output shape per point is the model's; N is this loader's
+        problem = self._curvature_problem(
+            train_loader, out_shape, n_terms, generator, subsample_size, shards, progress_bar
+        )
+        return self._solve(problem, k, generator, tol=tol, maxiter=maxiter, ncv=ncv)
+
+    def _curvature_problem(
+        self,
+        loader: Any,
+        out_shape: torch.Size,
+        n_terms: int | None,
+        generator: torch.Generator,
+        subsample_size: int | None,
+        shards: Shards | None,
+        progress_bar: bool,
+    ) -> CurvatureProblem:
+        """The curvature of ``loader`` with this posterior's settings
+        (:meth:`~laplace_glas.curvature.problem.CurvatureProblem.build`; ``n_terms=None``
+        counts ``N``).
+        """
+        return CurvatureProblem.build(
+            self.model,
+            self.params,
+            loader,
+            self.likelihood,
+            out_shape,
+            n_terms=n_terms,
+            subsample_size=subsample_size,
+            generator=generator,
+            loss_fn=self.loss_fn,
+            ignore_index=self.ignore_index,
+            dict_key_x=self.dict_key_x,
+            dict_key_y=self.dict_key_y,
+            device=self._device,
+            dtype=self._dtype,
+            shards=shards,
+            progress_bar=progress_bar,
+        )
+
+    def _solve(
+        self,
+        problem: CurvatureProblem,
+        k: int,
+        generator: torch.Generator,
+        *,
+        stored: StoredCurvature | None = None,
+        tol: float | None = None,
+        maxiter: int | None = None,
+        ncv: int | None = None,
+    ) -> Eigenpairs:
+        """The top-``k`` eigenpairs of ``problem`` (plus ``stored``, the fitted
+        curvature, for ``fit(override=False)``), on every rank of ``problem.shards``.
+
+        ``tol``, ``maxiter`` and ``ncv`` are checked values; ``None`` takes the
+        constructor's (``ncv``: checked against ``k``).
+        """
+        if ncv is None:
+            ncv = lanczos_basis_size(self.ncv, k, self.n_params)
+        with autodiff_friendly(self.model):
+            plan = distribute_operator(self._plan(problem, k), problem)
+            if stored is not None:  # fit(override=False): add to the stored curvature
+                plan = add_stored_curvature(plan, stored, problem.n_loader_terms, self._dtype)
+            eig = compute_eigenpairs(
+                plan.operator,
+                k,
+                scale=plan.scale,
+                dtype=self._dtype,
+                device=self._device,
+                tol=self.tol if tol is None else tol,
+                maxiter=self.maxiter if maxiter is None else maxiter,
+                ncv=ncv,
+                generator=generator,
+                rank_threshold=self.rank_threshold,
+                n_data=plan.n_data,
+                progress_bar=problem.progress_bar,
+                solver=plan.solver,
+                block_size=self.block_size,
+                operator_name=plan.operator_name,
+            )
+        eig = replace(eig, plan={**plan.summary(), "solver": eig.solver})
+        return broadcast_eigenpairs(eig, problem.shards)
+
+    def _plan(self, problem: CurvatureProblem, k: int) -> Plan:
+        """The operator and solver for ``problem`` with this posterior's ``solver`` and
+        ``curvature`` (:func:`laplace_glas.curvature.planner.plan_solve`).
+        """
+        return plan_solve(problem, k, self.solver, self.curvature)

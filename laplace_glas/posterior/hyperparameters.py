@@ -1,0 +1,198 @@
+"""The hyperparameters of a subspace Laplace posterior (a mixin): ``k``, the loss
+scaling, the prior precision and mean, the observation noise and the temperature.
+
+Conventions (laplace-torch's): ``H`` is the *summed*, unit-noise curvature; the
+observation noise and the temperature enter through ``_H_factor`` when ``H`` is read.
+With loss scaling ``s`` (``'mean'``: ``s = 1``; ``'sum'``: ``s = N``) the posterior sees
+the curvature
+
+.. math::
+
+    a_j = \\frac{s}{N \\sigma^2 T} h_j = \\frac{s \\lambda_j}{T}, \\qquad
+    \\lambda_j = \\frac{h_j}{N \\sigma^2},
+
+so ``loss_scaling='mean'`` is exactly laplace-torch at ``temperature = N`` and
+``loss_scaling='sum'`` is the standard Bayesian posterior. Every setter checks its
+value before it is stored, so a refused value leaves the posterior as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from laplace.baselaplace import ParametricLaplace
+
+from laplace_glas.validation import (
+    ArgumentTypeError,
+    choice,
+    homoscedastic_noise,
+    positive_scalar,
+    prior_precision_values,
+    scalar_value,
+)
+
+__all__ = ["LOSS_SCALINGS", "PosteriorHyperparameters"]
+
+LOSS_SCALINGS = ("mean", "sum")
+"""The ``loss_scaling`` values: generalized (``s = 1``) and standard (``s = N``)."""
+
+
+class PosteriorHyperparameters:
+    """Hyperparameter properties of a subspace Laplace posterior (a mixin; see the
+    module).
+    """
+
+    _k_bound_known_at_init = True  # D is known at construction (False: checked later)
+
+    @staticmethod
+    def _validate_n_components(k: Any, n_params: int) -> int:
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
+            raise ArgumentTypeError(f"n_components must be an int, got {type(k).__name__}.")
+        k = int(k)
+        if k < 1:
+            raise ValueError(f"n_components must be >= 1, got {k}.")
+        if k >= n_params:
+            raise ValueError(
+                f"n_components={k} must be smaller than the number of parameters "
+                f"D={n_params}: Lanczos (scipy eigsh) finds at most D - 1 eigenpairs. "
+                f"For a model this small, laplace-torch's FullLaplace "
+                f"(hessian_structure='full') is exact and cheap."
+            )
+        return k
+
+    @property
+    def n_components(self) -> int:
+        """``k``: the number of eigenpairs the posterior uses.
+
+        Setting a smaller value after ``fit`` truncates to the leading eigenpairs
+        without recomputing anything; a larger one than was computed needs a refit.
+        """
+        return self._n_components
+
+    @n_components.setter
+    def n_components(self, k: int) -> None:
+        # n_params is None while a last-layer posterior has not found its layer
+        k = self._validate_n_components(k, math.inf if self.n_params is None else self.n_params)
+        if self._eigenpairs is not None and k > self._eigenpairs.k:
+            raise ValueError(
+                f"Only {self._eigenpairs.k} eigenpairs were computed; n_components={k} "
+                "needs a refit with a larger n_components."
+            )
+        self._n_components = int(k)
+
+    @property
+    def loss_scaling(self) -> str:
+        """``'mean'`` (s = 1) or ``'sum'`` (s = N). Changing it after ``fit`` is exact and
+        free: the stored eigenpairs do not depend on the scaling.
+        """
+        return self._loss_scaling
+
+    @loss_scaling.setter
+    def loss_scaling(self, value: str) -> None:
+        self._loss_scaling = choice(
+            "loss_scaling", value, LOSS_SCALINGS, " (generalized s = 1 / standard s = N)"
+        )
+
+    def with_loss_scaling(self, loss_scaling: str) -> PosteriorHyperparameters:
+        """A shallow copy with another loss scaling, sharing the eigenpairs (no refit).
+
+        Prior precision and ``n_components`` are copied, so tuning one does not
+        change the other.
+        """
+        other = copy.copy(self)
+        other.loss_scaling = loss_scaling
+        other._prior_precision = self._prior_precision.clone()
+        return other
+
+    @property
+    def scaling_factor(self) -> float:
+        """``s``: 1 for ``loss_scaling='mean'``, N for ``'sum'``."""
+        self._check_H_init()
+        return 1.0 if self.loss_scaling == "mean" else float(self.n_data)
+
+    @property
+    def _H_factor(self) -> torch.Tensor:
+        """``s / (N sigma^2 T)``: turns the summed unit-noise ``H`` into ``s * G / T``."""
+        factor = super()._H_factor
+        if self.loss_scaling == "mean":
+            factor = factor / self.n_data
+        return factor
+
+    @property
+    def prior_precision(self) -> torch.Tensor:
+        """The prior precision: laplace-torch's ``(1,)`` tensor ``tau``, or one positive
+        value per parameter tensor (``(n_layers,)``) or per weight (``(D,)``).
+        """
+        return self._prior_precision
+
+    @prior_precision.setter
+    def prior_precision(self, prior_precision: float | torch.Tensor) -> None:
+        # refused before it is set, so that a failed call (e.g. log_marginal_likelihood
+        # with a per-layer prior) leaves the posterior as it was; a tensor is stored as
+        # given (it may carry gradients for the evidence)
+        prior_precision_values(prior_precision, self.n_layers, self.n_params, self._dtype)
+        if isinstance(prior_precision, torch.Tensor):
+            prior_precision = prior_precision.reshape(-1)
+        else:
+            prior_precision = scalar_value("prior_precision", prior_precision)
+        ParametricLaplace.prior_precision.fset(self, prior_precision)
+
+    @property
+    def sigma_noise(self) -> torch.Tensor:
+        """The observation noise ``sigma > 0`` (regression; 1 for classification)."""
+        return self._sigma_noise
+
+    @sigma_noise.setter
+    def sigma_noise(self, sigma_noise: float | torch.Tensor) -> None:
+        homoscedastic_noise(sigma_noise, self._dtype, self.likelihood)
+        if isinstance(sigma_noise, torch.Tensor):
+            sigma_noise = sigma_noise.reshape(())
+        else:
+            sigma_noise = scalar_value("sigma_noise", sigma_noise)
+        ParametricLaplace.sigma_noise.fset(self, sigma_noise)
+
+    @property
+    def temperature(self) -> float | torch.Tensor:
+        """The likelihood's temperature ``T > 0`` (the curvature is divided by it)."""
+        return self._temperature
+
+    @temperature.setter
+    def temperature(self, temperature: float | torch.Tensor) -> None:
+        number = positive_scalar("temperature", temperature, dtype=self._dtype)
+        # numbers are stored as floats (a huge Python int would overflow torch's int64)
+        # a tensor is kept (it may carry gradients) as a 0-d one: shape (1, 1) would
+        # broadcast the evidence and the variances into matrices
+        if isinstance(temperature, torch.Tensor):
+            self._temperature = temperature.reshape(())
+        else:
+            self._temperature = number
+
+    @property
+    def prior_mean(self) -> torch.Tensor:
+        """The prior mean ``mu_0``: a scalar or one value per weight (finite)."""
+        return self._prior_mean
+
+    @prior_mean.setter
+    def prior_mean(self, prior_mean: float | torch.Tensor) -> None:
+        if isinstance(prior_mean, torch.Tensor) and prior_mean.ndim > 1:
+            raise ValueError(
+                "prior_mean must be a scalar or a vector of D="
+                f"{self.n_params} entries (as in laplace-torch), got shape "
+                f"{tuple(prior_mean.shape)}."
+            )
+        if isinstance(prior_mean, torch.Tensor) and prior_mean.numel() not in (1, self.n_params):
+            raise ValueError(
+                f"prior_mean must be a scalar or have D={self.n_params} entries, got shape "
+                f"{tuple(prior_mean.shape)}."
+            )
+        if isinstance(prior_mean, torch.Tensor):
+            finite = bool(torch.isfinite(prior_mean).all())
+        else:
+            finite = math.isfinite(scalar_value("prior_mean", prior_mean))
+        if not finite:
+            raise ValueError("prior_mean must be finite (no NaN or inf).")
+        ParametricLaplace.prior_mean.fset(self, prior_mean)
