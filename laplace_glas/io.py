@@ -103,6 +103,34 @@ def _hyperparameter(key: str, check: Callable[[], Any]) -> None:
         raise ValueError(f"state_dict[{key!r}]: {err}") from None
 
 
+def _check_curvature(H: Any, n_params: int) -> int:
+    """``state['H']`` must be ``(U, h)``: orthonormal ``(D, K)`` eigenvectors with
+    ``1 <= K < D`` and ``K`` curvatures ``>= 0``; returns ``K``.
+    """
+    if not isinstance(H, (tuple, list)) or len(H) != 2:
+        raise ValueError("state_dict['H'] must be the pair (eigenvectors, curvatures).")
+    U = _tensor("state_dict['H'][0] (eigenvectors)", H[0], (n_params, None))
+    h = _tensor("state_dict['H'][1] (curvatures)", H[1], (U.shape[1],))
+    n_computed = U.shape[1]
+    if not 1 <= n_computed < n_params:
+        raise ValueError(
+            f"state_dict['H'] holds {n_computed} eigenvectors; GLAS needs 1 <= K < D={n_params}."
+        )
+    gram = U.T.to(torch.float64) @ U.to(torch.float64)
+    eye = torch.eye(n_computed, dtype=torch.float64, device=gram.device)
+    if not torch.allclose(gram, eye, atol=1e3 * torch.finfo(U.dtype).eps * n_computed):
+        raise ValueError(
+            "state_dict['H'][0] holds eigenvectors that are not orthonormal "
+            f"(max |U^T U - I| = {float((gram - eye).abs().max()):.2g})."
+        )
+    if (h < 0).any():
+        raise ValueError(
+            "state_dict['H'][1] holds negative curvatures: the GGN is positive "
+            f"semi-definite (smallest value {float(h.min()):.3g})."
+        )
+    return n_computed
+
+
 def check_state(
     state: Mapping[str, Any],
     *,
@@ -153,28 +181,7 @@ def check_state(
             f"has {mean.numel()} entries, this model D={n_params} under inference; use the "
             "same model and the same requires_grad switches."
         )
-    H = state["H"]
-    if not isinstance(H, (tuple, list)) or len(H) != 2:
-        raise ValueError("state_dict['H'] must be the pair (eigenvectors, curvatures).")
-    U = _tensor("state_dict['H'][0] (eigenvectors)", H[0], (n_params, None))
-    h = _tensor("state_dict['H'][1] (curvatures)", H[1], (U.shape[1],))
-    n_computed = U.shape[1]
-    if not 1 <= n_computed < n_params:
-        raise ValueError(
-            f"state_dict['H'] holds {n_computed} eigenvectors; GLAS needs 1 <= K < D={n_params}."
-        )
-    gram = U.T.to(torch.float64) @ U.to(torch.float64)
-    eye = torch.eye(n_computed, dtype=torch.float64, device=gram.device)
-    if not torch.allclose(gram, eye, atol=1e3 * torch.finfo(U.dtype).eps * n_computed):
-        raise ValueError(
-            "state_dict['H'][0] holds eigenvectors that are not orthonormal "
-            f"(max |U^T U - I| = {float((gram - eye).abs().max()):.2g})."
-        )
-    if (h < 0).any():
-        raise ValueError(
-            "state_dict['H'][1] holds negative curvatures: the GGN is positive "
-            f"semi-definite (smallest value {float(h.min()):.3g})."
-        )
+    n_computed = _check_curvature(state["H"], n_params)
     n_components = _count("n_components", state["n_components"])
     if n_components > n_computed:
         raise ValueError(
@@ -184,6 +191,7 @@ def check_state(
     for key, allowed in (("loss_scaling", loss_scalings), ("complement", complements)):
         if state[key] not in allowed:
             raise ValueError(f"state_dict[{key!r}] must be one of {allowed}, got {state[key]!r}.")
+    _check_ggn_diagonal(state, n_params)
     _count("n_data", state["n_data"])
     _count("n_outputs", state["n_outputs"])
     loss = state["loss"]
@@ -208,7 +216,7 @@ def check_state(
     if isinstance(prior_mean, torch.Tensor):
         if prior_mean.numel() not in (1, n_params) or not torch.isfinite(prior_mean).all():
             raise ValueError("state_dict['prior_mean'] must be finite, scalar or of length D.")
-    _check_eigenpairs(eigenpair_record(state), U)
+    _check_eigenpairs(eigenpair_record(state), state["H"][0])
 
 
 def eigenpair_record(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -257,6 +265,21 @@ def _check_eigenpairs(record: Mapping[str, Any], U: torch.Tensor) -> None:
             )
 
 
+def _check_ggn_diagonal(state: Mapping[str, Any], n_params: int) -> None:
+    """``complement='diag'`` needs the summed GGN diagonal: ``(D,)``, finite, ``>= 0``."""
+    diagonal = state.get("ggn_diagonal")
+    if diagonal is None:
+        if state["complement"] == "diag":
+            raise ValueError(
+                "state_dict['ggn_diagonal'] is missing: complement='diag' needs the GGN "
+                "diagonal that its fit computed."
+            )
+        return
+    diagonal = _tensor("state_dict['ggn_diagonal']", diagonal, (n_params,))
+    if (diagonal < 0).any():
+        raise ValueError("state_dict['ggn_diagonal'] holds negative values: a GGN's diagonal.")
+
+
 def glas_state(la: Any, base_state: dict[str, Any]) -> dict[str, Any]:
     """laplace-torch's ``base_state`` of the fitted ``la`` plus the GLAS entries.
 
@@ -276,6 +299,8 @@ def glas_state(la: Any, base_state: dict[str, Any]) -> dict[str, Any]:
     del record["vectors"]  # the same tensor as H[0]
     state["eigenpairs"] = tuple(record.items())
     state["loss_fn"] = loss_fn_name(la.loss_fn)
+    if la.posterior.ggn_diagonal is not None:
+        state["ggn_diagonal"] = la.posterior.ggn_diagonal
     return state
 
 

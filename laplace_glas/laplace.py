@@ -62,7 +62,7 @@ from laplace_glas.validation import (
 __all__ = ["ActiveSubspaceLaplace", "FittedWeightsChangedWarning", "NotFittedError"]
 
 _LIKELIHOODS = ("regression", "classification", "reward_modeling")
-_COMPLEMENTS = ("zero", "prior")
+_COMPLEMENTS = ("zero", "prior", "diag")
 
 
 class NotFittedError(ValueError, AttributeError):
@@ -116,9 +116,13 @@ class ActiveSubspaceLaplace(
     loss_scaling : {'mean', 'sum'}, default='mean'
         Generalized (``s = 1``, the GLAS default) or standard Bayesian (``s = N``)
         scaling of the loss.
-    complement : {'zero', 'prior'}, default='zero'
-        Variance outside ``span(U)``: none (GLAS), or the prior's ``1/tau`` (the
-        posterior of laplace-torch's ``LowRankLaplace``).
+    complement : {'zero', 'prior', 'diag'}, default='zero'
+        Variance outside ``span(U)``: none (GLAS), the prior's ``1/tau`` (the
+        posterior of laplace-torch's ``LowRankLaplace``), or ``1 / (c_i + tau)`` with
+        ``c`` the GGN diagonal's curvature (one extra data pass in ``fit``; scalar
+        prior, all weights; :mod:`laplace_glas.posterior.complement`). The evidence
+        counts the complement's curvature too, so marglik's ``tau`` is comparable to
+        Kron's and Full's.
     solver : {'auto', 'dual', 'factored', 'lanczos', 'block'}, default='auto'
         Eigen-solver. ``'auto'``: where every trainable parameter sits in an
         ``nn.Linear``, ``nn.Conv1d/2d``, ``nn.LayerNorm``, ``nn.BatchNorm1d/2d`` (eval)
@@ -190,6 +194,10 @@ class ActiveSubspaceLaplace(
 
     _key = ("all", "glas")
 
+    #: Whether ``complement='diag'`` is served (the GGN diagonal over the posterior's
+    #: weights); the last-layer and subnetwork posteriors refuse it.
+    _diag_complement_available = True
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # laplace-torch's factory maps `_key` over *all* subclasses. A subclass that
         # inherits ours would compete for ('all', 'glas'); give it a private key.
@@ -234,8 +242,17 @@ class ActiveSubspaceLaplace(
         likelihood = choice("likelihood", likelihood, _LIKELIHOODS)
         self.loss_scaling = loss_scaling  # validated by the property
         complement = choice(
-            "complement", complement, _COMPLEMENTS, " (no variance / the prior's outside span(U))"
+            "complement",
+            complement,
+            _COMPLEMENTS,
+            " (no variance / the prior's / the GGN diagonal's curvature outside span(U))",
         )
+        if complement == "diag" and not self._diag_complement_available:
+            raise ValueError(
+                f"complement='diag' is not available for {type(self).__name__} (its GGN "
+                "diagonal would be over other weights than the posterior's); use "
+                "complement='zero' or 'prior'."
+            )
         # a subset class whose weights are not known yet checks k when they are
         bound = n_params if self._k_bound_known_at_init else math.inf
         n_components = self._validate_n_components(n_components, bound)
@@ -343,6 +360,7 @@ class ActiveSubspaceLaplace(
             device=self._device,
             dtype=self._dtype,
             eigen_solve=self._eigenpairs,
+            ggn_diagonal=getattr(self, "_ggn_diagonal", None),
             process_group=getattr(self, "_process_group", None),
             ignore_index=self.ignore_index,
             dict_key_x=self.dict_key_x,
@@ -476,3 +494,5 @@ class ActiveSubspaceLaplace(
         self.complement = state_dict["complement"]
         self._eigenpairs = eigenpairs.to(device, dtype)
         self._n_components = int(state_dict["n_components"])
+        diagonal = state_dict.get("ggn_diagonal")
+        self._ggn_diagonal = None if diagonal is None else diagonal.to(device, dtype)

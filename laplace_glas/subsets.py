@@ -106,6 +106,8 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
 
     """
 
+    _diag_complement_available = False
+
     _key = ("last_layer", "glas")
     _k_bound_known_at_init = False  # D_L: checked against n_components once known
 
@@ -314,6 +316,8 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
         network's factors).
 
     """
+
+    _diag_complement_available = False
 
     _directions_embedded = True
 

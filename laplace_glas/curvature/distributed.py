@@ -67,6 +67,7 @@ __all__ = [
     "AllReducedGGN",
     "Shards",
     "agree_on_operator",
+    "all_reduce_sum",
     "broadcast_eigenpairs",
     "data_parallel",
     "distribute_operator",
@@ -136,6 +137,13 @@ def data_parallel(process_group: Any = None) -> Shards | None:
 def _all_reduce(tensor: torch.Tensor, shards: Shards, op=dist.ReduceOp.SUM) -> torch.Tensor:
     dist.all_reduce(tensor, op=op, group=shards.group)
     return tensor
+
+
+def all_reduce_sum(tensor: torch.Tensor, shards: Shards | None) -> torch.Tensor:
+    """``sum_r tensor_r`` over the ranks (``tensor`` itself for a single process)."""
+    if shards is None:
+        return tensor
+    return _all_reduce(tensor.clone(), shards)
 
 
 def sum_count(n: int, shards: Shards | None, device: torch.device | str = "cpu") -> int:

@@ -28,6 +28,7 @@ from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, RandomSampler
 
 from laplace_glas.autodiff.context import autodiff_friendly
+from laplace_glas.curvature.diagonal import ggn_diagonal
 from laplace_glas.curvature.distributed import (
     Shards,
     broadcast_eigenpairs,
@@ -127,6 +128,7 @@ class SubspaceFit:
             train_loader, out_shape, n_data, generator, self.subsample_size, shards, show
         )
         eig = self._solve(problem, k, generator, stored=stored)
+        diagonal = self._complement_diagonal(train_loader, shards, show, update)
         if update:
             loss, n_data = self.loss + loss, self.n_data + n_data
         n_below = int(eig.below_threshold.sum())
@@ -149,7 +151,28 @@ class SubspaceFit:
         self._eigenpairs = eig
         self._n_components = eig.k
         self.H = (eig.vectors, n_data * eig.values)
+        self._ggn_diagonal = diagonal
         self._process_group = process_group
+
+    def _complement_diagonal(
+        self, loader: Any, shards: Shards | None, show: bool, update: bool
+    ) -> torch.Tensor | None:
+        """The summed GGN diagonal for ``complement='diag'`` (:func:`ggn_diagonal`; the
+        stored one plus this loader's for ``fit(override=False)``), else None.
+        """
+        if self.complement != "diag":
+            return None
+        diagonal = ggn_diagonal(
+            self.model,
+            loader,
+            self._curvature_likelihood,
+            dict_key_y=self.dict_key_y,
+            device=self._device,
+            shards=shards,
+            progress_bar=show,
+        ).to(self._dtype)
+        stored = getattr(self, "_ggn_diagonal", None)
+        return diagonal + stored if update and stored is not None else diagonal
 
     def _loss_at_map(self, loader: Any, show: bool, shards: Shards | None = None) -> MapLoss:
         """:func:`laplace_glas.curvature.fitting.loss_at_map` with this posterior's

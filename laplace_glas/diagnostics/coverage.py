@@ -98,6 +98,9 @@ def coverage_table(
     a = posterior.curvature[:k_max].detach()
     sigma2 = float(la.sigma_noise.square()) if la.likelihood == "regression" else 0.0
     prior_complement = la.complement == "prior"
+    # complement='diag': every candidate through the posterior's own predictive at that
+    # (k, tau) (the complement's variance depends on k through P = I - U_k U_k^T)
+    own = la.complement == "diag"
     theta = posterior.network_weights.detach()
     rows = []
     with torch.no_grad(), autodiff_friendly(la.model):
@@ -109,7 +112,7 @@ def coverage_table(
                     f"output of shape {tuple(f.shape)}."
                 )
             gram_diag = None
-            if prior_complement and any(t is not None for _, t, _ in pairs):
+            if not own and prior_complement and any(t is not None for _, t, _ in pairs):
                 rows_at_once = 32 if batch_size is None else min(32, batch_size)
                 gram_diag = posterior.prior_gram_diagonal(X, theta, rows_at_once)
             JU2 = JU.square()
@@ -123,7 +126,7 @@ def coverage_table(
                 nll = _gaussian_nll(y, f, var_f + sigma2)
                 rows.append(CoverageRow(k, tau, float(covered), float(2 * half.mean()), nll, eb))
 
-            for tau in sorted({t for _, t, _ in pairs if t is not None}):
+            for tau in sorted({t for _, t, _ in pairs if t is not None and not own}):
                 weights = 1.0 / (a + tau)
                 if prior_complement:
                     weights = weights - 1.0 / tau
@@ -136,11 +139,9 @@ def coverage_table(
                         var_f = var_f + gram_diag / tau
                     gaussian_row(k, tau, eb, var_f)
             for k, t, eb in pairs:
-                if t is None:  # the posterior's own layerwise / diagonal prior
-                    moments = _own_prior_moments(la, X, k, batch_size)
-                    gaussian_row(
-                        k, None, eb, moments[1].diagonal(dim1=-2, dim2=-1).reshape(y.shape)
-                    )
+                if t is None or own:  # the posterior's own prior / complement
+                    moments = _own_prior_moments(la, X, k, batch_size, t)
+                    gaussian_row(k, t, eb, moments[1].diagonal(dim1=-2, dim2=-1).reshape(y.shape))
         else:
             rows = _sampled_rows(
                 la,
@@ -253,8 +254,8 @@ def _sampled_rows(
 
     rows = []
     for k, tau, eb in pairs:
-        if tau is None:  # the posterior's own layerwise / diagonal prior
-            fs = _own_prior_draws(la, X, k, pred_type, n_samples, generator, batch_size)
+        if tau is None or la.complement == "diag":  # the posterior's own prior / complement
+            fs = _own_prior_draws(la, X, k, pred_type, n_samples, generator, batch_size, tau)
         elif pred_type == "glm":
             fs = f0 + torch.einsum("...k,sk->s...", JU[..., :k], _coefficients(z, a, k, tau))
             if e is not None:
@@ -299,21 +300,25 @@ def _complement_draws(e: torch.Tensor, U: torch.Tensor, k: int, tau: float) -> t
     return (e - (e @ Uk) @ Uk.T) / math.sqrt(tau)
 
 
-def _truncated(la: Any, k: int) -> Any:
-    """A shallow copy of ``la`` using its leading ``k`` eigenpairs (nothing recomputed)."""
+def _truncated(la: Any, k: int, tau: float | None = None) -> Any:
+    """A shallow copy of ``la`` using its leading ``k`` eigenpairs (nothing recomputed)
+    and, when ``tau`` is given, the scalar prior precision ``tau``.
+    """
     view = copy.copy(la)
     view.n_components = k
+    if tau is not None:
+        view.prior_precision = tau
     return view
 
 
 def _own_prior_moments(
-    la: Any, X: torch.Tensor, k: int, batch_size: int | None
+    la: Any, X: torch.Tensor, k: int, batch_size: int | None, tau: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Size]:
     """'glm' mean ``(n, C)``, covariance ``(n, C, C)`` and leading output shape of
     ``la`` truncated to ``k`` under its own (layerwise or diagonal) prior, over row
     chunks of ``X``.
     """
-    view = _truncated(la, k)
+    view = _truncated(la, k, tau)
     glm_moments = view.posterior.glm_moments
     parts = [glm_moments(rows) for rows in row_chunks(X, batch_size)]
     lead = torch.Size([sum(p[2][0] for p in parts), *parts[0][2][1:]])
@@ -328,15 +333,16 @@ def _own_prior_draws(
     n_samples: int,
     generator: torch.Generator | None,
     batch_size: int | None,
+    tau: float | None = None,
 ) -> torch.Tensor:
     """``(S, n, ..., C)`` draws of ``f(X)`` of ``la`` truncated to ``k`` under its own
     prior: network outputs at weight samples ('nn'), or Gaussian draws of the
     linearised model ('glm').
     """
-    view = _truncated(la, k)
+    view = _truncated(la, k, tau)
     if pred_type == "nn":
         return _sampled_outputs(view, view.sample(n_samples, generator), X, batch_size)
-    f_mu, f_var, lead = _own_prior_moments(la, X, k, batch_size)
+    f_mu, f_var, lead = _own_prior_moments(la, X, k, batch_size, tau)
     draws = gaussian_samples(f_mu, f_var, n_samples, generator)
     return draws.reshape(n_samples, *lead, f_mu.shape[-1])
 

@@ -38,6 +38,10 @@ from laplace_glas.posterior.closed_forms import (
     optimal_prior_precision,
     proper_tau,
 )
+from laplace_glas.posterior.complement import (
+    DiagonalComplementPosterior,
+    optimal_complement_prior_precision,
+)
 from laplace_glas.posterior.diagonal_prior import (
     DiagonalPriorPosterior,
     LowRankDiagonalOperator,
@@ -115,7 +119,31 @@ class SubspacePosterior:
         if self._directions_embedded:
             self._prior.check_embedded(type(self).__name__)
         U, curvature = self.eigenvectors, self.subspace_curvature  # refused before a fit
+        if self.complement == "diag":
+            return DiagonalComplementPosterior(
+                U, curvature, self._diag_complement_tau(), self._complement_curvature()
+            )
         return self._prior.posterior(U, curvature, self.complement, self._layer_grams)
+
+    def _complement_curvature(self) -> torch.Tensor:
+        """``c = s diag(G) / T`` ``(D,)``, scaled as the subspace curvature ``a``."""
+        diagonal = getattr(self, "_ggn_diagonal", None)
+        if diagonal is None:
+            raise ValueError(
+                "complement='diag' needs the GGN diagonal, computed by fit: this posterior "
+                "was fitted with another complement. Refit with complement='diag'."
+            )
+        return self._H_factor * diagonal
+
+    def _diag_complement_tau(self) -> torch.Tensor:
+        """The scalar ``tau`` that ``complement='diag'`` needs (a clear error otherwise)."""
+        if self._prior.tau is None or self._directions_embedded:
+            raise ValueError(
+                "complement='diag' takes a scalar prior_precision on a posterior over all "
+                f"of the network's weights; got {type(self).__name__} with a prior of shape "
+                f"{tuple(self.prior_precision.shape)}. Use complement='prior' here."
+            )
+        return self._prior.tau
 
     def _layer_grams(self) -> torch.Tensor:
         """The ``(n_layers, k, k)`` blocks ``U_l^T U_l``, cached."""
@@ -343,10 +371,17 @@ class SubspacePosterior:
             if val_loader is not None:
                 warnings.warn("`val_loader` is ignored when method='marglik'.", stacklevel=2)
             delta = self.mean - self.prior_mean
+            square_norm = float(delta.detach().square().sum())
             with torch.no_grad():
-                tau = optimal_prior_precision(
-                    self.subspace_curvature.detach(), float(delta.detach().square().sum())
-                )
+                if self.complement == "diag":  # the evidence over every direction
+                    tau = optimal_complement_prior_precision(
+                        self.eigenvectors,
+                        self.subspace_curvature,
+                        self._complement_curvature(),
+                        square_norm,
+                    )
+                else:
+                    tau = optimal_prior_precision(self.subspace_curvature.detach(), square_norm)
             self.prior_precision = tau
             if verbose:
                 print(f"Optimized prior precision is {self.prior_precision}.")

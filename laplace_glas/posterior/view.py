@@ -78,6 +78,9 @@ class FittedPosterior:
         Where the posterior's tensors live.
     eigen_solve : Eigenpairs
         The eigen-solve's record (``la.lanczos_info``).
+    ggn_diagonal : torch.Tensor or None
+        ``(D,)`` diagonal of the summed unit-noise GGN (``complement='diag'``; None
+        otherwise).
     process_group : Any
         The process group of a data-parallel fit (None otherwise).
     ignore_index : int
@@ -126,6 +129,7 @@ class FittedPosterior:
     device: torch.device
     dtype: torch.dtype
     eigen_solve: Eigenpairs
+    ggn_diagonal: torch.Tensor | None
     process_group: Any
     ignore_index: int
     dict_key_x: str

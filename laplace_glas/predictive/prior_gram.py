@@ -56,17 +56,12 @@ class PriorGram:
             weights=weights,
         )
 
-    def _weighted_prior_gram(
-        self, X: Any, theta: torch.Tensor, joint: bool = False
+    def _diagonal_gram(
+        self, X: Any, theta: torch.Tensor, diagonal: torch.Tensor, joint: bool = False
     ) -> torch.Tensor:
-        """``J P_0^{-1} J^T`` (:meth:`Prior.inverse_gram`): ``J J^T / tau``
-        (:meth:`_prior_gram`) for a scalar prior, ``J diag(1/p) J^T`` over all weights
-        for a layerwise or diagonal one.
+        """``J diag(d) J^T`` for the diagonal part ``d`` of the covariance: ``d J J^T``
+        (:meth:`_prior_gram`) for a 0-dim ``d``, else over all weights.
         """
-
-        def gram(weights: torch.Tensor | None) -> torch.Tensor:
-            if weights is None:
-                return self._prior_gram(X, theta, joint=joint)
-            return self._jacobian_gram(X, theta, joint, weights=weights)
-
-        return self._prior.inverse_gram(gram)
+        if diagonal.ndim == 0:
+            return self._prior_gram(X, theta, joint=joint) * diagonal
+        return self._jacobian_gram(X, theta, joint, weights=diagonal)

@@ -279,12 +279,12 @@ class SubspacePredictive(PriorGram):
                 JU_flat = JU.reshape(-1, JU.shape[-1])
                 f_var = (JU_flat * weights) @ JU_flat.T
                 if c is not None:
-                    f_var = f_var + self._weighted_prior_gram(X, theta, joint=True)
+                    f_var = f_var + self._diagonal_gram(X, theta, c, joint=True)
                 f_mu = f_mu.flatten()
             else:
                 f_var = torch.einsum("nck,k,nlk->ncl", JU, weights, JU)
                 if c is not None:
-                    f_var = f_var + self._weighted_prior_gram(X, theta)
+                    f_var = f_var + self._diagonal_gram(X, theta, c)
         if not self.enable_backprop:
             f_mu, f_var = f_mu.detach(), f_var.detach()
         return f_mu, f_var, lead
@@ -411,13 +411,7 @@ class SubspacePredictive(PriorGram):
         f_var = torch.einsum("nck,k,nlk->ncl", JV, weights, JV)
         if diagonal is None:
             return f_var
-
-        def gram(w: torch.Tensor | None) -> torch.Tensor:
-            if w is None:
-                return torch.einsum("ncp,nkp->nck", Js, Js)
-            return torch.einsum("ncp,p,nkp->nck", Js, w, Js)
-
-        return f_var + self._prior.inverse_gram(gram)
+        return f_var + torch.einsum("ncp,nkp->nck", Js * diagonal, Js)
 
     def functional_covariance(self, Js: torch.Tensor) -> torch.Tensor:
         """Joint ``J Sigma J^T``: ``(batch*C, batch*C)`` from Jacobians ``(batch, C, D)``."""
@@ -429,9 +423,7 @@ class SubspacePredictive(PriorGram):
         f_cov = (JV * weights) @ JV.T
         if diagonal is None:
             return f_cov
-        return f_cov + self._prior.inverse_gram(
-            lambda w: Js @ Js.T if w is None else (Js * w) @ Js.T
-        )
+        return f_cov + (Js * diagonal) @ Js.T
 
     def _nn_functional_samples(
         self,

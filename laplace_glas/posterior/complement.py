@@ -1,0 +1,209 @@
+"""A curvature-aware complement: the GGN diagonal's curvature outside ``span(U)``.
+
+With ``complement='diag'`` the posterior keeps the exact curvature ``a_j`` along the
+top-``k`` eigenvectors ``U`` and, on the complement ``P = I - U U^T``, the curvature
+``c_i`` of the GGN's diagonal (scaled as ``a``: ``c = s diag(G) / T``), under a scalar
+prior precision ``tau > 0``:
+
+.. math::
+
+    \\Sigma = U \\,\\mathrm{diag}(v)\\, U^\\top + P \\,\\mathrm{diag}(d)\\, P, \\qquad
+    v_j = \\frac{1}{a_j + \\tau}, \\qquad d_i = \\frac{1}{c_i + \\tau}.
+
+Directions the data leave alone keep (about) the prior's variance ``1/tau``; weights
+with curvature off the subspace are narrowed by it. The forms below follow from
+``P D P = D + [U, DU] [[M, -I], [-I, 0]] [U, DU]^T`` with ``M = U^T D U``, and, with
+``E = D^{-1} = diag(c + tau)`` and ``Q`` an orthonormal basis of the complement, from
+``Q (Q^T D Q)^{-1} Q^T = E - E U (U^T E U)^{-1} U^T E`` and
+``det(Q^T D Q) = det(D) det(U^T E U)``:
+
+.. math::
+
+    \\Sigma^{-1} = U \\,\\mathrm{diag}(a + \\tau)\\, U^\\top + E - E U (U^\\top E U)^{-1}
+    U^\\top E, \\qquad
+    \\log\\det \\Sigma^{-1} = \\sum_j \\log(a_j + \\tau) + \\sum_i \\log(c_i + \\tau)
+    - \\log\\det(U^\\top E U).
+
+The evidence's Occam term ``log det Sigma^{-1} - D log tau`` so counts every one of the
+``D`` directions: the subspace through ``a``, the rest through ``c``. With ``c = 0`` all
+of this is the ``complement='prior'`` posterior.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from scipy.optimize import minimize_scalar
+
+from laplace_glas.posterior.closed_forms import posterior_variances, proper_tau
+from laplace_glas.posterior.diagonal_prior import LowRankDiagonalOperator
+
+__all__ = ["DiagonalComplementPosterior", "optimal_complement_prior_precision"]
+
+
+class DiagonalComplementPosterior:
+    """The posterior of ``(U, a)`` with the GGN diagonal's curvature ``c`` off ``span(U)``
+    under ``tau I`` (see the module), behind the interface of
+    :class:`~laplace_glas.posterior.closed_forms.ScalarPriorPosterior`.
+
+    Parameters
+    ----------
+    vectors : torch.Tensor
+        ``(D, k)`` orthonormal ``U``.
+    curvature : torch.Tensor
+        ``(k,)`` ``a >= 0``.
+    tau : torch.Tensor
+        0-dim ``tau > 0``.
+    complement_curvature : torch.Tensor
+        ``(D,)`` ``c >= 0``, scaled as ``curvature``.
+
+    """
+
+    complement = "diag"
+
+    def __init__(
+        self,
+        vectors: torch.Tensor,
+        curvature: torch.Tensor,
+        tau: torch.Tensor,
+        complement_curvature: torch.Tensor,
+    ):
+        self.U = vectors
+        self.a = curvature
+        self.tau = proper_tau(tau, "complement='diag' (the prior outside the GGN's curvature)")
+        self.c = complement_curvature
+
+    @property
+    def diagonal(self) -> torch.Tensor:
+        """``d = 1 / (c + tau)`` ``(D,)``."""
+        return 1.0 / (self.c + self.tau)
+
+    @property
+    def subspace_variances(self) -> torch.Tensor:
+        """``v_j = 1 / (a_j + tau)`` ``(k,)`` (``U^T P = 0``: the complement adds none)."""
+        return posterior_variances(self.a, self.tau)
+
+    @property
+    def complement_variance(self) -> torch.Tensor:
+        """``d`` ``(D,)``: the variance of each weight's complement part."""
+        return self.diagonal
+
+    def _middle(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(V, S)`` with ``Sigma = diag(d) + V S V^T``, ``V = [U, dU]``."""
+        U, d = self.U, self.diagonal
+        k = U.shape[1]
+        eye = torch.eye(k, dtype=U.dtype, device=U.device)
+        M = U.T @ (d[:, None] * U)
+        S = torch.cat(
+            [
+                torch.cat([torch.diag(self.subspace_variances) + M, -eye], dim=1),
+                torch.cat([-eye, torch.zeros_like(eye)], dim=1),
+            ]
+        )
+        return torch.cat([U, d[:, None] * U], dim=1), S
+
+    def covariance_factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(V, w, d)`` with ``Sigma = V diag(w) V^T + diag(d)``: ``V = [U, dU] Q`` and
+        ``w`` from the eigen-decomposition ``S = Q diag(w) Q^T`` of the ``2k x 2k``
+        middle block (``w`` has ``k`` negative entries).
+        """
+        V, S = self._middle()
+        w, Q = torch.linalg.eigh(S)
+        return V @ Q, w, self.diagonal
+
+    @property
+    def covariance(self) -> LowRankDiagonalOperator:
+        """``Sigma`` as ``diag(d) + V diag(w) V^T`` (matrix-free)."""
+        V, w, d = self.covariance_factors()
+        return LowRankDiagonalOperator(d, V, w)
+
+    def _projected_precision(self) -> torch.Tensor:
+        """``U^T E U`` with ``E = diag(c + tau)``."""
+        return self.U.T @ ((self.c + self.tau)[:, None] * self.U)
+
+    @property
+    def precision(self) -> LowRankDiagonalOperator:
+        """``Sigma^{-1} = E + [U, EU] blockdiag(diag(a + tau), -(U^T E U)^{-1}) [U, EU]^T``."""
+        E = self.c + self.tau
+        mu, R = torch.linalg.eigh(self._projected_precision())
+        V = torch.cat([self.U, (E[:, None] * self.U) @ R], dim=1)
+        return LowRankDiagonalOperator(E, V, torch.cat([self.a + self.tau, -1.0 / mu]))
+
+    @property
+    def log_det_posterior_precision(self) -> torch.Tensor:
+        """``sum_j log(a_j + tau) + sum_i log(c_i + tau) - log det(U^T E U)``."""
+        return (
+            torch.log(self.a + self.tau).sum()
+            + torch.log(self.c + self.tau).sum()
+            - torch.linalg.slogdet(self._projected_precision())[1]
+        )
+
+    @property
+    def log_det_ratio(self) -> torch.Tensor:
+        """``log det Sigma^{-1} - D log tau``: the Occam term over all ``D`` directions."""
+        return self.log_det_posterior_precision - self.U.shape[0] * self.tau.log()
+
+    def square_norm(self, delta: torch.Tensor) -> torch.Tensor:
+        """``delta^T Sigma^{-1} delta`` for ``delta`` ``(D,)`` or ``(n, D)``."""
+        E = self.c + self.tau
+        z = delta @ self.U
+        inside = (z.square() * (self.a + self.tau)).sum(-1)
+        projected = (delta * E) @ self.U
+        solved = torch.linalg.solve(self._projected_precision(), projected.unsqueeze(-1))
+        outside = (delta.square() * E).sum(-1) - (projected * solved.squeeze(-1)).sum(-1)
+        return inside + outside
+
+    def log_normaliser(self) -> tuple[int, torch.Tensor]:
+        """``(D, log det Sigma^{-1})``: a Gaussian density in ``R^D``."""
+        return self.U.shape[0], self.log_det_posterior_precision
+
+    def sample(self, n_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``(n_samples, D)`` zero-mean draws ``U (sqrt(v) z) + P (sqrt(d) e)``."""
+        D, k = self.U.shape
+        options = {"generator": generator, "device": self.U.device, "dtype": self.U.dtype}
+        z = torch.randn(n_samples, k, **options)
+        e = torch.randn(n_samples, D, **options) * self.diagonal.sqrt()
+        return (z * self.subspace_variances.sqrt()) @ self.U.T + e - (e @ self.U) @ self.U.T
+
+
+def optimal_complement_prior_precision(
+    vectors: torch.Tensor,
+    curvature: torch.Tensor,
+    complement_curvature: torch.Tensor,
+    square_norm: float,
+) -> float:
+    """The ``tau > 0`` that maximises the evidence of the ``complement='diag'`` posterior.
+
+    Up to terms free of ``tau`` the negative log evidence is
+
+    .. math::
+
+        g(\\tau) = \\frac{\\tau m}{2} + \\frac12 \\Big[\\sum_j \\log(a_j + \\tau)
+        + \\sum_i \\log(c_i + \\tau) - \\sum_j \\log(\\beta_j + \\tau)
+        - D \\log \\tau\\Big],
+
+    with ``m = ||theta* - mu_0||^2`` and ``beta`` the eigenvalues of ``U^T diag(c) U``
+    (so ``log det(U^T E U) = sum_j log(beta_j + tau)``). Each evaluation is ``O(D)``:
+    the minimum is bracketed on a log-spaced grid over ``[1e-8, 1e8]`` and refined by
+    Brent's method in ``log tau``.
+    """
+    U = vectors.detach().to(torch.float64)
+    c = complement_curvature.detach().to(torch.float64).cpu().numpy()
+    a = curvature.detach().to(torch.float64).cpu().numpy()
+    beta = torch.linalg.eigvalsh(U.T @ (complement_curvature.detach().to(U)[:, None] * U))
+    beta = beta.clamp(min=0).cpu().numpy()
+    D = c.size
+
+    def g(log_tau: float) -> float:
+        tau = float(np.exp(log_tau))
+        logdet = (
+            np.log(a + tau).sum() + np.log(c + tau).sum() - np.log(beta + tau).sum()
+        ) - D * log_tau
+        return 0.5 * tau * square_norm + 0.5 * logdet
+
+    grid = np.linspace(np.log(1e-8), np.log(1e8), 161)
+    values = np.array([g(x) for x in grid])
+    best = int(np.argmin(values))
+    low, high = grid[max(best - 1, 0)], grid[min(best + 1, grid.size - 1)]
+    result = minimize_scalar(g, bounds=(low, high), method="bounded", options={"xatol": 1e-10})
+    return float(np.exp(result.x))

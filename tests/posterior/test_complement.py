@@ -1,0 +1,229 @@
+"""complement='diag': the GGN diagonal's curvature off span(U), against dense references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import (
+    explicit_jacobian,
+    fit_glas,
+    loader,
+    mlp,
+    output_jacobian,
+    regression_data,
+    softmax_ggn,
+    train,
+)
+
+from laplace_glas.posterior.closed_forms import ScalarPriorPosterior
+from laplace_glas.posterior.complement import DiagonalComplementPosterior
+
+D, K = 12, 3
+
+
+def dense_sigma(U, a, tau, c):
+    """``U diag(1/(a+tau)) U^T + P diag(1/(c+tau)) P``, formed explicitly."""
+    P = torch.eye(U.shape[0], dtype=U.dtype) - U @ U.T
+    return U @ torch.diag(1 / (a + tau)) @ U.T + P @ torch.diag(1 / (c + tau)) @ P
+
+
+@pytest.fixture
+def parts():
+    g = torch.Generator().manual_seed(0)
+    U = torch.linalg.qr(torch.randn(D, K, generator=g, dtype=torch.float64))[0]
+    a = torch.tensor([30.0, 4.0, 0.5], dtype=torch.float64)
+    c = torch.rand(D, generator=g, dtype=torch.float64) * 5
+    return U, a, torch.tensor(0.7, dtype=torch.float64), c
+
+
+def test_every_form_equals_the_dense_posterior(parts):
+    U, a, tau, c = parts
+    post = DiagonalComplementPosterior(U, a, tau, c)
+    sigma = dense_sigma(U, a, tau, c)
+    torch.testing.assert_close(post.covariance.to_dense(), sigma)
+    torch.testing.assert_close(post.precision.to_dense(), torch.linalg.inv(sigma))
+    V, w, d = post.covariance_factors()
+    torch.testing.assert_close(V @ torch.diag(w) @ V.T + torch.diag(d), sigma)
+    torch.testing.assert_close(post.log_det_posterior_precision, -torch.logdet(sigma))
+    torch.testing.assert_close(post.log_det_ratio, -torch.logdet(sigma) - D * tau.log())
+    torch.testing.assert_close(post.subspace_variances, torch.diagonal(U.T @ sigma @ U))
+    delta = torch.randn(4, D, dtype=torch.float64)
+    expected = torch.einsum("nd,de,ne->n", delta, torch.linalg.inv(sigma), delta)
+    torch.testing.assert_close(post.square_norm(delta), expected)
+    torch.testing.assert_close(post.square_norm(delta[0]), expected[0])
+
+
+def test_draws_have_the_posterior_covariance(parts):
+    U, a, tau, c = parts
+    post = DiagonalComplementPosterior(U, a, tau, c)
+    draws = post.sample(200_000, torch.Generator().manual_seed(1))
+    empirical = draws.T @ draws / draws.shape[0]
+    assert (empirical - dense_sigma(U, a, tau, c)).abs().max() < 0.02
+
+
+def test_zero_complement_curvature_is_the_prior_complement(parts):
+    U, a, tau, _ = parts
+    diag = DiagonalComplementPosterior(U, a, tau, torch.zeros(D, dtype=torch.float64))
+    prior = ScalarPriorPosterior(U, a, tau, "prior")
+    torch.testing.assert_close(diag.covariance.to_dense(), prior.covariance.to_dense())
+    torch.testing.assert_close(diag.log_det_ratio, prior.log_det_ratio)
+    torch.testing.assert_close(diag.log_det_posterior_precision, prior.log_det_posterior_precision)
+
+
+def test_a_flat_prior_is_refused(parts):
+    U, a, _, c = parts
+    with pytest.raises(ValueError, match="proper prior"):
+        DiagonalComplementPosterior(U, a, torch.tensor(0.0, dtype=torch.float64), c)
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    X, y = regression_data(40)
+    X, y = X.double(), y.double()
+    model = train(mlp([1, 6, 1], dtype=torch.float64), X, y, steps=200)
+    la = fit_glas(
+        model, X, y, n_components=4, complement="diag", loss_scaling="sum", prior_precision=0.5
+    )
+    return la, model, X, y
+
+
+def test_the_fitted_complement_curvature_is_the_explicit_ggn_diagonal(fitted):
+    la, model, X, _ = fitted
+    J = explicit_jacobian(model, X)  # (N, D): one output
+    ggn_diag = J.square().sum(0)  # summed unit-noise GGN diagonal
+    torch.testing.assert_close(la._ggn_diagonal, ggn_diag)
+    # sum scaling: c = diag(G_sum) / sigma^2, as a_j = N lambda_j
+    torch.testing.assert_close(la._complement_curvature(), ggn_diag / la.sigma_noise**2)
+
+
+def dense_posterior(la, model, X):
+    J = explicit_jacobian(model, X)
+    U = la.eigenvectors
+    return J, dense_sigma(
+        U, la.subspace_curvature, la.prior_precision[0], la._complement_curvature()
+    )
+
+
+def test_glm_predictive_and_functional_variance_equal_j_sigma_jt(fitted):
+    la, model, X, _ = fitted
+    J, sigma = dense_posterior(la, model, X[:7])
+    expected = torch.einsum("nd,de,ne->n", J, sigma, J)
+    _, f_var = la(X[:7], pred_type="glm")
+    torch.testing.assert_close(f_var.reshape(-1), expected)
+    Js = J.reshape(7, 1, -1)
+    torch.testing.assert_close(la.functional_variance(Js).reshape(-1), expected)
+    torch.testing.assert_close(la.functional_covariance(Js), J @ sigma @ J.T)
+
+
+def test_the_evidence_counts_every_direction(fitted):
+    la, model, X, _ = fitted
+    _, sigma = dense_posterior(la, model, X)
+    tau = la.prior_precision[0]
+    expected = (
+        la.log_likelihood
+        - 0.5 * (-torch.logdet(sigma) - la.n_params * tau.log())
+        - 0.5 * la.scatter
+    )
+    torch.testing.assert_close(la.log_marginal_likelihood(), expected)
+    torch.testing.assert_close(la.posterior_covariance.to_dense(), sigma)
+
+
+def test_marglik_maximises_the_evidence_over_every_direction(fitted):
+    la, *_ = fitted
+    before = la.prior_precision.clone()
+    try:
+        la.optimize_prior_precision()
+        tau = float(la.prior_precision)
+        assert math.isfinite(tau) and tau > 0
+
+        def evidence(t: float) -> float:
+            return float(la.log_marginal_likelihood(prior_precision=torch.tensor(t)))
+
+        best = evidence(tau)
+        assert best >= evidence(tau * 1.05) and best >= evidence(tau / 1.05)
+        # a stationary point of the log evidence in log tau (central differences)
+        h = 1e-4
+        slope = (evidence(tau * math.exp(h)) - evidence(tau * math.exp(-h))) / (2 * h)
+        assert abs(slope) < 1e-5 * max(1.0, abs(best))
+    finally:
+        la.prior_precision = before
+
+
+def test_nn_samples_spread_outside_the_subspace(fitted):
+    la, *_ = fitted
+    draws = la.sample(500, generator=torch.Generator().manual_seed(0)) - la.mean
+    outside = draws - (draws @ la.eigenvectors) @ la.eigenvectors.T
+    assert outside.norm(dim=1).mean() > 0
+
+
+def test_diag_refuses_what_it_cannot_serve(fitted):
+    la, *_ = fitted
+    with pytest.raises(ValueError, match="scalar prior_precision"):
+        other = la.with_loss_scaling("sum")
+        other.prior_precision = torch.ones(4, dtype=torch.float64)
+        other.posterior_variances  # noqa: B018
+    zero = fit_glas(fitted[1], fitted[2], fitted[3], n_components=2)
+    zero.complement = "diag"
+    with pytest.raises(ValueError, match="Refit with complement='diag'"):
+        zero.posterior_variances  # noqa: B018
+
+
+def test_classification_complement_curvature_is_the_softmax_ggn_diagonal():
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(50, 2, generator=g, dtype=torch.float64)
+    y = (X[:, 0] > 0).long() + (X[:, 1] > 0).long()
+    model = train(mlp([2, 5, 3], dtype=torch.float64), X, y, steps=100, classification=True)
+    la = fit_glas(model, X, y, "classification", n_components=3, complement="diag")
+    out, J = output_jacobian(model, X)
+    ggn, _ = softmax_ggn(out, J, y)
+    torch.testing.assert_close(la._ggn_diagonal, torch.diagonal(ggn))
+
+
+def test_calibration_rows_equal_the_posteriors_own_coverage(fitted):
+    from laplace_glas import select_dimension
+    from laplace_glas.diagnostics.calibration import coverage
+
+    la, model, X, y = fitted
+    calib = loader(X[::2], y[::2])
+    selection = select_dimension(
+        la, calib, ks=[1, 3], prior_precisions=[0.3, 2.0], empirical_bayes=False
+    )
+    for row in selection.rows:
+        other = la.with_loss_scaling("sum")
+        other.n_components, other.prior_precision = row.k, row.prior_precision
+        assert row.coverage == pytest.approx(coverage(other, calib))
+        # the row's width is that of the dense posterior's intervals
+        J, sigma = dense_posterior(other, model, X[::2])
+        half = 1.6448536269514722 * torch.einsum("nd,de,ne->n", J, sigma, J).sqrt()
+        assert row.mean_width == pytest.approx(float(2 * half.mean()), rel=1e-6)
+
+
+def test_state_dict_round_trip_keeps_the_complement(fitted):
+    la, model, X, y = fitted
+    state = la.state_dict()
+    assert state["ggn_diagonal"].shape == (la.n_params,)
+    other = fit_glas(model, X, y, n_components=2, loss_scaling="sum")
+    other.load_state_dict(state)
+    assert other.complement == "diag"
+    torch.testing.assert_close(other(X[:5], pred_type="glm")[1], la(X[:5], pred_type="glm")[1])
+    broken = dict(state)
+    del broken["ggn_diagonal"]
+    with pytest.raises(ValueError, match="ggn_diagonal"):
+        other.load_state_dict(broken)
+    broken["ggn_diagonal"] = -state["ggn_diagonal"] - 1
+    with pytest.raises(ValueError, match="negative"):
+        other.load_state_dict(broken)
+
+
+def test_the_subset_posteriors_refuse_diag():
+    from laplace_glas import LastLayerActiveSubspaceLaplace, SubnetActiveSubspaceLaplace
+
+    model = mlp([1, 4, 1])
+    with pytest.raises(ValueError, match="complement='diag' is not available"):
+        LastLayerActiveSubspaceLaplace(model, "regression", n_components=2, complement="diag")
+    with pytest.raises(ValueError, match="complement='diag' is not available"):
+        SubnetActiveSubspaceLaplace(
+            model, "regression", torch.tensor([0, 1, 2]), n_components=2, complement="diag"
+        )
