@@ -11,8 +11,8 @@ same network and training data:
 * GLAS (``hessian_structure='glas'``, ``n_components = --k``, 20) in each variant of
   ``--variants`` (a JSON list of constructor-keyword dicts). The default variants are
   ``{}`` (the library default), ``{"loss_scaling": "sum"}``, ``{"loss_scaling": "sum",
-  "complement": "prior"}`` and, only if the installed laplace_glas accepts it,
-  ``{"loss_scaling": "sum", "complement": "diag"}``.
+  "complement": "prior"}`` and, only if the installed laplace_glas accepts them,
+  ``{"complement": "diag"}`` and ``{"loss_scaling": "sum", "complement": "diag"}``.
 
 Every posterior's prior precision is tuned by its own ``la.optimize_prior_precision()``
 (laplace-torch's default: ``method='marglik'``, a scalar prior; GLAS solves the same
@@ -87,7 +87,10 @@ BASE_VARIANTS: list[dict[str, Any]] = [
     {"loss_scaling": "sum"},
     {"loss_scaling": "sum", "complement": "prior"},
 ]
-DIAG_VARIANT: dict[str, Any] = {"loss_scaling": "sum", "complement": "diag"}
+DIAG_VARIANTS: list[dict[str, Any]] = [
+    {"complement": "diag"},
+    {"loss_scaling": "sum", "complement": "diag"},
+]
 
 
 def log(message: str) -> None:
@@ -483,12 +486,12 @@ def main(argv: list[str] | None = None) -> None:
     variants = args.variants
     if variants is None:
         variants = list(BASE_VARIANTS)
-        if accepts(DIAG_VARIANT):
-            variants.append(DIAG_VARIANT)
+        if accepts(DIAG_VARIANTS[0]):
+            variants.extend(DIAG_VARIANTS)
         else:
             emit(
                 "note: this laplace_glas does not accept complement='diag'; "
-                "the GLAS loss_scaling=sum, complement=diag variant is skipped."
+                "the GLAS complement=diag variants are skipped."
             )
             emit()
     method_list = methods(variants, args.k, args.full_max_params)

@@ -40,7 +40,11 @@ from laplace_glas.curvature.planner import SOLVERS
 from laplace_glas.curvature.problem import curvature_likelihood
 from laplace_glas.diagnostics.calibration import DimensionSelection, select_dimension
 from laplace_glas.io import glas_state, restore_glas_state
-from laplace_glas.posterior.hyperparameters import LOSS_SCALINGS, PosteriorHyperparameters
+from laplace_glas.posterior.hyperparameters import (
+    COMPLEMENTS,
+    LOSS_SCALINGS,
+    PosteriorHyperparameters,
+)
 from laplace_glas.posterior.subspace import SubspacePosterior
 from laplace_glas.posterior.view import FittedPosterior
 from laplace_glas.predictive.jvp import (
@@ -62,7 +66,6 @@ from laplace_glas.validation import (
 __all__ = ["ActiveSubspaceLaplace", "FittedWeightsChangedWarning", "NotFittedError"]
 
 _LIKELIHOODS = ("regression", "classification", "reward_modeling")
-_COMPLEMENTS = ("zero", "prior", "diag")
 
 
 class NotFittedError(ValueError, AttributeError):
@@ -111,8 +114,10 @@ class ActiveSubspaceLaplace(
         by curvlinops (:mod:`laplace_glas.curvature.backends`; BackPACK / ASDL classes
         are mapped with a warning, a stochastic GGN or an unknown class is refused).
         ``la.curvature`` records the choice.
-    n_components : int, default=20
-        ``k``, the number of leading GGN eigenpairs (``1 <= k < D``).
+    n_components : int, optional
+        ``k``, the number of leading GGN eigenpairs (``1 <= k < D``). Default:
+        ``min(20, D - 1)``, so that the default works on any model with ``D >= 2``
+        (for a model that small laplace-torch's ``'full'`` is exact and cheap).
     loss_scaling : {'mean', 'sum'}, default='mean'
         Generalized (``s = 1``, the GLAS default) or standard Bayesian (``s = N``)
         scaling of the loss.
@@ -194,10 +199,6 @@ class ActiveSubspaceLaplace(
 
     _key = ("all", "glas")
 
-    #: Whether ``complement='diag'`` is served (the GGN diagonal over the posterior's
-    #: weights); the last-layer and subnetwork posteriors refuse it.
-    _diag_complement_available = True
-
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # laplace-torch's factory maps `_key` over *all* subclasses. A subclass that
         # inherits ours would compete for ('all', 'glas'); give it a private key.
@@ -220,7 +221,7 @@ class ActiveSubspaceLaplace(
         backend_kwargs: dict[str, Any] | None = None,
         asdl_fisher_kwargs: dict[str, Any] | None = None,
         *,
-        n_components: int = 20,
+        n_components: int | None = None,
         loss_scaling: str = "mean",
         complement: str = "zero",
         solver: str = "auto",
@@ -241,21 +242,11 @@ class ActiveSubspaceLaplace(
         n_params, dtype = trainable_size_and_dtype(model)
         likelihood = choice("likelihood", likelihood, _LIKELIHOODS)
         self.loss_scaling = loss_scaling  # validated by the property
-        complement = choice(
-            "complement",
-            complement,
-            _COMPLEMENTS,
-            " (no variance / the prior's / the GGN diagonal's curvature outside span(U))",
-        )
-        if complement == "diag" and not self._diag_complement_available:
-            raise ValueError(
-                f"complement='diag' is not available for {type(self).__name__} (its GGN "
-                "diagonal would be over other weights than the posterior's); use "
-                "complement='zero' or 'prior'."
-            )
+        complement = self._checked_complement(complement)
         # a subset class whose weights are not known yet checks k when they are
         bound = n_params if self._k_bound_known_at_init else math.inf
-        n_components = self._validate_n_components(n_components, bound)
+        self._k_from_default = n_components is None
+        n_components = self._validate_n_components(self._capped_default(n_components, bound), bound)
         curvature = resolve_backend(backend, backend_kwargs)
         settings = solver_settings(
             n_components, n_params, solver=choice("solver", solver, SOLVERS),
@@ -482,7 +473,7 @@ class ActiveSubspaceLaplace(
             self,
             state_dict,
             loss_scalings=LOSS_SCALINGS,
-            complements=_COMPLEMENTS,
+            complements=COMPLEMENTS,
             dtype=dtype,
         )
         super().load_state_dict(state_dict)

@@ -197,7 +197,9 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
         self.n_layers = len(self.params)
         self._param_names = parameter_names(self.model, self.params)
         self._param_shapes = [p.shape for p in self.params]
-        self._n_components = self._validate_n_components(self._n_components, self.n_params)
+        self._n_components = self._validate_n_components(
+            self._capped_default(self._n_components, self.n_params), self.n_params
+        )
 
     def fit(
         self,
@@ -360,7 +362,9 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
         del self._pending_indices
         self.n_params_model = self.n_params
         self.n_params = self.n_params_subnet
-        self._n_components = self._validate_n_components(self._n_components, self.n_params)
+        self._n_components = self._validate_n_components(
+            self._capped_default(self._n_components, self.n_params), self.n_params
+        )
 
     @property
     def subnetwork_indices(self) -> torch.Tensor:

@@ -35,9 +35,13 @@ from laplace_glas.validation import (
     scalar_value,
 )
 
-__all__ = ["LOSS_SCALINGS", "PosteriorHyperparameters"]
+__all__ = ["COMPLEMENTS", "DEFAULT_N_COMPONENTS", "LOSS_SCALINGS", "PosteriorHyperparameters"]
 
 LOSS_SCALINGS = ("mean", "sum")
+COMPLEMENTS = ("zero", "prior", "diag")
+"""The ``complement`` values: none, the prior's, the GGN diagonal's curvature."""
+DEFAULT_N_COMPONENTS = 20
+"""``n_components`` when none is given (capped at ``D - 1``)."""
 """The ``loss_scaling`` values: generalized (``s = 1``) and standard (``s = N``)."""
 
 
@@ -47,6 +51,35 @@ class PosteriorHyperparameters:
     """
 
     _k_bound_known_at_init = True  # D is known at construction (False: checked later)
+
+    _k_from_default = False  # n_components was not given: min(20, D - 1)
+    #: Whether ``complement='diag'`` is served (the GGN diagonal over the posterior's
+    #: weights); the last-layer and subnetwork posteriors refuse it.
+    _diag_complement_available = True
+
+    def _checked_complement(self, complement: Any) -> str:
+        """``complement`` checked against :data:`COMPLEMENTS` and this class."""
+        complement = choice(
+            "complement",
+            complement,
+            COMPLEMENTS,
+            " (no variance / the prior's / the GGN diagonal's curvature outside span(U))",
+        )
+        if complement == "diag" and not self._diag_complement_available:
+            raise ValueError(
+                f"complement='diag' is not available for {type(self).__name__} (its GGN "
+                "diagonal would be over other weights than the posterior's); use "
+                "complement='zero' or 'prior'."
+            )
+        return complement
+
+    def _capped_default(self, k: int | None, n_params: float) -> int:
+        """``k``, or for the default (``None``, or the default after the weights are
+        known) ``min(DEFAULT_N_COMPONENTS, D - 1)``.
+        """
+        if k is None or self._k_from_default:
+            return int(min(DEFAULT_N_COMPONENTS, max(n_params - 1, 1)))
+        return k
 
     @staticmethod
     def _validate_n_components(k: Any, n_params: int) -> int:
@@ -83,6 +116,7 @@ class PosteriorHyperparameters:
                 "needs a refit with a larger n_components."
             )
         self._n_components = int(k)
+        self._k_from_default = False
 
     @property
     def loss_scaling(self) -> str:

@@ -73,10 +73,16 @@ def test_largest_allowed_n_components_is_d_minus_one():
     assert la.n_components == D_SMALL - 1
 
 
-@pytest.mark.parametrize("k", [2.0, "3", None, True, torch.tensor(2)])
+@pytest.mark.parametrize("k", [2.0, "3", True, torch.tensor(2)])
 def test_n_components_must_be_an_int(k):
     with pytest.raises(TypeError, match=r"n_components must be an int"):
         glas(n_components=k)
+
+
+def test_n_components_none_is_the_default():
+    """``None`` (the constructor's default) means ``min(20, D - 1)``: 12 for D = 13."""
+    assert glas(n_components=None).n_components == 12
+    assert glas(mlp([1, 8, 1]), n_components=None).n_components == 20  # D = 25
 
 
 @pytest.mark.parametrize("scaling", ["avg", "MEAN", "", None])
@@ -416,3 +422,29 @@ def test_numpy_and_tensor_settings_are_accepted():
     assert (la.block_size, la.maxiter, la.sample_chunk_size, la.jvp_chunk_size) == (4, 20, 8, 2)
     assert type(la.block_size) is int and la.tol == pytest.approx(1e-6)
     assert glas(ncv=np.int64(9), tol=np.float32(1e-3)).ncv == 9
+
+
+def test_the_default_k_works_on_a_model_smaller_than_it():
+    """A 10 -> 1 classifier head has D = 11: the default k becomes D - 1 = 10."""
+    from laplace import Laplace
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 1))
+    X = torch.randn(40, 10)
+    y = (X[:, 0] > 0).float().reshape(-1, 1)
+    la = Laplace(model, "regression", hessian_structure="glas", subset_of_weights="all")
+    assert la.n_components == 10
+    la.fit(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y), batch_size=20))
+    assert la.eigenvalues.shape == (10,)
+    la.n_components = 3  # an explicit choice is kept
+    assert la.n_components == 3
+    # the last-layer posterior (the factory's default) caps the default once it knows
+    # its layer: 10 -> 1, D_L = 11
+    net = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Tanh(), torch.nn.Linear(10, 1))
+    ll = Laplace(net, "regression", hessian_structure="glas")
+    ll.fit(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y), batch_size=20))
+    assert ll.n_components == 10
+    with pytest.raises(ValueError, match="n_components=11 must be smaller"):
+        Laplace(
+            model, "regression", hessian_structure="glas", subset_of_weights="all", n_components=11
+        )
