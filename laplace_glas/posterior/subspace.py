@@ -71,6 +71,32 @@ class SubspacePosterior:
     _directions_embedded = False
 
     # ------------------------------------------------------------------ evidence terms
+    def log_marginal_likelihood(
+        self,
+        prior_precision: torch.Tensor | None = None,
+        sigma_noise: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """laplace-torch's log evidence (differentiable in ``prior_precision`` and
+        ``sigma_noise``).
+
+        Under ``loss_scaling='mean'`` the evidence is laplace-torch's at ``T = N``, whose
+        Gaussian normaliser is not tempered: as a function of ``sigma_noise`` it is not
+        a likelihood, and maximising it drives ``sigma`` far below the residuals' scale.
+        Passing ``sigma_noise`` then warns; tune the noise with ``loss_scaling='sum'``
+        (:meth:`with_loss_scaling` shares the eigenpairs) or on held-out data.
+        """
+        if sigma_noise is not None and self.loss_scaling == "mean":
+            warnings.warn(
+                "log_marginal_likelihood(sigma_noise=...) under loss_scaling='mean' is not "
+                "a likelihood in sigma (the mean-scaled evidence's normaliser is "
+                "untempered): tuning sigma through it gives far too small a noise. Tune "
+                "sigma_noise on la.with_loss_scaling('sum') (same eigenpairs) or on "
+                "held-out data.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return super().log_marginal_likelihood(prior_precision, sigma_noise)
+
     @property
     def scatter(self) -> torch.Tensor:
         """``(theta* - mu_0)^T P_0 (theta* - mu_0)`` over the full space (laplace-torch's

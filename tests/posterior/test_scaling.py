@@ -230,3 +230,21 @@ def test_gridsearch_picks_the_grid_point_with_the_lowest_validation_loss(model, 
         )
     expected = float(grid[int(torch.tensor(by_hand).argmin())])
     assert math.isclose(float(la.prior_precision), expected, rel_tol=1e-6)
+
+
+def test_tuning_sigma_through_the_mean_scaled_evidence_warns(toy_regression):
+    """laplace-torch's README loop tunes prior and noise through the evidence: under mean
+    scaling that drives sigma far below the residuals, so it warns; 'sum' does not."""
+    import warnings
+
+    from conftest import fit_glas
+
+    model, X, y = toy_regression
+    la = fit_glas(model, X, y, n_components=5)
+    with pytest.warns(UserWarning, match="not a likelihood in sigma"):
+        la.log_marginal_likelihood(sigma_noise=torch.tensor(0.1))
+    summed = la.with_loss_scaling("sum")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        summed.log_marginal_likelihood(sigma_noise=torch.tensor(0.1))
+        la.log_marginal_likelihood(prior_precision=torch.tensor(1.0))
