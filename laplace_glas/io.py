@@ -263,6 +263,8 @@ def _check_eigenpairs(record: Mapping[str, Any], U: torch.Tensor) -> None:
             raise ValueError(
                 f"state_dict['eigenpairs'][{key!r}] must be a tensor of shape ({U.shape[1]},)."
             )
+        if key in ("values", "raw_values") and not torch.isfinite(value).all():
+            raise ValueError(f"state_dict['eigenpairs'][{key!r}] contains NaN or inf.")
 
 
 def _check_ggn_diagonal(state: Mapping[str, Any], n_params: int) -> None:

@@ -57,6 +57,7 @@ from laplace_glas.predictive.subspace_predictive import (
 from laplace_glas.validation import (
     ArgumentTypeError,
     choice,
+    finite_targets,
     flag,
     homoscedastic_noise,
     solver_settings,
@@ -351,6 +352,7 @@ class ActiveSubspaceLaplace(
             device=self._device,
             dtype=self._dtype,
             eigen_solve=self._eigenpairs,
+            weight_indices=getattr(self, "subnetwork_indices", None),
             ggn_diagonal=getattr(self, "_ggn_diagonal", None),
             process_group=getattr(self, "_process_group", None),
             ignore_index=self.ignore_index,
@@ -407,6 +409,7 @@ class ActiveSubspaceLaplace(
         """laplace-torch's grid search; after a data-parallel fit the validation losses of
         all ranks' shards are averaged (:func:`laplace_glas.curvature.distributed.gridsearch`).
         """
+        finite_targets(val_loader, self.dict_key_y, "the grid search's validation")
         shards = data_parallel(getattr(self, "_process_group", None))
         if shards is None:
             return super()._gridsearch(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -383,3 +383,20 @@ def solver_settings(
         "ignore_index": integer("ignore_index", ignore_index),
         "progress_bar": flag("progress_bar", progress_bar),
     }
+
+
+def finite_targets(loader: Iterable, dict_key_y: str, what: str) -> None:
+    """Every floating target of ``loader`` (``(X, y)`` or mapping batches) is finite;
+    a ``ValueError`` naming ``what`` otherwise.
+    """
+    for batch in loader:
+        targets = batch[dict_key_y] if isinstance(batch, Mapping) else batch[1]
+        if (
+            isinstance(targets, torch.Tensor)
+            and targets.is_floating_point()
+            and not torch.isfinite(targets).all()
+        ):
+            raise ValueError(
+                f"The targets of {what} data contain NaN or inf: every prior precision "
+                "would score alike."
+            )

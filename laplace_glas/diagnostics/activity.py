@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from laplace_glas.posterior.closed_forms import posterior_variances
+from laplace_glas.posterior.view import fitted_posterior
 from laplace_glas.validation import scalar_prior_precision
 
 __all__ = ["activity_scores", "cumulative_activity", "per_parameter", "weights_for_share"]
@@ -46,7 +47,7 @@ def activity_scores(la: Any, k: int | None = None, weighting: str = "eigenvalue"
         Eigen-direction weights ``w_j``.
 
     """
-    posterior = la.posterior
+    posterior = fitted_posterior(la, "activity_scores")
     k = posterior.check_k(posterior.n_components if k is None else k)
     if weighting not in _WEIGHTINGS:
         raise ValueError(f"weighting must be one of {_WEIGHTINGS}, got {weighting!r}.")
@@ -62,12 +63,22 @@ def activity_scores(la: Any, k: int | None = None, weighting: str = "eigenvalue"
 
 
 def per_parameter(la: Any, scores: torch.Tensor) -> dict[str, float]:
-    """Total score per named parameter tensor (layer weights, biases), in model order."""
+    """Total score per named parameter tensor (layer weights, biases), in model order.
+
+    A subnetwork posterior's scores (one per subnetwork weight) are placed at the
+    subnetwork's indices among the network's weights first, so every total lands on
+    the tensor its weights belong to (tensors outside the subnetwork total 0).
+    """
+    posterior = fitted_posterior(la, "per_parameter")
     if scores.shape != (la.n_params,):
         raise ValueError(f"scores must have shape ({la.n_params},), got {tuple(scores.shape)}.")
     if not torch.isfinite(scores).all():
         raise ValueError("scores contain NaN or inf.")
-    posterior = la.posterior
+    if posterior.weight_indices is not None:
+        n_network = sum(shape.numel() for shape in posterior.param_shapes)
+        placed = scores.new_zeros(n_network)
+        placed[posterior.weight_indices.to(scores.device)] = scores
+        scores = placed
     totals, offset = {}, 0
     for name, shape in zip(posterior.param_names, posterior.param_shapes):
         n = shape.numel()

@@ -59,7 +59,7 @@ from tqdm.auto import tqdm
 
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.autodiff.rnn import elementary_rnns
-from laplace_glas.posterior.view import FittedPosterior
+from laplace_glas.posterior.view import FittedPosterior, fitted_posterior
 from laplace_glas.predictive.jvp import jvp_directions, row_chunks, unflatten
 from laplace_glas.validation import (
     check_model_output,
@@ -135,18 +135,7 @@ class Alignment:
 
 def _check_la(la: Any) -> FittedPosterior:
     """The public view of a fitted GLAS posterior ``la``; a clear error for any other object."""
-    if not hasattr(type(la), "posterior"):
-        raise TypeError(
-            "alignment needs a fitted ActiveSubspaceLaplace (hessian_structure='glas'), "
-            f"got {type(la).__name__}."
-        )
-    posterior = la.posterior
-    if not isinstance(posterior, FittedPosterior):
-        raise TypeError(
-            "alignment needs a fitted ActiveSubspaceLaplace (hessian_structure='glas'), "
-            f"got {type(la).__name__}."
-        )
-    return posterior
+    return fitted_posterior(la, "alignment")
 
 
 def _per_example_norms(

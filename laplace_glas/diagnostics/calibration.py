@@ -55,6 +55,7 @@ from laplace_glas.curvature.batches import concatenate_inputs, split_batch
 from laplace_glas.curvature.distributed import data_parallel, reduce_coverage_rows
 from laplace_glas.diagnostics.coverage import CoverageRow, coverage_table
 from laplace_glas.posterior.closed_forms import optimal_prior_precision
+from laplace_glas.posterior.view import fitted_posterior
 
 __all__ = [
     "CoverageNotReachedWarning",
@@ -166,7 +167,7 @@ def _gather(la: Any, loader: Iterable) -> tuple[torch.Tensor, torch.Tensor, int]
     batch size seen (the calibration pushes the data through in batches of that size).
     Warns (``FittedWeightsChangedWarning``) when the model's weights moved after fit.
     """
-    posterior = la.posterior
+    posterior = fitted_posterior(la, "calibration")
     posterior.check_fitted_weights()
     Xs, ys = [], []
     for data in loader:
@@ -238,7 +239,7 @@ def _candidates(
 
 
 def _validate_ks(la: Any, ks: Sequence[int] | None) -> list[int]:
-    available = la.posterior.n_computed
+    available = fitted_posterior(la, "calibration").n_computed
     if ks is not None and (
         isinstance(ks, str)
         or not all(isinstance(k, numbers.Integral) and not isinstance(k, bool) for k in ks)

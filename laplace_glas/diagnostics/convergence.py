@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from laplace_glas.posterior.view import fitted_posterior
+
 __all__ = ["ReplicaCheck", "ResidualReport", "replica_check", "residual_report"]
 
 
@@ -52,7 +54,7 @@ def residual_report(la: Any) -> ResidualReport:
     """Residuals, products and time of the fitted eigen-solve (eigenvalues of the
     mean-loss GGN, including the noise precision for regression).
     """
-    posterior = la.posterior
+    posterior = fitted_posterior(la, "residual_report")
     info = posterior.eigen_solve
     return ResidualReport(
         eigenvalues=posterior.ggn_eigenvalues.detach().cpu(),
@@ -162,7 +164,7 @@ def replica_check(
         refused.
 
     """
-    posterior = la.posterior  # NotFittedError before fit
+    posterior = fitted_posterior(la, "replica_check")
     if n_replicas < 1:
         raise ValueError("n_replicas must be >= 1.")
     if not 0 < threshold <= 1:

@@ -35,7 +35,7 @@ from laplace_glas.curvature import Eigenpairs
 from laplace_glas.posterior.prior import Prior
 from laplace_glas.validation import ArgumentTypeError
 
-__all__ = ["FittedPosterior"]
+__all__ = ["FittedPosterior", "fitted_posterior"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,10 @@ class FittedPosterior:
         Where the posterior's tensors live.
     eigen_solve : Eigenpairs
         The eigen-solve's record (``la.lanczos_info``).
+    weight_indices : torch.Tensor or None
+        For a subnetwork posterior, the ``(D,)`` indices of its weights among the
+        network's flattened parameters (``param_names``, ``param_shapes``); None when
+        the posterior covers those parameters whole.
     ggn_diagonal : torch.Tensor or None
         ``(D,)`` diagonal of the summed unit-noise GGN (``complement='diag'``; None
         otherwise).
@@ -129,6 +133,7 @@ class FittedPosterior:
     device: torch.device
     dtype: torch.dtype
     eigen_solve: Eigenpairs
+    weight_indices: torch.Tensor | None
     ggn_diagonal: torch.Tensor | None
     process_group: Any
     ignore_index: int
@@ -165,3 +170,24 @@ class FittedPosterior:
         if not 1 <= k <= self.n_computed:
             raise ValueError(f"k must lie in [1, {self.n_computed}], got {k}.")
         return k
+
+
+def fitted_posterior(la: Any, caller: str) -> FittedPosterior:
+    """``la.posterior`` of a fitted GLAS posterior; a ``TypeError`` naming ``caller`` for
+    any other object (a laplace-torch ``KronLaplace``, a model), ``NotFittedError`` before
+    ``fit``.
+    """
+    if not isinstance(getattr(type(la), "posterior", None), property):
+        raise TypeError(
+            f"{caller} needs a fitted GLAS posterior (an ActiveSubspaceLaplace, "
+            f"hessian_structure='glas'), got "
+            f"{type(la).__name__}."
+        )
+    view = la.posterior
+    if not isinstance(view, FittedPosterior):
+        raise TypeError(
+            f"{caller} needs a fitted GLAS posterior (an ActiveSubspaceLaplace, "
+            f"hessian_structure='glas'), got "
+            f"{type(la).__name__}."
+        )
+    return view

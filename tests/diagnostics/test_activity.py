@@ -116,3 +116,35 @@ def test_share_is_summed_in_float64_so_all_nonzero_weights_are_counted():
     _, share = cumulative_activity(scores)
     assert float(share.max()) <= 1.0
     assert weights_for_share(scores, 1.0) == (50_000, 0.5)
+
+
+def test_subnetwork_totals_land_on_the_tensors_of_its_weights():
+    from laplace_glas import SubnetActiveSubspaceLaplace
+
+    X, y = regression_data(40)
+    model = train(mlp([1, 6, 1]), X, y, steps=50)
+    # D = 6 + 6 + 6 + 1 = 19; the subnetwork is the last layer's weights and bias
+    indices = torch.arange(12, 19)
+    la = SubnetActiveSubspaceLaplace(model, "regression", indices, n_components=3)
+    la.fit(loader(X, y))
+    scores = activity_scores(la)
+    totals = per_parameter(la, scores)
+    assert totals["0.weight"] == 0.0 and totals["0.bias"] == 0.0
+    assert totals["2.weight"] + totals["2.bias"] == pytest.approx(float(scores.sum()))
+    assert totals["2.bias"] == pytest.approx(float(scores[-1]))
+
+
+def test_activity_scores_refuse_a_fractional_k_and_other_posteriors(toy_regression):
+
+    from laplace_glas.validation import ArgumentTypeError
+
+    model, X, y = toy_regression
+    la = fit(model, X, y)
+    with pytest.raises(ArgumentTypeError, match="k must be an int"):
+        activity_scores(la, k=2.5)
+    kron = Laplace(model, "regression", subset_of_weights="all", hessian_structure="kron")
+    kron.fit(loader(X, y))
+    with pytest.raises(TypeError, match="activity_scores needs a fitted GLAS posterior"):
+        activity_scores(kron)
+    with pytest.raises(TypeError, match="per_parameter needs a fitted GLAS posterior"):
+        per_parameter(kron, torch.zeros(kron.n_params))

@@ -282,3 +282,16 @@ def test_load_into_another_dtype_converts_the_eigen_solve_record(reg_glas, tmp_p
         assert tensor.dtype == torch.float32
     assert la32.eigenvectors.dtype == torch.float32
     torch.testing.assert_close(info.values, la64.lanczos_info.values.float())
+
+
+@pytest.mark.parametrize("key", ["values", "raw_values"])
+def test_a_record_with_nan_eigenvalues_is_refused(reg_glas, key):
+    state = reg_glas.state_dict()
+    record = dict(state["eigenpairs"])
+    record[key] = record[key].clone()
+    record[key][0] = float("nan")
+    state["eigenpairs"] = tuple(record.items())
+    fresh = ActiveSubspaceLaplace(copy.deepcopy(reg_glas.model), "regression", n_components=K)
+    with pytest.raises(ValueError, match=rf"\['eigenpairs'\]\['{key}'\] contains NaN"):
+        fresh.load_state_dict(state)
+    assert getattr(fresh, "H", None) is None  # nothing was assigned

@@ -248,3 +248,15 @@ def test_tuning_sigma_through_the_mean_scaled_evidence_warns(toy_regression):
         warnings.simplefilter("error")
         summed.log_marginal_likelihood(sigma_noise=torch.tensor(0.1))
         la.log_marginal_likelihood(prior_precision=torch.tensor(1.0))
+
+
+def test_a_gridsearch_on_nan_validation_targets_is_refused(toy_regression):
+    from conftest import fit_glas
+
+    model, X, y = toy_regression
+    la = fit_glas(model, X, y, n_components=5)
+    before = la.prior_precision.clone()
+    bad = loader(X[:20], torch.full_like(y[:20], float("nan")))
+    with pytest.raises(ValueError, match="validation data contain NaN or inf"):
+        la.optimize_prior_precision(method="gridsearch", val_loader=bad, grid_size=5)
+    assert torch.equal(la.prior_precision, before)
