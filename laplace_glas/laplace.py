@@ -44,6 +44,7 @@ from laplace_glas.posterior.hyperparameters import (
     COMPLEMENTS,
     LOSS_SCALINGS,
     PosteriorHyperparameters,
+    unchanged_on_failure,
 )
 from laplace_glas.posterior.subspace import SubspacePosterior
 from laplace_glas.posterior.view import FittedPosterior
@@ -420,6 +421,7 @@ class ActiveSubspaceLaplace(
         )
 
     # ------------------------------------------------------------------ calibration
+    @unchanged_on_failure
     def calibrate(
         self,
         calib_loader: DataLoader,
@@ -464,6 +466,7 @@ class ActiveSubspaceLaplace(
         self._check_H_init()
         return glas_state(self, super().state_dict())
 
+    @unchanged_on_failure
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a fitted posterior saved by :meth:`state_dict` (no refit).
 

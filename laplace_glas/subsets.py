@@ -57,6 +57,7 @@ from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES
 from laplace_glas.curvature.planner import Plan
 from laplace_glas.curvature.problem import CurvatureProblem
 from laplace_glas.laplace import ActiveSubspaceLaplace
+from laplace_glas.posterior.hyperparameters import unchanged_on_failure
 from laplace_glas.predictive.jvp import jvp_directions, parameter_names
 
 __all__ = [
@@ -174,6 +175,7 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
             )
         ActiveSubspaceLaplace.prior_precision.fset(self, prior_precision)
 
+    @unchanged_on_failure
     def optimize_prior_precision(self, *args: Any, **kwargs: Any) -> None:
         """:meth:`ActiveSubspaceLaplace.optimize_prior_precision`; ``prior_structure=
         'layerwise'`` is refused up front (the last layer takes a scalar or diagonal
@@ -224,6 +226,7 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
             self.prior_mean = self._prior_mean
         super().fit(train_loader, override=override, progress_bar=progress_bar)
 
+    @unchanged_on_failure
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a fitted last-layer posterior (the last layer is found from the
         saved batch first when this object has not seen data).

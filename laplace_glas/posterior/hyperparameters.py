@@ -19,8 +19,10 @@ value before it is stored, so a refused value leaves the posterior as it was.
 from __future__ import annotations
 
 import copy
+import functools
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -35,7 +37,13 @@ from laplace_glas.validation import (
     scalar_value,
 )
 
-__all__ = ["COMPLEMENTS", "DEFAULT_N_COMPONENTS", "LOSS_SCALINGS", "PosteriorHyperparameters"]
+__all__ = [
+    "COMPLEMENTS",
+    "DEFAULT_N_COMPONENTS",
+    "LOSS_SCALINGS",
+    "PosteriorHyperparameters",
+    "unchanged_on_failure",
+]
 
 LOSS_SCALINGS = ("mean", "sum")
 COMPLEMENTS = ("zero", "prior", "diag")
@@ -43,6 +51,31 @@ COMPLEMENTS = ("zero", "prior", "diag")
 DEFAULT_N_COMPONENTS = 20
 """``n_components`` when none is given (capped at ``D - 1``)."""
 """The ``loss_scaling`` values: generalized (``s = 1``) and standard (``s = N``)."""
+
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def unchanged_on_failure(method: Method) -> Method:
+    """Run ``method`` so that, when it raises, the object's attributes are those it had
+    before the call (a refused ``optimize_prior_precision``, ``calibrate`` or
+    ``load_state_dict`` leaves the posterior as it was).
+
+    The attributes are restored shallowly: the methods it wraps replace tensors and do
+    not change them in place.
+    """
+
+    @functools.wraps(method)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        saved = dict(self.__dict__)
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException:
+            self.__dict__.clear()
+            self.__dict__.update(saved)
+            raise
+
+    return guarded  # type: ignore[return-value]
 
 
 class PosteriorHyperparameters:

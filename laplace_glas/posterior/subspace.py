@@ -47,6 +47,7 @@ from laplace_glas.posterior.diagonal_prior import (
     LowRankDiagonalOperator,
     layer_grams,
 )
+from laplace_glas.posterior.hyperparameters import unchanged_on_failure
 from laplace_glas.posterior.prior import Prior
 from laplace_glas.validation import (
     choice,
@@ -325,6 +326,7 @@ class SubspacePosterior:
             raise ValueError("The weight vectors contain NaN or inf.")
 
     # ------------------------------------------------------------------ evidence
+    @unchanged_on_failure
     def optimize_prior_precision(
         self,
         pred_type: PredType | str = PredType.GLM,

@@ -767,3 +767,25 @@ def test_loading_another_n_components_warns(fitted_state):
     with pytest.warns(UserWarning, match=r"n_components 5 is replaced by the saved 3"):
         other.load_state_dict(state)
     assert other.n_components == 3
+
+
+def test_a_refused_call_leaves_the_posterior_as_it_was(toy_regression):
+    """A refused optimize_prior_precision or load_state_dict changes nothing."""
+    from conftest import fit_glas
+
+    model, X, y = toy_regression
+    la = fit_glas(model, X, y, n_components=5)
+    before = (la.prior_precision.clone(), la.H, la.loss, la.n_components)
+    with pytest.raises(ValueError):
+        la.optimize_prior_precision(method="marglik", init_prior_prec=torch.zeros(4))
+    with pytest.raises(ValueError):  # a diverging ascent sets a non-finite prior
+        la.optimize_prior_precision(
+            method="marglik", prior_structure="layerwise", lr=1e6, n_steps=50
+        )
+    state = la.state_dict()
+    state["prior_mean"] = torch.tensor([float("nan")])
+    with pytest.raises(ValueError):
+        la.load_state_dict(state)
+    assert torch.equal(la.prior_precision, before[0])
+    assert la.H is before[1] and la.loss is before[2] and la.n_components == before[3]
+    la(X[:3], pred_type="glm")  # still predicts
