@@ -48,6 +48,8 @@ def test_every_form_equals_the_dense_posterior(parts):
     torch.testing.assert_close(V @ torch.diag(w) @ V.T + torch.diag(d), sigma)
     torch.testing.assert_close(post.log_det_posterior_precision, -torch.logdet(sigma))
     torch.testing.assert_close(post.log_det_ratio, -torch.logdet(sigma) - D * tau.log())
+    torch.testing.assert_close(post.precision.logdet(), -torch.logdet(sigma))
+    torch.testing.assert_close(post.covariance.logdet(), torch.logdet(sigma))
     torch.testing.assert_close(post.subspace_variances, torch.diagonal(U.T @ sigma @ U))
     delta = torch.randn(4, D, dtype=torch.float64)
     expected = torch.einsum("nd,de,ne->n", delta, torch.linalg.inv(sigma), delta)
