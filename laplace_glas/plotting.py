@@ -5,6 +5,7 @@ Each function returns the matplotlib ``Figure`` and, given ``path``, saves it.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,12 @@ def _finish(fig: Any, path: str | Path | None) -> Any:
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
+
+
+def _title(ax: Any, title: str | None, width: int = 48) -> None:
+    """``title`` wrapped to ``width`` characters, so that a long one is not clipped."""
+    if title is not None:
+        ax.set_title(textwrap.fill(title, width), fontsize="medium")
 
 
 def _legend_below(ax: Any) -> None:
@@ -72,8 +79,7 @@ def plot_cumulative_activity(
     ax.set_ylabel("cumulative share of activity")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right")
-    if title is not None:
-        ax.set_title(title)
+    _title(ax, title)
     return _finish(fig, path)
 
 
@@ -87,6 +93,8 @@ def plot_coverage_vs_k(
     legend sits below the axes, off the curves.
     """
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     items = selections if isinstance(selections, Mapping) else {"GLAS": selections}
     fig, ax = plt.subplots(figsize=(5, 4))
     level = None
@@ -96,13 +104,13 @@ def plot_coverage_vs_k(
         level = selection.level
     if level is not None:
         ax.axhline(level, color="k", ls="--", lw=1, label=f"nominal {level:.0%}")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # k is a count
     ax.set_xlabel("k (subspace dimension)")
     ax.set_ylabel("calibration coverage")
     ax.set_ylim(0, 1.02)
     ax.grid(True, alpha=0.3)
     _legend_below(ax)
-    if title is not None:
-        ax.set_title(title)
+    _title(ax, title)
     return _finish(fig, path)
 
 
@@ -148,8 +156,7 @@ def plot_predictive_band(
     ax.set_xlabel("x")
     ax.set_ylabel("f(x)")
     _legend_below(ax)
-    if title is not None:
-        ax.set_title(title)
+    _title(ax, title)
     return _finish(fig, path)
 
 
@@ -184,6 +191,5 @@ def plot_alignment(
     ax.set_ylabel(f"'glm' variance (complement='{complement}')")
     ax.grid(True, alpha=0.3)
     _legend_below(ax)
-    if title is not None:
-        ax.set_title(title)
+    _title(ax, title)
     return _finish(fig, path)

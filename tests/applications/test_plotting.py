@@ -109,3 +109,22 @@ def test_coverage_plot_has_the_given_title():
     assert plot_coverage_vs_k(sel).axes[0].get_title() == ""
     fig = plot_cumulative_activity(torch.rand(50), title="SMILES LSTM")
     assert fig.axes[0].get_title() == "SMILES LSTM"
+
+
+def test_long_titles_wrap_and_k_ticks_are_integers():
+    from laplace_glas import CoverageRow, DimensionSelection
+
+    rows = [
+        CoverageRow(k=k, prior_precision=1.0, coverage=0.3 * k, mean_width=1.0, nll=0.0)
+        for k in (1, 2, 3)
+    ]
+    sel = DimensionSelection(
+        k=3, prior_precision=1.0, reached=True, coverage=0.9, level=0.9, rows=rows
+    )
+    title = "Known-noise regression: GLAS predictive of f without noise, k = 20"
+    fig = plot_coverage_vs_k(sel, title=title)
+    ax = fig.axes[0]
+    assert "\n" in ax.get_title() and ax.get_title().replace("\n", " ") == title
+    fig.canvas.draw()
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks)
