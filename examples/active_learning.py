@@ -25,21 +25,12 @@ repository); the public source is the UCI ML repository, data set 165 (CC BY 4.0
 
 from __future__ import annotations
 
-# first: registers hessian_structure='glas' and imports laplace-torch quietly
-import laplace_glas
-
-# isort: split
 import argparse
 import time
 import warnings
 from pathlib import Path
 
-import torch
-from laplace import Laplace
-from torch.utils.data import DataLoader, TensorDataset
-
-from laplace_glas.applications.cli import HelpFormatter, run_example
-from laplace_glas.applications.data import load_concrete, make_mlp, split, train_map
+from _cli import HelpFormatter
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/concrete/Concrete_Data.csv"
 STRATEGIES = ("glas", "kron", "random")
@@ -71,6 +62,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.start < 2 or args.batch < 1 or args.max_labels < args.start:
         parser.error("need --start >= 2, --batch >= 1 and --max-labels >= --start")
     return args
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and argument errors answer before torch and laplace load
+
+
+# first: registers hessian_structure='glas' and imports laplace-torch quietly
+import laplace_glas
+
+# isort: split
+import torch
+from laplace import Laplace
+from torch.utils.data import DataLoader, TensorDataset
+
+from laplace_glas.applications.cli import run_example
+from laplace_glas.applications.data import load_concrete, make_mlp, split, train_map
 
 
 def glas_posterior(model: torch.nn.Module, X: torch.Tensor, y: torch.Tensor, k: int, sigma: float):

@@ -19,29 +19,12 @@ repository); the public source is the UCI ML repository, data set 165 (CC BY 4.0
 
 from __future__ import annotations
 
-# first: registers hessian_structure='glas' and imports laplace-torch quietly
-import laplace_glas
-
-# isort: split
 import argparse
 import time
 import warnings
 from pathlib import Path
 
-import torch
-from laplace import Laplace
-from torch.utils.data import DataLoader, TensorDataset
-
-from laplace_glas import (
-    CoverageNotReachedWarning,
-    activity_scores,
-    coverage,
-    per_parameter,
-    select_dimension,
-    weights_for_share,
-)
-from laplace_glas.applications.cli import HelpFormatter, run_example
-from laplace_glas.applications.data import concrete_splits, make_mlp, train_map
+from _cli import HelpFormatter
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/concrete/Concrete_Data.csv"
 
@@ -83,6 +66,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.k_max = args.k_max or (8 if args.quick else 50)
     args.steps = args.steps or (300 if args.quick else 3000)
     return args
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and argument errors answer before torch and laplace load
+
+
+# first: registers hessian_structure='glas' and imports laplace-torch quietly
+import laplace_glas
+
+# isort: split
+import torch
+from laplace import Laplace
+from torch.utils.data import DataLoader, TensorDataset
+
+from laplace_glas import (
+    CoverageNotReachedWarning,
+    activity_scores,
+    coverage,
+    per_parameter,
+    select_dimension,
+    weights_for_share,
+)
+from laplace_glas.applications.cli import run_example
+from laplace_glas.applications.data import concrete_splits, make_mlp, train_map
 
 
 def loader(X: torch.Tensor, y: torch.Tensor, batch_size: int = 256) -> DataLoader:

@@ -23,26 +23,15 @@ repository); the public source is the UCI ML repository, data set 165 (CC BY 4.0
 
 from __future__ import annotations
 
-import laplace_glas  # noqa: F401 (first: registers 'glas', imports laplace-torch quietly)
-
-# isort: split
 import argparse
 import os
 import time
 import warnings
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from laplace import Laplace
-from torch.utils.data import DataLoader, TensorDataset
-
-from laplace_glas import CoverageNotReachedWarning
-from laplace_glas.applications.cli import HelpFormatter, run_example
-from laplace_glas.applications.data import concrete_splits, make_mlp, train_map
+from _cli import HelpFormatter
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/concrete/Concrete_Data.csv"
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,7 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--solver", choices=("auto", "lanczos", "block"), default="lanczos", help="eigen-solver"
     )
     parser.add_argument("--block-size", type=int, default=None, help="block solver's columns")
-    parser.add_argument("--dtype", choices=tuple(_DTYPES), default="float64", help="precision")
+    parser.add_argument(
+        "--dtype", choices=("float32", "float64"), default="float64", help="precision"
+    )
     parser.add_argument("--level", type=float, default=0.9, help="nominal coverage")
     parser.add_argument("--seed", type=int, default=0, help="seed of split, model and solve")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
@@ -67,6 +58,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.k = args.k or (8 if args.quick else 20)
     args.steps = args.steps or (300 if args.quick else 2000)
     return args
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and argument errors answer before torch and laplace load
+
+
+# first: registers hessian_structure='glas' and imports laplace-torch quietly
+import laplace_glas  # noqa: F401
+
+# isort: split
+import torch
+import torch.distributed as dist
+from laplace import Laplace
+from torch.utils.data import DataLoader, TensorDataset
+
+from laplace_glas import CoverageNotReachedWarning
+from laplace_glas.applications.cli import run_example
+from laplace_glas.applications.data import concrete_splits, make_mlp, train_map
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def shard(X: torch.Tensor, y: torch.Tensor, rank: int, world: int) -> DataLoader:

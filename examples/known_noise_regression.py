@@ -20,9 +20,6 @@ finishes in seconds (it runs in the test suite).
 
 from __future__ import annotations
 
-import laplace_glas  # noqa: F401 (first: registers 'glas', imports laplace-torch quietly)
-
-# isort: split
 import argparse
 import os
 import time
@@ -30,12 +27,7 @@ import warnings
 from pathlib import Path
 from statistics import NormalDist
 
-import torch
-from laplace import Laplace
-from torch.utils.data import DataLoader, TensorDataset
-
-from laplace_glas.applications.cli import HelpFormatter, run_example
-from laplace_glas.applications.data import known_noise_regression, make_mlp, train_map
+from _cli import HelpFormatter
 
 SIGMA = 0.1  # known observation noise
 PRIOR_PRECISION = 1.0
@@ -128,6 +120,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and argument errors answer before torch and laplace load
+
+
+# first: registers hessian_structure='glas' and imports laplace-torch quietly
+import laplace_glas  # noqa: F401
+
+# isort: split
+import torch
+from laplace import Laplace
+from torch.utils.data import DataLoader, TensorDataset
+
+from laplace_glas.applications.cli import run_example
+from laplace_glas.applications.data import known_noise_regression, make_mlp, train_map
 
 
 def heading(title: str) -> None:

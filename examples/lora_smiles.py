@@ -40,9 +40,6 @@ the ``llm`` extra (``pip install -e ".[llm]"``).
 
 from __future__ import annotations
 
-import laplace_glas  # noqa: F401 (first: registers 'glas', imports laplace-torch quietly)
-
-# isort: split
 import argparse
 import math
 import statistics
@@ -52,15 +49,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-from laplace import Laplace
-from torch import nn
-from torch.utils.data import DataLoader
-
-from laplace_glas.applications.cli import HelpFormatter, run_example
-from laplace_glas.applications.compare import PeakMemory
-from laplace_glas.applications.smiles import PAD, SmilesTokenizer, load_smiles
-from laplace_glas.huggingface import causal_lm_batch
+from _cli import HelpFormatter
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/smiles/moses_train_20k.smi"
 SHIFT_PATTERN = "S(=O)(=O)"
@@ -168,6 +157,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, small if quick else full)
     return args
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and argument errors answer before torch and laplace load
+
+
+# first: registers hessian_structure='glas' and imports laplace-torch quietly
+import laplace_glas  # noqa: F401
+
+# isort: split
+import torch
+from laplace import Laplace
+from torch import nn
+from torch.utils.data import DataLoader
+
+from laplace_glas.applications.cli import run_example
+from laplace_glas.applications.compare import PeakMemory
+from laplace_glas.applications.smiles import PAD, SmilesTokenizer, load_smiles
+from laplace_glas.huggingface import causal_lm_batch
 
 
 def require_llm() -> tuple:

@@ -31,9 +31,6 @@ Run ``python examples/reproduce_paper.py --help`` for the options.
 
 from __future__ import annotations
 
-import laplace_glas  # noqa: F401 (first: registers 'glas', imports laplace-torch quietly)
-
-# isort: split
 import argparse
 import json
 import os
@@ -51,24 +48,7 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
-import torch
-from laplace import Laplace
-from torch.utils.data import DataLoader, TensorDataset
-
-from laplace_glas import (
-    CoverageNotReachedWarning,
-    CoverageRow,
-    DimensionSelection,
-    NumericalRankWarning,
-    select_dimension,
-)
-from laplace_glas.applications.cli import HelpFormatter, run_example
-from laplace_glas.applications.data import (
-    concrete_splits,
-    known_noise_regression,
-    make_mlp,
-    train_map,
-)
+from _cli import HelpFormatter
 
 SIGMA = 0.1  # known observation noise of the toy problem
 SCALINGS = ("mean", "sum")
@@ -194,6 +174,34 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.concrete_seeds = sorted(set(args.concrete_seeds))
     args.n_train = sorted(set(args.n_train))
     return args
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and argument errors answer before torch and laplace load
+
+
+# first: registers hessian_structure='glas' and imports laplace-torch quietly
+import laplace_glas  # noqa: F401
+
+# isort: split
+import torch
+from laplace import Laplace
+from torch.utils.data import DataLoader, TensorDataset
+
+from laplace_glas import (
+    CoverageNotReachedWarning,
+    CoverageRow,
+    DimensionSelection,
+    NumericalRankWarning,
+    select_dimension,
+)
+from laplace_glas.applications.cli import run_example
+from laplace_glas.applications.data import (
+    concrete_splits,
+    known_noise_regression,
+    make_mlp,
+    train_map,
+)
 
 
 # --------------------------------------------------------------------------- results

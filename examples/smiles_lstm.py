@@ -25,10 +25,6 @@ Use ``--threads`` to pin the torch threads; timings on a loaded machine are nois
 
 from __future__ import annotations
 
-# first: registers hessian_structure='glas' and imports laplace-torch quietly
-import laplace_glas
-
-# isort: split
 import argparse
 import copy
 import os
@@ -39,36 +35,7 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
-from laplace import Laplace
-from torch.utils.data import DataLoader, TensorDataset
-
-from laplace_glas import (
-    CoverageNotReachedWarning,
-    activity_scores,
-    per_parameter,
-    replica_check,
-    residual_report,
-    select_dimension,
-    weights_for_share,
-)
-from laplace_glas.applications.cli import HelpFormatter, run_example
-from laplace_glas.applications.smiles import (
-    PAD,
-    SmilesLSTM,
-    SmilesTokenizer,
-    encodable,
-    encode_batch,
-    generate,
-    length_sorted_loader,
-    load_language_model,
-    load_smiles,
-    save_language_model,
-    token_lengths,
-    train_lm,
-    validity,
-)
-from laplace_glas.curvature.losses import TokenCrossEntropy
+from _cli import HelpFormatter
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/smiles/moses_train_20k.smi"
 GEN_KS = (1, 5, 20)
@@ -208,6 +175,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if quick:
         args.k = min(args.k, 5)
     return args
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and argument errors answer before torch and laplace load
+
+
+# first: registers hessian_structure='glas' and imports laplace-torch quietly
+import laplace_glas
+
+# isort: split
+import torch
+from laplace import Laplace
+from torch.utils.data import DataLoader, TensorDataset
+
+from laplace_glas import (
+    CoverageNotReachedWarning,
+    activity_scores,
+    per_parameter,
+    replica_check,
+    residual_report,
+    select_dimension,
+    weights_for_share,
+)
+from laplace_glas.applications.cli import run_example
+from laplace_glas.applications.smiles import (
+    PAD,
+    SmilesLSTM,
+    SmilesTokenizer,
+    encodable,
+    encode_batch,
+    generate,
+    length_sorted_loader,
+    load_language_model,
+    load_smiles,
+    save_language_model,
+    token_lengths,
+    train_lm,
+    validity,
+)
+from laplace_glas.curvature.losses import TokenCrossEntropy
 
 
 def peak_rss_mb() -> float:

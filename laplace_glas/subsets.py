@@ -379,6 +379,13 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
         """The subnetwork's MAP weights (``(D_S,)``; the same tensor as ``mean``)."""
         return self.mean
 
+    @property
+    def prior_precision_diag(self) -> torch.Tensor:
+        """The ``(D_S,)`` prior precisions in the model's dtype (laplace-torch's scalar
+        case builds them in the default dtype, which can differ from the model's).
+        """
+        return super().prior_precision_diag.to(self._dtype)
+
     def fit(
         self,
         train_loader: DataLoader,

@@ -92,6 +92,11 @@ for _folder in sorted(Path(__file__).parent.iterdir()):
     if _folder.is_dir() and _folder.name not in {"upstream", "__pycache__"}:
         sys.path.insert(0, str(_folder))
 
+# The example scripts import their stdlib-only ``_cli`` from their own folder, which
+# Python puts on the path when it runs a script; tests that load a script as a module
+# need it too (appended: the scripts' names never shadow an installed module).
+sys.path.append(str(Path(__file__).resolve().parents[1] / "examples"))
+
 
 # One thread: on 2 cores, two BLAS threads per process fight with anything else running
 # (a second pytest, the example subprocesses) and products slow down 10-30x.

@@ -4,7 +4,10 @@
   loading and splits, MLP training to a MAP.
 * :mod:`~laplace_glas.applications.smiles`: a SMILES tokenizer, a character LSTM
   language model, its training and generation from posterior samples.
-* :mod:`~laplace_glas.applications.cli`: the ``--help`` formatter of the examples.
+* :mod:`~laplace_glas.applications.cli`: ``run_example`` (a missing data set ends an
+  example in one ``error:`` line) and the benchmarks' ``--help`` formatter (the
+  examples parse with the standard-library copy in ``examples/_cli.py``, before torch
+  and laplace-torch load).
 * :mod:`~laplace_glas.applications.compare`: the side-by-side harness against
   laplace-torch's own structures (fit time, memory, coverage, NLL).
 

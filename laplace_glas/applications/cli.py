@@ -34,6 +34,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     resolved later (e.g. one default for a full run and another for ``--quick``) and
     ``(default: False)`` for flags. This formatter leaves the help text alone where
     the default is ``None`` or ``False``, or where the text already mentions a default.
+    The examples use the same class from ``examples/_cli.py``, which they import
+    before torch (importing this module runs ``laplace_glas/__init__``, which loads
+    torch and laplace-torch).
     """
 
     def _get_help_string(self, action: argparse.Action) -> str | None:

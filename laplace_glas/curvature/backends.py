@@ -25,15 +25,20 @@ empirical Fisher is ``1/2`` times the empirical Fisher of ``||f_n - y_n||^2``, i
 ``F_1 = (2/N) sum_n g_n g_n^T`` with the ``g_n`` above (twice the empirical Fisher of
 ``l_n``), and GLAS uses the same matrix so that both posteriors agree.
 
-BackPACK and ASDL classes get a ``UserWarning`` saying that curvlinops computes the
-same matrix matrix-free. The Hessian is indefinite: its
+laplace-torch's generic ``GGNInterface`` and ``EFInterface`` (which its last-layer and
+subnetwork test suites fit with), and their subclasses that are none of the classes
+above, stand for the GGN and the empirical Fisher (with the same regression factor: the
+generic ``EFInterface.full`` is ``0.5 sum_n G_n G_n^T`` with ``G_n`` the gradients of
+``||f_n - y_n||^2``). BackPACK, ASDL and these generic classes get a ``UserWarning``
+saying that curvlinops computes the same matrix matrix-free (a subclass's own
+``full`` / ``diag`` methods are not called). The Hessian is indefinite: its
 leading eigenpairs are its largest *algebraic* eigenvalues, and eigenvalues at or
 below ``rank_threshold * lambda_1`` (negative ones included) count as zero curvature.
 
 Refused with a ``ValueError`` naming the class: a stochastic GGN
 (``backend_kwargs={'stochastic': True}``, a Monte-Carlo Fisher whose draws would
 change between Lanczos products) and any class that is none of the above (e.g. a
-user's own ``CurvatureInterface``), which has no matrix-free operator here.
+user's own direct ``CurvatureInterface`` subclass), which has no matrix-free operator here.
 
 The operators themselves are built by the planner
 (:func:`~laplace_glas.curvature.planner.plan_solve`).
@@ -61,6 +66,8 @@ from laplace.curvature import (
     CurvlinopsEF,
     CurvlinopsGGN,
     CurvlinopsHessian,
+    EFInterface,
+    GGNInterface,
 )
 from torch import nn
 
@@ -79,15 +86,10 @@ _MAPPED = {
     AsdlEF: "ef",
     AsdlHessian: "hessian",
 }
+_GENERIC = {GGNInterface: "ggn", EFInterface: "ef"}
 _EF_LOSSES = (nn.MSELoss, nn.CrossEntropyLoss, nn.BCEWithLogitsLoss)
 _NAMES = {"ggn": "GGN", "ef": "empirical Fisher", "hessian": "Hessian"}
 _OPERATOR_NAMES = {
-    "ggn": "GGNLinearOperator",
-    "ef": "EFLinearOperator",
-    "hessian": "HessianLinearOperator",
-}
-_OPERATOR_EF_LOSSES = (nn.MSELoss, nn.CrossEntropyLoss, nn.BCEWithLogitsLoss)
-_NAMES = {
     "ggn": "GGNLinearOperator",
     "ef": "EFLinearOperator",
     "hessian": "HessianLinearOperator",
@@ -134,7 +136,7 @@ def resolve_backend(backend: Any, backend_kwargs: dict[str, Any] | None = None) 
             "class such as CurvlinopsGGN (default), CurvlinopsEF or CurvlinopsHessian."
         )
     kind = None
-    for table in (_CURVLINOPS, _MAPPED):
+    for table in (_CURVLINOPS, _MAPPED, _GENERIC):
         for cls, value in table.items():
             if issubclass(backend, cls):
                 kind, base = value, cls
@@ -145,17 +147,22 @@ def resolve_backend(backend: Any, backend_kwargs: dict[str, Any] | None = None) 
         raise ValueError(
             f"The curvature backend {name} has no matrix-free operator in GLAS: use "
             "CurvlinopsGGN (default), CurvlinopsEF or CurvlinopsHessian (or their "
-            "BackPACK / ASDL counterparts)."
+            "BackPACK / ASDL counterparts, or laplace-torch's GGNInterface / EFInterface)."
         )
     if kind == "ggn" and (backend_kwargs or {}).get("stochastic", False):
         raise ValueError(
             f"{name} with stochastic=True is a Monte-Carlo Fisher; GLAS's eigen-solve needs "
             "the same matrix in every product. Use the exact GGN (stochastic=False)."
         )
-    if base in _MAPPED:
+    if base in _MAPPED or base in _GENERIC:
+        skipped = (
+            "BackPACK / ASDL are not called"
+            if base in _MAPPED
+            else (f"the methods of {name} are not called")
+        )
         warnings.warn(
             f"backend {name}: GLAS computes the same {_NAMES[kind]} matrix-free with "
-            f"curvlinops' {_OPERATOR_NAMES[kind]}; BackPACK / ASDL are not called.",
+            f"curvlinops' {_OPERATOR_NAMES[kind]}; {skipped}.",
             UserWarning,
             stacklevel=3,
         )

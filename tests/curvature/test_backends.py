@@ -25,6 +25,8 @@ from laplace.curvature import (
     CurvlinopsEF,
     CurvlinopsGGN,
     CurvlinopsHessian,
+    EFInterface,
+    GGNInterface,
 )
 from torch.func import functional_call, grad, hessian, vmap
 
@@ -245,4 +247,91 @@ def test_ef_on_the_last_layer_and_a_subnetwork_equals_laplace_torch(likelihood):
         assert glas.lanczos_info.operator.startswith("curvlinops EF")
         torch.testing.assert_close(
             glas.log_marginal_likelihood(), full.log_marginal_likelihood(), rtol=1e-6, atol=0
+        )
+
+
+@pytest.mark.parametrize("likelihood", ["regression", "classification"])
+@pytest.mark.parametrize(("backend", "kind"), [(GGNInterface, "ggn"), (EFInterface, "ef")])
+def test_generic_interfaces_map_to_their_matrix_and_equal_full_laplace(likelihood, backend, kind):
+    # laplace-torch's generic classes compute the dense matrix with torch.func (no
+    # curvlinops): FullLaplace's H is an independent reference, EF's regression factor
+    # included
+    with pytest.warns(UserWarning, match=rf"backend {backend.__name__}.*curvlinops"):
+        choice = resolve_backend(backend)
+    assert choice.kind == kind and choice.backend == backend.__name__
+    model, X, y = problem(likelihood)
+    full = Laplace(model, likelihood, "all", "full", backend=backend, prior_precision=TAU)
+    full.fit(loader(X, y, batch_size=4))
+    if kind == "ef":  # laplace-torch's regression factor: 2 EF(0.5 ||f - y||^2)
+        torch.testing.assert_close(full.H, dense_matrix(kind, likelihood), rtol=1e-9, atol=1e-12)
+    values = torch.linalg.eigvalsh(full.H).flip(0)
+    la = fit(likelihood, backend, k=4, solver="lanczos")
+    assert la.curvature.kind == kind and la.curvature.backend == backend.__name__
+    torch.testing.assert_close(la.H[1], values[:4], rtol=1e-8, atol=1e-10 * values[0])
+    # rank <= N C < k = D - 1: the prior-complement posterior is FullLaplace's
+    la = fit(likelihood, backend, k=model_size(model) - 1, complement="prior")
+    torch.testing.assert_close(
+        la.log_marginal_likelihood(), full.log_marginal_likelihood(), rtol=1e-7, atol=0
+    )
+
+
+def model_size(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+class MyGGN(GGNInterface):
+    pass
+
+
+class MyEF(EFInterface):
+    pass
+
+
+def test_generic_subclasses_map_and_a_stochastic_generic_ggn_is_refused():
+    with pytest.warns(UserWarning, match=r"backend MyGGN.*GGNLinearOperator.*MyGGN"):
+        assert resolve_backend(MyGGN).kind == "ggn"
+    with pytest.warns(UserWarning, match=r"backend MyEF.*EFLinearOperator"):
+        assert resolve_backend(MyEF).kind == "ef"
+    with pytest.raises(ValueError, match=r"GGNInterface with stochastic=True"):
+        resolve_backend(GGNInterface, {"stochastic": True})
+
+
+@pytest.mark.parametrize("likelihood", ["regression", "classification"])
+def test_generic_interfaces_on_the_last_layer_and_a_subnetwork_equal_laplace_torch(likelihood):
+    from laplace.lllaplace import FullLLLaplace
+    from laplace.subnetlaplace import FullSubnetLaplace
+
+    from laplace_glas import LastLayerActiveSubspaceLaplace, SubnetActiveSubspaceLaplace
+
+    model, X, y = problem(likelihood)
+    dl = loader(X, y, batch_size=4)
+    indices = torch.tensor([0, 3, 7, 12, 15, 20, 21])  # D_S = 7, EF rank <= 6
+    glas_kwargs = {"complement": "prior", "loss_scaling": "sum", "prior_precision": TAU}
+    # the last layer's GGN (D_LL = 10 or 15, full rank): the top eigenvalues
+    glas = LastLayerActiveSubspaceLaplace(
+        model, likelihood, n_components=4, backend=GGNInterface, solver="lanczos", **glas_kwargs
+    )
+    full = FullLLLaplace(model, likelihood, backend=GGNInterface, prior_precision=TAU)
+    # laplace-torch's generic EFInterface gives a zero last-layer EF (its per-example
+    # gradients do not reach the last layer's weights): CurvlinopsEF is the reference
+    glas_ef = LastLayerActiveSubspaceLaplace(
+        model, likelihood, n_components=7, backend=EFInterface, **glas_kwargs
+    )
+    full_ef = FullLLLaplace(model, likelihood, backend=CurvlinopsEF, prior_precision=TAU)
+    sub = SubnetActiveSubspaceLaplace(
+        model, likelihood, indices, n_components=6, backend=EFInterface, **glas_kwargs
+    )
+    full_sub = FullSubnetLaplace(
+        model, likelihood, indices, backend=EFInterface, prior_precision=TAU
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for la in (glas, full, glas_ef, full_ef, sub, full_sub):
+            la.fit(dl)
+    values = torch.linalg.eigvalsh(full.H).flip(0)
+    torch.testing.assert_close(glas.H[1], values[:4], rtol=1e-6, atol=1e-9 * values[0])
+    for got, want in ((glas_ef, full_ef), (sub, full_sub)):
+        assert got.curvature.kind == "ef"
+        torch.testing.assert_close(
+            got.log_marginal_likelihood(), want.log_marginal_likelihood(), rtol=1e-6, atol=0
         )

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "known_noise_regression.py"
 
 
+EXAMPLES = sorted((ROOT / "examples").glob("[!_]*.py"))  # examples/_cli.py is a helper
 CONCRETE = ROOT.parent / "shared" / "data" / "concrete" / "Concrete_Data.csv"
 
 
@@ -85,7 +86,7 @@ def _load_example(path: Path, monkeypatch):
     return module
 
 
-@pytest.mark.parametrize("script", sorted((ROOT / "examples").glob("*.py")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.stem)
 def test_example_help_is_clean(script, monkeypatch, capsys):
     """--help: no literal '%%', no '(default: None)' beside a stated default, every
     option explained."""
@@ -108,6 +109,58 @@ def test_example_help_is_clean(script, monkeypatch, capsys):
     (parser,) = parsers
     unexplained = [a.option_strings for a in parser._actions if not a.help]
     assert not unexplained, unexplained
+
+
+def _imported_modules(report: list[str]) -> set[str]:
+    """The modules in ``python -X importtime``'s report lines (their last column)."""
+    return {line.rsplit("|", 1)[-1].strip() for line in report[1:]}  # [0]: the header
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.stem)
+def test_help_and_argument_errors_answer_before_torch_is_imported(script):
+    """--help and a bad option answer from the standard library alone: neither torch,
+    laplace-torch nor laplace_glas is imported (the scripts parse before those imports).
+    """
+    for args, code in ((["--help"], 0), (["--no-such-option"], 2)):
+        result = subprocess.run(
+            [sys.executable, "-X", "importtime", str(script), *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        report = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
+        stderr = "\n".join(line for line in result.stderr.splitlines() if line not in report)
+        output = result.stdout if code == 0 else stderr
+        assert result.returncode == code, stderr[-2000:]
+        assert output.startswith(f"usage: {script.name} [-h]"), output
+        if code:
+            assert output.splitlines()[-1].endswith("unrecognized arguments: --no-such-option")
+        imported = _imported_modules(report)
+        assert "argparse" in imported  # the import report is read correctly
+        assert not {"torch", "laplace", "laplace_glas"} & imported
+
+
+def test_the_examples_formatter_is_the_packages():
+    """examples/_cli.py's stdlib-only formatter prints what the package's prints."""
+    import argparse
+
+    import _cli
+
+    from laplace_glas.applications import cli
+
+    texts = []
+    for formatter in (_cli.HelpFormatter, cli.HelpFormatter):
+        parser = argparse.ArgumentParser(prog="x", formatter_class=formatter)
+        parser.add_argument("--a", type=int, default=3, help="shown")
+        parser.add_argument("--b", default=None, help="resolved later")
+        parser.add_argument("--c", action="store_true", help="a flag")
+        parser.add_argument("--d", default=1, help="stated (default: one)")
+        texts.append(parser.format_help())
+    assert texts[0] == texts[1]
+    assert "shown (default: 3)" in texts[0] and "(default: None)" not in texts[0]
+    assert "(default: False)" not in texts[0] and "(default: 1)" not in texts[0]
 
 
 def test_a_missing_data_set_ends_in_one_line_not_a_traceback(tmp_path):

@@ -132,6 +132,47 @@ def test_equals_full_laplace_on_the_subset_at_full_rank(subset, likelihood, loss
         )
 
 
+@pytest.fixture
+def float64_default():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@pytest.mark.parametrize("likelihood", ["regression", "classification"])
+def test_float32_subnetwork_under_a_float64_default_dtype(float64_default, likelihood):
+    # laplace-torch's scalar prior_precision_diag takes the default dtype; the evidence
+    # then mixed float32 and float64. Reference: the float64 network's dense posterior
+    _, full, Xtest, _ = fitted("subnetwork", likelihood)
+    model, X, y, _ = problem(likelihood)
+    model = model.float()
+    sigma = SIGMA if likelihood == "regression" else 1.0
+    glas = SubnetActiveSubspaceLaplace(
+        model,
+        likelihood,
+        SUBNET,
+        n_components=9,
+        sigma_noise=sigma,
+        prior_precision=TAU,
+        loss_scaling="sum",
+        complement="prior",
+    )
+    y = y.float() if likelihood == "regression" else y
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        glas.fit(loader(X.float(), y, batch_size=3))
+    evidence = glas.log_marginal_likelihood()
+    assert evidence.dtype == torch.float32 and glas.prior_precision_diag.dtype == torch.float32
+    torch.testing.assert_close(evidence.double(), full.log_marginal_likelihood(), rtol=1e-4, atol=0)
+    if likelihood == "regression":
+        for got, want in zip(glas(Xtest.float()), full(Xtest, pred_type="glm")):
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got.double(), want, rtol=1e-3, atol=1e-5)
+
+
 @pytest.mark.parametrize("subset", ["last_layer", "subnetwork"])
 def test_restricted_posterior_keeps_the_evidence_and_projects_the_covariance(subset):
     glas, full, _, _ = fitted(subset, "regression", complement="zero")
