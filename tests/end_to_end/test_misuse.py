@@ -21,6 +21,7 @@ from torch import nn
 import laplace_glas.curvature.planner as dispatch
 from laplace_glas import (
     ActiveSubspaceLaplace,
+    CoverageNotReachedWarning,
     FittedWeightsChangedWarning,
     LanczosConvergenceWarning,
 )
@@ -789,3 +790,75 @@ def test_a_refused_call_leaves_the_posterior_as_it_was(toy_regression):
     assert torch.equal(la.prior_precision, before[0])
     assert la.H is before[1] and la.loss is before[2] and la.n_components == before[3]
     la(X[:3], pred_type="glm")  # still predicts
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"coverage": "0.9"}, TypeError, r"coverage must be a real number, got '0.9'"),
+        (
+            {"coverage": 1.5},
+            ValueError,
+            r"coverage \(the nominal coverage level\) must lie in \(0, 1\)",
+        ),
+        ({"ks": 3}, TypeError, r"ks must be a sequence of ints, got 3"),
+        ({"n_samples": 2.5, "pred_type": "nn"}, TypeError, r"n_samples must be an int >= 2"),
+        ({"pred_type": "full"}, ValueError, r"pred_type must be 'glm' or 'nn', got 'full'"),
+        ({"include_noise": "yes"}, TypeError, r"include_noise must be True or False"),
+    ],
+)
+@pytest.mark.parametrize("entry", ["calibrate", "select_dimension"])
+def test_calibration_arguments_of_the_wrong_type(data, entry, kwargs, error, match):
+    from laplace_glas import select_dimension
+
+    la = fit(data)
+    calib = loader(*regression_data(20, seed=5), batch_size=10)
+    before = (la.n_components, la.prior_precision.clone())
+    with pytest.raises(error, match=match):
+        if entry == "calibrate":
+            la.calibrate(calib, **kwargs)
+        else:
+            select_dimension(la, calib, **kwargs)
+    assert la.n_components == before[0] and torch.equal(la.prior_precision, before[1])
+
+
+class _InputsModel(nn.Module):
+    """An MLP reading its input from the dict entry ``inputs``."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp([1, 8, 1])
+
+    def forward(self, batch):
+        return self.net(batch["inputs"])
+
+
+@pytest.mark.parametrize("prior", ["scalar", "layerwise"])
+def test_calibrate_with_a_custom_dict_key_x(data, prior):
+    """Dict batches whose input sits under another dict_key_x are calibrated like tensors."""
+    import statistics
+
+    from laplace_glas import coverage
+
+    X, y = data
+    Xc, yc = regression_data(20, seed=5)
+    prior_precision = 1.0 if prior == "scalar" else torch.ones(4)
+    la = ActiveSubspaceLaplace(
+        _InputsModel(),
+        "regression",
+        n_components=K,
+        dict_key_x="inputs",
+        prior_precision=prior_precision,
+    )
+    la.fit([{"inputs": X[i : i + 10], "labels": y[i : i + 10]} for i in range(0, 40, 10)])
+    calib = [{"inputs": Xc[i : i + 5], "labels": yc[i : i + 5]} for i in range(0, 20, 5)]
+    level = 0.5
+    f, var = la({"inputs": Xc}, pred_type="glm")
+    half = statistics.NormalDist().inv_cdf(0.5 + level / 2) * var.reshape(yc.shape).sqrt()
+    own = float(((yc - f).abs() <= half).double().mean())
+    assert 0 < own < 1
+    assert coverage(la, calib, level=level) == pytest.approx(own)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CoverageNotReachedWarning)
+        selection = la.calibrate(calib, coverage=level, ks=[K], prior_precisions=[1.0])
+    assert selection.k == K
