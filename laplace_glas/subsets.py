@@ -59,6 +59,7 @@ from laplace_glas.curvature.problem import CurvatureProblem
 from laplace_glas.laplace import ActiveSubspaceLaplace
 from laplace_glas.posterior.hyperparameters import unchanged_on_failure
 from laplace_glas.predictive.jvp import jvp_directions, parameter_names
+from laplace_glas.validation import reiterable
 
 __all__ = [
     "LastLayerActiveSubspaceLaplace",
@@ -218,7 +219,10 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
             raise ValueError("Last-layer Laplace approximations do not support `override=False`.")
         self.model.eval()
         if self.model.last_layer is None:
-            self.data = next(iter(train_loader))
+            reiterable("train_loader", train_loader)  # before a batch is taken from it
+            self.data = next(iter(train_loader), None)
+            if self.data is None:
+                raise ValueError("The training loader is empty: there is no data to fit.")
             self._find_last_layer(self.data)
             self._use_last_layer()
             # as LLLaplace: the hyperparameters given before D_L was known are checked now

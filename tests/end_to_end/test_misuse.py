@@ -862,3 +862,42 @@ def test_calibrate_with_a_custom_dict_key_x(data, prior):
         warnings.simplefilter("ignore", CoverageNotReachedWarning)
         selection = la.calibrate(calib, coverage=level, ks=[K], prior_precisions=[1.0])
     assert selection.k == K
+
+
+def test_last_layer_fit_of_an_empty_loader(data):
+    from laplace_glas import LastLayerActiveSubspaceLaplace
+
+    X, y = data
+    la = LastLayerActiveSubspaceLaplace(mlp([1, 8, 1]), "regression", n_components=2)
+    with pytest.raises(ValueError, match=r"training loader is empty"):
+        la.fit(loader(X[:0], y[:0], batch_size=10))
+    with pytest.raises(TypeError, match=r"train_loader must be re-iterable"):
+        la.fit(iter(loader(X, y, batch_size=10)))
+
+
+@pytest.mark.parametrize("value", [[("stochastic", True)], "stochastic", 1])
+def test_backend_kwargs_of_the_wrong_type(value):
+    with pytest.raises(TypeError, match=r"backend_kwargs must be a dict .* or None"):
+        ActiveSubspaceLaplace(mlp([1, 8, 1]), "regression", backend_kwargs=value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"pred_type": "glmm"}, r"pred_type must be 'glm' or 'nn', got 'glmm'"),
+        ({"link_approx": "probitt"}, r"link_approx must be one of .*'probit'.*got 'probitt'"),
+        ({"method": "grid"}, r"method must be 'marglik' or 'gridsearch', got 'grid'"),
+    ],
+)
+def test_gridsearch_typos_are_named_before_any_work(data, kwargs, match):
+    la = fit(data)
+    before = la.prior_precision.clone()
+    kwargs.setdefault("method", "gridsearch")
+
+    class Unread:
+        def __iter__(self):
+            raise AssertionError("the validation data was read")
+
+    with pytest.raises(ValueError, match=match):
+        la.optimize_prior_precision(val_loader=[Unread()], **kwargs)
+    assert torch.equal(la.prior_precision, before)
