@@ -901,3 +901,18 @@ def test_gridsearch_typos_are_named_before_any_work(data, kwargs, match):
     with pytest.raises(ValueError, match=match):
         la.optimize_prior_precision(val_loader=[Unread()], **kwargs)
     assert torch.equal(la.prior_precision, before)
+
+
+@pytest.mark.parametrize("kind", ["full", "last_layer", "subnetwork"])
+def test_a_model_on_the_meta_device_is_refused_by_name(kind):
+    from laplace_glas import LastLayerActiveSubspaceLaplace, SubnetActiveSubspaceLaplace
+
+    with torch.device("meta"):
+        model = mlp([1, 8, 1])
+    cls, kwargs = {
+        "full": (ActiveSubspaceLaplace, {}),
+        "last_layer": (LastLayerActiveSubspaceLaplace, {}),
+        "subnetwork": (SubnetActiveSubspaceLaplace, {"subnetwork_indices": torch.arange(5)}),
+    }[kind]
+    with pytest.raises(ValueError, match=r"on the 'meta' device .* to_empty"):
+        cls(model, "regression", n_components=2, **kwargs)
