@@ -916,3 +916,55 @@ def test_a_model_on_the_meta_device_is_refused_by_name(kind):
     }[kind]
     with pytest.raises(ValueError, match=r"on the 'meta' device.*to_empty"):
         cls(model, "regression", n_components=2, **kwargs)
+
+
+def test_hugging_face_batches_without_input_ids_name_the_key():
+    """fit and predict on dict batches lacking ``input_ids`` raise ``MissingKeyError``."""
+    transformers = pytest.importorskip("transformers")
+    from laplace_glas.curvature.batches import MissingKeyError
+    from laplace_glas.huggingface import LogitsModel, causal_lm_batch
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=12, n_positions=16, n_embd=8, n_layer=1, n_head=2, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    model = LogitsModel(transformers.GPT2LMHeadModel(config).double().eval())
+    batch = causal_lm_batch(torch.randint(3, 12, (4, 6)))
+    renamed = {"tokens": batch["input_ids"], **{k: batch[k] for k in ("attention_mask", "labels")}}
+    la = ActiveSubspaceLaplace(model, "classification", n_components=2)
+    with pytest.raises(
+        MissingKeyError, match=r"no 'input_ids'.*\['attention_mask', 'labels', 'tokens'\]"
+    ):
+        la.fit([renamed])
+    la.fit([batch])
+    with pytest.raises(MissingKeyError, match=r"no input under dict_key_x='input_ids'.*'tokens'"):
+        la({"tokens": batch["input_ids"], "attention_mask": batch["attention_mask"]})
+
+
+@pytest.mark.parametrize("complement", ["zero", "prior"])
+def test_alignment_of_a_subnetwork_posterior_is_over_its_weights(data, complement):
+    """alignment of a subnetwork posterior: ``J`` over the subnetwork's weights, its
+    variances those of the posterior's own 'glm' predictive.
+    """
+    from conftest import output_jacobian
+
+    from laplace_glas import SubnetActiveSubspaceLaplace, alignment
+
+    X, y = data
+    model = mlp([1, 8, 1], dtype=torch.float64)
+    indices = torch.arange(3, 20)
+    la = SubnetActiveSubspaceLaplace(
+        model, "regression", subnetwork_indices=indices, n_components=K, complement=complement
+    )
+    la.fit(loader(X.double(), y.double(), batch_size=10))
+    x = torch.linspace(-3, 3, 7, dtype=torch.float64).reshape(-1, 1)
+    result = alignment(la, x)
+    _, J = output_jacobian(model, x)
+    J_sub = J[..., indices]  # (n, 1, D_s)
+    JU = J_sub @ la.eigenvectors[:, :K]
+    torch.testing.assert_close(result.jacobian_norm2, J_sub.square().sum(dim=(1, 2)))
+    torch.testing.assert_close(result.projected_norm2, JU.square().sum(dim=(1, 2)))
+    _, f_var = la(x, pred_type="glm")
+    own = result.variance if complement == "zero" else result.combined
+    torch.testing.assert_close(own, f_var.reshape(-1))
