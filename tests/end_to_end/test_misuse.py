@@ -968,3 +968,30 @@ def test_alignment_of_a_subnetwork_posterior_is_over_its_weights(data, complemen
     _, f_var = la(x, pred_type="glm")
     own = result.variance if complement == "zero" else result.combined
     torch.testing.assert_close(own, f_var.reshape(-1))
+
+
+def test_a_subnetwork_state_loads_only_into_the_same_subnetwork(data):
+    from laplace_glas import SubnetActiveSubspaceLaplace
+
+    model = mlp([1, 8, 1])
+
+    def subnet(indices):
+        return SubnetActiveSubspaceLaplace(
+            model, "regression", subnetwork_indices=indices, n_components=K
+        )
+
+    la = subnet(torch.arange(0, 20))
+    la.fit(loader(*data, batch_size=10))
+    state = la.state_dict()
+    assert torch.equal(state["subnetwork_indices"], torch.arange(0, 20))
+    other = subnet(torch.arange(5, 25))  # the same size, other weights
+    with pytest.raises(ValueError, match=r"saved with other subnetwork_indices \(the same size"):
+        other.load_state_dict(state)
+    assert other.H is None  # left unfitted
+    same = subnet(torch.arange(0, 20))
+    same.load_state_dict(state)
+    x = torch.linspace(-2, 2, 5).reshape(-1, 1)
+    torch.testing.assert_close(same(x)[1], la(x)[1])
+    old = {key: value for key, value in state.items() if key != "subnetwork_indices"}
+    with pytest.warns(UserWarning, match=r"no subnetwork_indices.*cannot be checked"):
+        subnet(torch.arange(5, 25)).load_state_dict(old)
