@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from laplace_glas.curvature.batches import MissingKeyError
+
 __all__ = ["LogitsModel", "causal_lm_batch"]
 
 
@@ -53,8 +55,10 @@ class LogitsModel(nn.Module):
     model : nn.Module
         A ``transformers`` model (or ``peft`` model), called with keyword arguments.
     input_keys : sequence of str, default=('input_ids', 'attention_mask')
-        Entries of a mapping batch passed to ``model`` (when present); others, such as
-        the ``labels``, are not (the model would compute its own loss).
+        Entries of a mapping batch passed to ``model`` (when present; the first is
+        required, a batch without it raises
+        :class:`~laplace_glas.curvature.batches.MissingKeyError`); others, such as the
+        ``labels``, are not (the model would compute its own loss).
 
     """
 
@@ -71,22 +75,33 @@ class LogitsModel(nn.Module):
         self.model = model
         self.input_keys = tuple(input_keys)
 
+    def _check_keys(self, data: Mapping[str, Any]) -> None:
+        """Raise :class:`MissingKeyError` when the batch lacks the first input key."""
+        required = self.input_keys[0]
+        if required in data:
+            return
+        present = sorted(map(str, data.keys()))
+        if not any(key in data for key in self.input_keys):
+            problem = f"The batch has none of the input keys {list(self.input_keys)}"
+        else:
+            problem = f"The batch has no {required!r}"
+        raise MissingKeyError(
+            f"{problem}: the model's input {required!r} (the first of input_keys) is "
+            f"required; the batch's keys are {present}."
+        )
+
     def forward(self, data: Mapping[str, Any] | torch.Tensor) -> torch.Tensor:
         """The logits of ``model`` on the batch."""
         device = next(self.model.parameters()).device
         if isinstance(data, torch.Tensor):
             inputs = {self.input_keys[0]: data.to(device)}
         elif isinstance(data, Mapping):
+            self._check_keys(data)
             inputs = {
                 key: data[key].to(device) if isinstance(data[key], torch.Tensor) else data[key]
                 for key in self.input_keys
                 if key in data
             }
-            if not inputs:
-                raise ValueError(
-                    f"The batch has none of the input keys {list(self.input_keys)}; its keys "
-                    f"are {sorted(map(str, data.keys()))}."
-                )
         else:
             raise TypeError(
                 f"Expected a mapping batch or a tensor of input ids, got {type(data).__name__}."

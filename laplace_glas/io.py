@@ -31,6 +31,7 @@ __all__ = [
     "GLAS_KEYS",
     "LAPLACE_KEYS",
     "check_state",
+    "check_subnetwork_indices",
     "eigenpair_record",
     "glas_state",
     "restore_glas_state",
@@ -360,3 +361,51 @@ def restore_glas_state(
     except TypeError as err:
         raise ValueError(f"state_dict['eigenpairs'] is not an eigen-solve record: {err}") from None
     return eigenpairs
+
+
+def check_subnetwork_indices(indices: torch.Tensor, state: Mapping[str, Any]) -> None:
+    """The saved ``subnetwork_indices`` of a subnetwork posterior's ``state`` must be
+    ``indices``, those of the object it is loaded into.
+
+    Parameters
+    ----------
+    indices : torch.Tensor
+        The subnetwork's weight indices of the receiving object.
+    state : mapping
+        The state dict to load.
+
+    Raises
+    ------
+    ValueError
+        When the saved indices differ (the eigenvectors would be put on other weights).
+
+    Warns
+    -----
+    UserWarning
+        When the state holds no indices (saved before they were stored): they cannot be
+        checked.
+
+    """
+    if not isinstance(state, Mapping):
+        return  # check_state names the problem
+    saved = state.get("subnetwork_indices")
+    if saved is None:
+        warnings.warn(
+            "The state holds no subnetwork_indices (saved by an older version): that its "
+            "eigenvectors belong to this object's subnetwork cannot be checked.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return
+    if not isinstance(saved, torch.Tensor) or saved.is_floating_point() or saved.is_complex():
+        raise ValueError(f"subnetwork_indices must be an integer tensor, got {saved!r}.")
+    saved = saved.detach().cpu().reshape(-1).long()
+    mine = indices.detach().cpu().reshape(-1).long()
+    if saved.shape != mine.shape or not torch.equal(saved, mine):
+        differ = "different sizes" if saved.numel() != mine.numel() else "the same size"
+        raise ValueError(
+            f"The state was saved with other subnetwork_indices ({differ}: "
+            f"{saved.numel()} saved, {mine.numel()} here): its eigenvectors are over "
+            "other weights. Load it into a SubnetActiveSubspaceLaplace constructed with "
+            "the saved subnetwork_indices (state_dict['subnetwork_indices'])."
+        )

@@ -56,9 +56,11 @@ from torch.utils.data import DataLoader
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES
 from laplace_glas.curvature.planner import Plan
 from laplace_glas.curvature.problem import CurvatureProblem
+from laplace_glas.io import check_subnetwork_indices
 from laplace_glas.laplace import ActiveSubspaceLaplace
 from laplace_glas.posterior.hyperparameters import unchanged_on_failure
 from laplace_glas.predictive.jvp import jvp_directions, parameter_names
+from laplace_glas.validation import reiterable
 
 __all__ = [
     "LastLayerActiveSubspaceLaplace",
@@ -218,7 +220,10 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
             raise ValueError("Last-layer Laplace approximations do not support `override=False`.")
         self.model.eval()
         if self.model.last_layer is None:
-            self.data = next(iter(train_loader))
+            reiterable("train_loader", train_loader)  # before a batch is taken from it
+            self.data = next(iter(train_loader), None)
+            if self.data is None:
+                raise ValueError("The training loader is empty: there is no data to fit.")
             self._find_last_layer(self.data)
             self._use_last_layer()
             # as LLLaplace: the hyperparameters given before D_L was known are checked now
@@ -396,6 +401,18 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
         super().fit(train_loader, override=override, progress_bar=progress_bar)
         self._theta_map = self.mean  # the whole network's MAP, set by fit
         self.mean = self._theta_map[self._index_on_device()]
+
+    def state_dict(self) -> dict[str, Any]:
+        """:meth:`ActiveSubspaceLaplace.state_dict` plus the ``subnetwork_indices``."""
+        return {**super().state_dict(), "subnetwork_indices": self.subnetwork_indices.cpu()}
+
+    @unchanged_on_failure
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """:meth:`ActiveSubspaceLaplace.load_state_dict`, refused for a state saved with
+        other ``subnetwork_indices`` (a state without them loads with a warning).
+        """
+        check_subnetwork_indices(self.subnetwork_indices, state_dict)
+        super().load_state_dict(state_dict)
 
     def _index_on_device(self) -> torch.Tensor:
         return self.subnetwork_indices.to(self._device)

@@ -317,10 +317,23 @@ def choice(name: str, value: Any, allowed: tuple[str, ...], meaning: str = "") -
 
 def trainable_size_and_dtype(model: Any) -> tuple[int, torch.dtype]:
     """``D`` and the floating dtype of a model's parameters that require grad; a clear
-    error for an object that is not a module or has no such parameters.
+    error for an object that is not a module, has no such parameters or has tensors on
+    the 'meta' device.
     """
     if not isinstance(model, torch.nn.Module):
         raise ArgumentTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    meta = [
+        name
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+        if t.device.type == "meta"
+    ]
+    if meta:
+        raise ValueError(
+            f"The model's tensors {meta[:3]}{' ...' if len(meta) > 3 else ''} are on the "
+            "'meta' device (shapes without values): GLAS needs weights on a device that "
+            "holds data ('cpu' or 'cuda'). Materialise them first, e.g. "
+            "model.to_empty(device='cpu') and then model.load_state_dict(weights)."
+        )
     trainable = [p for p in model.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in trainable)
     if n_params == 0:

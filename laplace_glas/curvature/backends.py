@@ -54,6 +54,7 @@ recorded in
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +73,7 @@ from laplace.curvature import (
 from torch import nn
 
 from laplace_glas.curvature.losses import TokenCrossEntropy
+from laplace_glas.validation import ArgumentTypeError
 
 __all__ = ["CURVATURES", "CurvatureChoice", "resolve_backend"]
 
@@ -123,10 +125,17 @@ def resolve_backend(backend: Any, backend_kwargs: dict[str, Any] | None = None) 
 
     Raises
     ------
+    ArgumentTypeError
+        When ``backend_kwargs`` is neither a dict nor None.
     ValueError
         For a stochastic GGN and for classes without a matrix-free operator.
 
     """
+    if backend_kwargs is not None and not isinstance(backend_kwargs, Mapping):
+        raise ArgumentTypeError(
+            f"backend_kwargs must be a dict (of keyword arguments for the backend) or None, "
+            f"got {type(backend_kwargs).__name__} ({backend_kwargs!r})."
+        )
     if backend is None:
         return CurvatureChoice("ggn", CurvlinopsGGN.__name__)
     name = getattr(backend, "__name__", repr(backend))

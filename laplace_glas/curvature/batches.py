@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Subset
 __all__ = [
     "MissingKeyError",
     "XYBatches",
+    "batch_input",
     "batch_size",
     "batch_to_device",
     "check_finite",
@@ -56,16 +57,30 @@ def split_batch(data: Any, dict_key_y: str = "labels") -> tuple[Any, torch.Tenso
     return X, y
 
 
-def batch_size(X: Any, dict_key_x: str = "input_ids") -> int:
-    """Number of data points in an input batch."""
-    if isinstance(X, MutableMapping):
+def batch_input(X: Any, dict_key_x: str = "input_ids") -> Any:
+    """The entry of a dict batch that holds the batch axis, ``X[dict_key_x]`` (any
+    other input is returned as it is).
+
+    Raises
+    ------
+    MissingKeyError
+        When a dict batch has no entry ``dict_key_x`` (the message names the batch's
+        keys).
+
+    """
+    if isinstance(X, Mapping):
         if dict_key_x not in X:
             raise MissingKeyError(
                 f"A dict batch has no input under dict_key_x={dict_key_x!r}; its keys are "
                 f"{sorted(map(str, X.keys()))}."
             )
-        return int(X[dict_key_x].shape[0])
-    return int(X.shape[0])
+        return X[dict_key_x]
+    return X
+
+
+def batch_size(X: Any, dict_key_x: str = "input_ids") -> int:
+    """Number of data points in an input batch."""
+    return int(batch_input(X, dict_key_x).shape[0])
 
 
 def concatenate_inputs(

@@ -144,8 +144,11 @@ def _per_example_norms(
     x: Any,
     n_outputs: int,
     dict_key_x: str,
+    indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``(rows, )`` squared Frobenius norms of the Jacobian rows-blocks of one chunk.
+    """``(rows, )`` squared Frobenius norms of the Jacobian rows-blocks of one chunk
+    (over the flattened weights ``indices`` of ``primals`` only, when given: a
+    subnetwork's).
 
     Each example's output entries ``f_o`` (``o`` over positions and outputs) get their
     gradients ``grad_theta f_o`` by reverse mode, vectorised over examples and over
@@ -167,6 +170,9 @@ def _per_example_norms(
 
         def sq_norm(cotangent: torch.Tensor) -> torch.Tensor:
             (grads,) = pullback(cotangent)
+            if indices is not None:
+                flat = torch.cat([g.reshape(-1) for g in grads.values()])
+                return flat[indices].square().sum()
             return sum(g.square().sum() for g in grads.values())
 
         try:
@@ -237,8 +243,11 @@ def alignment(
     posterior.check_inputs(x)
     posterior.check_fitted_weights()
     x = posterior.to_device(x)
-    U, v = la.eigenvectors, la.posterior_variances
-    theta = posterior.mean.detach()
+    # over the network's weights: a subnetwork's directions embedded in them, its
+    # Jacobian norms over its own weights (weight_indices)
+    U, v = posterior.network_directions(posterior.n_components), la.posterior_variances
+    theta = posterior.network_weights.detach()
+    indices = posterior.weight_indices
     names, shapes = posterior.param_names, posterior.param_shapes
     primals = unflatten(theta, names, shapes)
     norms, projected, by_direction = [], [], []
@@ -262,7 +271,7 @@ def alignment(
             weighted = squares * v
             by_direction.append(weighted if per_output else weighted.sum(dim=1))
             with torch.enable_grad():
-                norm2 = _per_example_norms(la.model, primals, rows, n_out, la.dict_key_x)
+                norm2 = _per_example_norms(la.model, primals, rows, n_out, la.dict_key_x, indices)
                 norms.append(norm2.detach())
     scalar_prior_precision(posterior.prior_precision)
     tau = posterior.tau

@@ -53,9 +53,10 @@ import torch
 from laplace_glas.curvature.batches import batch_size as batch_rows
 from laplace_glas.curvature.batches import concatenate_inputs, split_batch
 from laplace_glas.curvature.distributed import data_parallel, reduce_coverage_rows
-from laplace_glas.diagnostics.coverage import CoverageRow, coverage_table
+from laplace_glas.diagnostics.coverage import CoverageRow, check_sweep_arguments, coverage_table
 from laplace_glas.posterior.closed_forms import optimal_prior_precision
 from laplace_glas.posterior.view import fitted_posterior
+from laplace_glas.validation import flag
 
 __all__ = [
     "CoverageNotReachedWarning",
@@ -242,6 +243,7 @@ def _validate_ks(la: Any, ks: Sequence[int] | None) -> list[int]:
     available = fitted_posterior(la, "calibration").n_computed
     if ks is not None and (
         isinstance(ks, str)
+        or not isinstance(ks, Iterable)
         or not all(isinstance(k, numbers.Integral) and not isinstance(k, bool) for k in ks)
     ):
         raise TypeError(f"ks must be a sequence of ints, got {ks!r}.")
@@ -308,6 +310,10 @@ def select_dimension(
             f"likelihood={la.likelihood!r} has none to cover (reward models are trained "
             "on preference labels, not on targets of the predicted rewards)."
         )
+    coverage, n_samples = check_sweep_arguments(
+        coverage, pred_type, n_samples, include_noise, "coverage"
+    )
+    flag("empirical_bayes", empirical_bayes)
     ks = _validate_ks(la, ks)
     X, y, batch_size = _gather(la, calib_loader)
     pairs = _candidates(la, ks, prior_precisions, empirical_bayes)
@@ -361,6 +367,7 @@ def _current_row(
     generator: torch.Generator | None,
     include_noise: bool,
 ) -> CoverageRow:
+    level, n_samples = check_sweep_arguments(level, pred_type, n_samples, include_noise)
     X, y, batch_size = _gather(la, loader)
     tau = la.posterior.tau
     pairs = [(la.n_components, tau, False)]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,9 +32,9 @@ from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature.fitting import check_labels
 from laplace_glas.predictive.jvp import batched_outputs, jvp_directions, row_chunks
 from laplace_glas.predictive.links import gaussian_samples
-from laplace_glas.validation import positive_int
+from laplace_glas.validation import ArgumentTypeError, choice, flag, positive_int, scalar_value
 
-__all__ = ["CoverageRow", "coverage_table"]
+__all__ = ["CoverageRow", "check_sweep_arguments", "coverage_table"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,53 @@ def _standard_normal(shape, la: Any, generator: torch.Generator | None) -> torch
     return draws.to(posterior.device)
 
 
+def check_sweep_arguments(
+    level: Any, pred_type: Any, n_samples: Any, include_noise: Any, level_name: str = "level"
+) -> tuple[float, int]:
+    """The coverage level and sample count of a sweep, checked by type and range.
+
+    Parameters
+    ----------
+    level : float
+        Nominal coverage, in ``(0, 1)``.
+    pred_type : {'glm', 'nn'}
+        The predictive.
+    n_samples : int
+        Number of samples, at least 2.
+    include_noise : bool
+        Whether the observation noise is added.
+    level_name : str, default='level'
+        The name of ``level`` in the caller's signature (used in the messages).
+
+    Returns
+    -------
+    tuple of (float, int)
+        ``level`` and ``n_samples`` as Python numbers.
+
+    Raises
+    ------
+    ArgumentTypeError
+        When an argument has the wrong type (a string for a number, a float count).
+    ValueError
+        When an argument is out of its range or not one of the accepted strings.
+
+    """
+    number = scalar_value(level_name, level)
+    if not 0 < number < 1:
+        raise ValueError(
+            f"{level_name} (the nominal coverage level) must lie in (0, 1), got {number}."
+        )
+    choice("pred_type", pred_type, ("glm", "nn"))
+    if isinstance(n_samples, bool) or not isinstance(n_samples, numbers.Integral):
+        raise ArgumentTypeError(
+            f"n_samples must be an int >= 2, got {type(n_samples).__name__} ({n_samples!r})."
+        )
+    if n_samples < 2:
+        raise ValueError(f"n_samples must be an int >= 2, got {n_samples}.")
+    flag("include_noise", include_noise)
+    return number, int(n_samples)
+
+
 def coverage_table(
     la: Any,
     X: torch.Tensor,
@@ -82,12 +130,7 @@ def coverage_table(
     ``batch_size`` rows of ``X`` at a time (default: all), so the memory of the JVPs
     and sample evaluations is that of one batch; only the outputs are kept.
     """
-    if not 0 < level < 1:
-        raise ValueError(f"The coverage level must lie in (0, 1), got {level}.")
-    if pred_type not in ("nn", "glm"):
-        raise ValueError(f"pred_type must be 'nn' or 'glm', got {pred_type!r}.")
-    if n_samples < 2:
-        raise ValueError("n_samples must be >= 2.")
+    level, n_samples = check_sweep_arguments(level, pred_type, n_samples, include_noise)
     batch_size = positive_int("batch_size", batch_size)
     k_max = max(k for k, _, _ in pairs)
     # U over the posterior's weights (complement draws), V over the network's (the
@@ -320,7 +363,7 @@ def _own_prior_moments(
     """
     view = _truncated(la, k, tau)
     glm_moments = view.posterior.glm_moments
-    parts = [glm_moments(rows) for rows in row_chunks(X, batch_size)]
+    parts = [glm_moments(rows) for rows in row_chunks(X, batch_size, la.dict_key_x)]
     lead = torch.Size([sum(p[2][0] for p in parts), *parts[0][2][1:]])
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), lead
 

@@ -60,6 +60,9 @@ from laplace_glas.validation import (
 __all__ = ["SubspacePosterior"]
 
 _PRIOR_STRUCTURES = ("scalar", "layerwise", "diag")
+_TUNING_METHODS = tuple(m.value for m in TuningMethod)
+_GRID_PRED_TYPES = ("glm", "nn")  # the predictives the grid search scores
+_LINKS = tuple(link.value for link in LinkApprox)
 
 
 class SubspacePosterior:
@@ -377,7 +380,10 @@ class SubspacePosterior:
         structured = prior_structure != PriorStructure.SCALAR or (
             isinstance(init_prior_prec, torch.Tensor) and init_prior_prec.numel() != 1
         )
+        method = choice("method", str(getattr(method, "value", method)), _TUNING_METHODS)
         if method == TuningMethod.GRIDSEARCH:
+            choice("pred_type", str(getattr(pred_type, "value", pred_type)), _GRID_PRED_TYPES)
+            choice("link_approx", str(getattr(link_approx, "value", link_approx)), _LINKS)
             if val_loader is not None:
                 reiterable("val_loader", val_loader)
                 if next(iter(val_loader), None) is None:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev, jvp, vmap
 
+from laplace_glas.curvature.batches import batch_input
 from laplace_glas.validation import check_model_output
 
 __all__ = [
@@ -209,7 +210,7 @@ def row_chunks(x: Any, size: int | None, dict_key_x: str = "input_ids") -> Itera
     ``x`` is a tensor, or a mapping whose batch axis is that of ``x[dict_key_x]``: every
     tensor entry with that leading size is sliced, other entries are passed whole.
     """
-    n_rows = x[dict_key_x].shape[0] if isinstance(x, Mapping) else x.shape[0]
+    n_rows = batch_input(x, dict_key_x).shape[0]
     step = size or max(n_rows, 1)
     for start in range(0, n_rows, step):
         if not isinstance(x, Mapping):

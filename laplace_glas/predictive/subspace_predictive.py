@@ -32,6 +32,7 @@ import torch
 from laplace.utils.enums import LinkApprox, PredType
 
 from laplace_glas.autodiff.context import autodiff_friendly
+from laplace_glas.curvature.batches import batch_input
 from laplace_glas.curvature.operators.factored import factored_jacobian_directions
 from laplace_glas.predictive.jvp import batched_outputs, jvp_directions
 from laplace_glas.predictive.links import gaussian_samples, laplace_bridge
@@ -121,7 +122,7 @@ class SubspacePredictive(PriorGram):
         return draws
 
     def _check_inputs(self, X: Any) -> None:
-        inputs = X[self.dict_key_x] if isinstance(X, MutableMapping) else X
+        inputs = batch_input(X, self.dict_key_x)
         if isinstance(inputs, torch.Tensor):
             if inputs.ndim == 0:
                 raise ValueError("The input must have a batch axis: shape (batch, ...), got ().")

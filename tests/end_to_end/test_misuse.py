@@ -21,6 +21,7 @@ from torch import nn
 import laplace_glas.curvature.planner as dispatch
 from laplace_glas import (
     ActiveSubspaceLaplace,
+    CoverageNotReachedWarning,
     FittedWeightsChangedWarning,
     LanczosConvergenceWarning,
 )
@@ -789,3 +790,208 @@ def test_a_refused_call_leaves_the_posterior_as_it_was(toy_regression):
     assert torch.equal(la.prior_precision, before[0])
     assert la.H is before[1] and la.loss is before[2] and la.n_components == before[3]
     la(X[:3], pred_type="glm")  # still predicts
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"coverage": "0.9"}, TypeError, r"coverage must be a real number, got '0.9'"),
+        (
+            {"coverage": 1.5},
+            ValueError,
+            r"coverage \(the nominal coverage level\) must lie in \(0, 1\)",
+        ),
+        ({"ks": 3}, TypeError, r"ks must be a sequence of ints, got 3"),
+        ({"n_samples": 2.5, "pred_type": "nn"}, TypeError, r"n_samples must be an int >= 2"),
+        ({"pred_type": "full"}, ValueError, r"pred_type must be 'glm' or 'nn', got 'full'"),
+        ({"include_noise": "yes"}, TypeError, r"include_noise must be True or False"),
+    ],
+)
+@pytest.mark.parametrize("entry", ["calibrate", "select_dimension"])
+def test_calibration_arguments_of_the_wrong_type(data, entry, kwargs, error, match):
+    from laplace_glas import select_dimension
+
+    la = fit(data)
+    calib = loader(*regression_data(20, seed=5), batch_size=10)
+    before = (la.n_components, la.prior_precision.clone())
+    with pytest.raises(error, match=match):
+        if entry == "calibrate":
+            la.calibrate(calib, **kwargs)
+        else:
+            select_dimension(la, calib, **kwargs)
+    assert la.n_components == before[0] and torch.equal(la.prior_precision, before[1])
+
+
+class _InputsModel(nn.Module):
+    """An MLP reading its input from the dict entry ``inputs``."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp([1, 8, 1])
+
+    def forward(self, batch):
+        return self.net(batch["inputs"])
+
+
+@pytest.mark.parametrize("prior", ["scalar", "layerwise"])
+def test_calibrate_with_a_custom_dict_key_x(data, prior):
+    """Dict batches whose input sits under another dict_key_x are calibrated like tensors."""
+    import statistics
+
+    from laplace_glas import coverage
+
+    X, y = data
+    Xc, yc = regression_data(20, seed=5)
+    prior_precision = 1.0 if prior == "scalar" else torch.ones(4)
+    la = ActiveSubspaceLaplace(
+        _InputsModel(),
+        "regression",
+        n_components=K,
+        dict_key_x="inputs",
+        prior_precision=prior_precision,
+    )
+    la.fit([{"inputs": X[i : i + 10], "labels": y[i : i + 10]} for i in range(0, 40, 10)])
+    calib = [{"inputs": Xc[i : i + 5], "labels": yc[i : i + 5]} for i in range(0, 20, 5)]
+    level = 0.5
+    f, var = la({"inputs": Xc}, pred_type="glm")
+    half = statistics.NormalDist().inv_cdf(0.5 + level / 2) * var.reshape(yc.shape).sqrt()
+    own = float(((yc - f).abs() <= half).double().mean())
+    assert 0 < own < 1
+    assert coverage(la, calib, level=level) == pytest.approx(own)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CoverageNotReachedWarning)
+        selection = la.calibrate(calib, coverage=level, ks=[K], prior_precisions=[1.0])
+    assert selection.k == K
+
+
+def test_last_layer_fit_of_an_empty_loader(data):
+    from laplace_glas import LastLayerActiveSubspaceLaplace
+
+    X, y = data
+    la = LastLayerActiveSubspaceLaplace(mlp([1, 8, 1]), "regression", n_components=2)
+    with pytest.raises(ValueError, match=r"training loader is empty"):
+        la.fit(loader(X[:0], y[:0], batch_size=10))
+    with pytest.raises(TypeError, match=r"train_loader must be re-iterable"):
+        la.fit(iter(loader(X, y, batch_size=10)))
+
+
+@pytest.mark.parametrize("value", [[("stochastic", True)], "stochastic", 1])
+def test_backend_kwargs_of_the_wrong_type(value):
+    with pytest.raises(TypeError, match=r"backend_kwargs must be a dict .* or None"):
+        ActiveSubspaceLaplace(mlp([1, 8, 1]), "regression", backend_kwargs=value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"pred_type": "glmm"}, r"pred_type must be 'glm' or 'nn', got 'glmm'"),
+        ({"link_approx": "probitt"}, r"link_approx must be one of .*'probit'.*got 'probitt'"),
+        ({"method": "grid"}, r"method must be 'marglik' or 'gridsearch', got 'grid'"),
+    ],
+)
+def test_gridsearch_typos_are_named_before_any_work(data, kwargs, match):
+    la = fit(data)
+    before = la.prior_precision.clone()
+    kwargs.setdefault("method", "gridsearch")
+
+    class Unread:
+        def __iter__(self):
+            raise AssertionError("the validation data was read")
+
+    with pytest.raises(ValueError, match=match):
+        la.optimize_prior_precision(val_loader=[Unread()], **kwargs)
+    assert torch.equal(la.prior_precision, before)
+
+
+@pytest.mark.parametrize("kind", ["full", "last_layer", "subnetwork"])
+def test_a_model_on_the_meta_device_is_refused_by_name(kind):
+    from laplace_glas import LastLayerActiveSubspaceLaplace, SubnetActiveSubspaceLaplace
+
+    with torch.device("meta"):
+        model = mlp([1, 8, 1])
+    cls, kwargs = {
+        "full": (ActiveSubspaceLaplace, {}),
+        "last_layer": (LastLayerActiveSubspaceLaplace, {}),
+        "subnetwork": (SubnetActiveSubspaceLaplace, {"subnetwork_indices": torch.arange(5)}),
+    }[kind]
+    with pytest.raises(ValueError, match=r"on the 'meta' device.*to_empty"):
+        cls(model, "regression", n_components=2, **kwargs)
+
+
+def test_hugging_face_batches_without_input_ids_name_the_key():
+    """fit and predict on dict batches lacking ``input_ids`` raise ``MissingKeyError``."""
+    transformers = pytest.importorskip("transformers")
+    from laplace_glas.curvature.batches import MissingKeyError
+    from laplace_glas.huggingface import LogitsModel, causal_lm_batch
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=12, n_positions=16, n_embd=8, n_layer=1, n_head=2, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    model = LogitsModel(transformers.GPT2LMHeadModel(config).double().eval())
+    batch = causal_lm_batch(torch.randint(3, 12, (4, 6)))
+    renamed = {"tokens": batch["input_ids"], **{k: batch[k] for k in ("attention_mask", "labels")}}
+    la = ActiveSubspaceLaplace(model, "classification", n_components=2)
+    with pytest.raises(
+        MissingKeyError, match=r"no 'input_ids'.*\['attention_mask', 'labels', 'tokens'\]"
+    ):
+        la.fit([renamed])
+    la.fit([batch])
+    with pytest.raises(MissingKeyError, match=r"no input under dict_key_x='input_ids'.*'tokens'"):
+        la({"tokens": batch["input_ids"], "attention_mask": batch["attention_mask"]})
+
+
+@pytest.mark.parametrize("complement", ["zero", "prior"])
+def test_alignment_of_a_subnetwork_posterior_is_over_its_weights(data, complement):
+    """alignment of a subnetwork posterior: ``J`` over the subnetwork's weights, its
+    variances those of the posterior's own 'glm' predictive.
+    """
+    from conftest import output_jacobian
+
+    from laplace_glas import SubnetActiveSubspaceLaplace, alignment
+
+    X, y = data
+    model = mlp([1, 8, 1], dtype=torch.float64)
+    indices = torch.arange(3, 20)
+    la = SubnetActiveSubspaceLaplace(
+        model, "regression", subnetwork_indices=indices, n_components=K, complement=complement
+    )
+    la.fit(loader(X.double(), y.double(), batch_size=10))
+    x = torch.linspace(-3, 3, 7, dtype=torch.float64).reshape(-1, 1)
+    result = alignment(la, x)
+    _, J = output_jacobian(model, x)
+    J_sub = J[..., indices]  # (n, 1, D_s)
+    JU = J_sub @ la.eigenvectors[:, :K]
+    torch.testing.assert_close(result.jacobian_norm2, J_sub.square().sum(dim=(1, 2)))
+    torch.testing.assert_close(result.projected_norm2, JU.square().sum(dim=(1, 2)))
+    _, f_var = la(x, pred_type="glm")
+    own = result.variance if complement == "zero" else result.combined
+    torch.testing.assert_close(own, f_var.reshape(-1))
+
+
+def test_a_subnetwork_state_loads_only_into_the_same_subnetwork(data):
+    from laplace_glas import SubnetActiveSubspaceLaplace
+
+    model = mlp([1, 8, 1])
+
+    def subnet(indices):
+        return SubnetActiveSubspaceLaplace(
+            model, "regression", subnetwork_indices=indices, n_components=K
+        )
+
+    la = subnet(torch.arange(0, 20))
+    la.fit(loader(*data, batch_size=10))
+    state = la.state_dict()
+    assert torch.equal(state["subnetwork_indices"], torch.arange(0, 20))
+    other = subnet(torch.arange(5, 25))  # the same size, other weights
+    with pytest.raises(ValueError, match=r"saved with other subnetwork_indices \(the same size"):
+        other.load_state_dict(state)
+    assert other.H is None  # left unfitted
+    same = subnet(torch.arange(0, 20))
+    same.load_state_dict(state)
+    x = torch.linspace(-2, 2, 5).reshape(-1, 1)
+    torch.testing.assert_close(same(x)[1], la(x)[1])
+    old = {key: value for key, value in state.items() if key != "subnetwork_indices"}
+    with pytest.warns(UserWarning, match=r"no subnetwork_indices.*cannot be checked"):
+        subnet(torch.arange(5, 25)).load_state_dict(old)
