@@ -18,8 +18,10 @@ are summed once per sweep.
 Communication per data pass: one all-reduce of ``D * m`` numbers in the model's dtype
 (``m = 1`` for Lanczos, ``block_size`` for the block solver), i.e. ``D m itemsize``
 bytes of payload; a ring all-reduce sends and receives ``2 (W - 1) / W`` times that per
-rank. Once per fit: the loss and ``N`` (2 float64), the factored-operator agreement (1
-int64) and the broadcast of the eigenpairs from rank 0 (``(D + 4) k`` numbers).
+rank. Once per fit: the agreement on settings and weights (an all-gather of ``1 + 5 S +
+6`` float64 for ``S`` settings), the loss and ``N`` with one failure flag per rank
+(``2 + W`` float64), the factored-operator agreement (1 int64) and the broadcast of the
+eigenpairs from rank 0 (``(D + 4) k`` numbers).
 
 Identical eigenpairs: every rank runs the *same* dense steps (ARPACK's or the block
 solver's Rayleigh-Ritz and restarts) on the *same* all-reduced products from the same
@@ -44,7 +46,10 @@ all); ``N`` is then the sum of the subsamples.
 Backends: any that supports ``all_reduce`` and ``broadcast`` on the model's device
 (gloo on CPU, NCCL on CUDA; tested with gloo on one machine, NCCL and several machines
 not). Every rank must call ``fit`` (and the other collective
-methods) with a non-empty shard and the same settings.
+methods) with a non-empty shard and the same settings: ``fit`` and
+``compute_eigenpairs`` check both, and the weights, on every rank before their first
+data pass (:mod:`laplace_glas.curvature.agreement`), and a failed pass at the MAP raises
+on every rank.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ import torch
 import torch.distributed as dist
 from laplace.utils.utils import validate
 
+from laplace_glas.curvature.agreement import failed_ranks
 from laplace_glas.curvature.fitting import MapLoss
 from laplace_glas.curvature.operators.curvlinops import mean_ggn_operator
 from laplace_glas.curvature.operators.factored import FactoredGGN
@@ -153,22 +159,42 @@ def sum_count(n: int, shards: Shards | None, device: torch.device | str = "cpu")
     return int(_all_reduce(torch.tensor([n], dtype=torch.int64, device=device), shards).item())
 
 
-def reduce_map_loss(local: MapLoss, shards: Shards | None) -> MapLoss:
-    """The loss at the MAP and ``N`` summed over the ranks (one all-reduce of 2 float64).
+def reduce_map_loss(
+    local: MapLoss | None,
+    shards: Shards | None,
+    *,
+    error: Exception | None = None,
+    device: torch.device | str = "cpu",
+) -> MapLoss:
+    """The loss at the MAP and ``N`` summed over the ranks (one all-reduce of ``2 + W``
+    float64).
 
     ``L = sum_r L_r``, ``N = sum_r N_r``; the output shape per point is the local one
-    (every rank has the same model).
+    (every rank has the same model). ``error``: this rank's pass failed (``local`` is
+    ``None``); it still takes part in the all-reduce, with its entry of the ``W``
+    failure flags set, and raises ``error`` after it, while the other ranks raise a
+    ``RuntimeError`` naming it.
     """
     if shards is None:
+        if error is not None:
+            raise error
         return local
-    packed = torch.stack(
-        [
-            local.loss.detach().to(torch.float64).reshape(()),
-            torch.tensor(float(local.n_terms), dtype=torch.float64, device=local.loss.device),
-        ]
-    )
+    packed = torch.zeros(2 + shards.world_size, dtype=torch.float64, device=device)
+    if error is None:
+        packed[0] = local.loss.detach().to(torch.float64).reshape(())
+        packed[1] = float(local.n_terms)
+    else:
+        packed[2 + shards.rank] = 1.0
     _all_reduce(packed, shards)
-    loss = packed[0].to(local.loss.dtype)
+    if error is not None:
+        raise error
+    failed = failed_ranks(packed[2:])
+    if failed:
+        raise RuntimeError(
+            f"The pass at the MAP failed on rank(s) {', '.join(map(str, failed))} (see the "
+            "error there): no rank fits."
+        )
+    loss = packed[0].to(device=local.loss.device, dtype=local.loss.dtype)
     return MapLoss(loss, round(float(packed[1])), local.out_shape)
 
 

@@ -338,3 +338,106 @@ def test_update_with_override_false(ranks):
         assert rank["update"]["n_data"] == one.n_data == N_TRAIN
         _close(rank["update"]["values"], one.eigenvalues)
         _close(rank["update"]["loss"], one.loss)
+
+
+# ---------------------------------------------------------------- faults on one rank
+def _fault_worker(rank: int, init_file: str, out_dir: str, fault: str, subset: str) -> None:
+    """One rank of a fit where ``fault`` makes rank 1 differ; records what fit did."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        model, X, y, _, _ = _problem("regression")
+        X, y = _shard((X, y), rank, "uneven")
+        k, solver = K, "lanczos"
+        if rank == 1 and fault == "solver":
+            solver = "block"
+        if rank == 1 and fault == "weights":
+            with torch.no_grad():
+                model[0].weight[0, 0] += 0.1
+        if rank == 1 and fault == "n_components":
+            k = K - 1
+        if rank == 1 and fault == "empty":
+            X, y = X[:0], y[:0]
+        if rank == 1 and fault == "nan":  # the pass at the MAP fails on rank 1
+            X = X.clone()
+            X[3, 0] = float("nan")
+        la = Laplace(
+            model,
+            "regression",
+            subset_of_weights=subset,
+            hessian_structure="glas",
+            n_components=k,
+            solver=solver,
+        )
+        try:
+            la.fit(loader(X, y, 16))
+            outcome = f"eigenpairs {la.eigenvalues.tolist()}"
+        except Exception as err:
+            outcome = f"{type(err).__name__}: {err}"
+        fitted = getattr(la, "H", None) is not None
+        Path(out_dir, f"rank{rank}.txt").write_text(f"fitted={fitted}\n{outcome}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_fault(fault: str, subset: str = "all", timeout: float = 60.0) -> list[str]:
+    """Both ranks' outcomes (the text each rank wrote); a hang fails after ``timeout``."""
+    ctx = mp.get_context("fork")
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(target=_fault_worker, args=(r, init_file, tmp, fault, subset))
+            for r in range(WORLD)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        assert not hung, f"ranks {hung} hung on fault {fault!r}"
+        assert [p.exitcode for p in procs] == [0] * WORLD
+        return [Path(tmp, f"rank{r}.txt").read_text() for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+def test_different_weights_are_refused_on_every_rank(subset):
+    for outcome in _run_fault("weights", subset):
+        assert outcome.startswith("fitted=False\nValueError: The ranks' model weights differ")
+        assert "rank 0: sum" in outcome and "rank 1: sum" in outcome
+        assert "needs the same weights on every rank" in outcome
+
+
+def test_different_n_components_are_refused_on_every_rank():
+    for outcome in _run_fault("n_components"):
+        assert outcome.startswith("fitted=False\nValueError: The ranks' settings differ")
+        assert f"n_components (rank 0: {K}, rank 1: {K - 1})" in outcome
+        assert "model weights" not in outcome
+
+
+def test_a_different_solver_is_refused_on_every_rank():
+    for outcome in _run_fault("solver"):
+        assert outcome.startswith("fitted=False\nValueError: The ranks' settings differ")
+        assert "solver (rank 0: 'lanczos', rank 1: 'block')" in outcome
+
+
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+def test_an_empty_shard_is_refused_on_every_rank(subset):
+    for outcome in _run_fault("empty", subset):
+        assert outcome == (
+            "fitted=False\nValueError: The training shard of rank 1 is empty: a "
+            "data-parallel fit needs data on every rank (give every rank a non-empty "
+            "shard, or fit on a process group of the ranks that have data)."
+        )
+
+
+def test_a_failed_pass_at_the_map_reaches_every_rank():
+    rank0, rank1 = _run_fault("nan")
+    assert rank1.startswith("fitted=False\nValueError: The training inputs")
+    assert rank0 == (
+        "fitted=False\nRuntimeError: The pass at the MAP failed on rank(s) 1 (see the error "
+        "there): no rank fits."
+    )
