@@ -15,13 +15,14 @@ result. Likewise the loss at the MAP and ``N`` are summed once per fit, and the
 calibration's coverage, width and NLL are weighted means whose numerators and counts
 are summed once per sweep.
 
-Communication per data pass: one all-reduce of ``D * m`` numbers in the model's dtype
-(``m = 1`` for Lanczos, ``block_size`` for the block solver), i.e. ``D m itemsize``
-bytes of payload; a ring all-reduce sends and receives ``2 (W - 1) / W`` times that per
-rank. Once per fit: the agreement on settings and weights (an all-gather of ``1 + 5 S +
-6`` float64 for ``S`` settings), the loss and ``N`` with one failure flag per rank
-(``2 + W`` float64), the factored-operator agreement (1 int64) and the broadcast of the
-eigenpairs from rank 0 (``(D + 4) k`` numbers).
+Communication per data pass: one all-reduce of ``D * m + W`` numbers in the model's
+dtype (``m = 1`` for Lanczos, ``block_size`` for the block solver; ``W`` failure flags),
+i.e. ``D m itemsize`` bytes of payload; a ring all-reduce sends and receives
+``2 (W - 1) / W`` times that per rank. Once per fit: the agreement on settings and
+weights (an all-gather of ``1 + 5 S + 6`` float64 for ``S`` settings), the loss and
+``N`` with one failure flag per rank (``2 + W`` float64), the factored-operator
+agreement (1 int64) and the broadcast of the eigenpairs from rank 0 (``(D + 4) k``
+numbers).
 
 Identical eigenpairs: every rank runs the *same* dense steps (ARPACK's or the block
 solver's Rayleigh-Ritz and restarts) on the *same* all-reduced products from the same
@@ -243,17 +244,40 @@ class AllReducedGGN(TorchOperator):
         return self
 
     def matmat_torch(self, V: torch.Tensor) -> torch.Tensor:
-        """``sum_r G_r V`` for ``V (D, m)`` (one all-reduce)."""
+        """``sum_r G_r V`` for ``V (D, m)`` (one all-reduce).
+
+        A rank whose local product fails (e.g. its loader raises) still takes part in
+        the all-reduce, with its entry of the ``W`` failure flags sent with the product
+        set, and raises its error after it; the other ranks raise a ``RuntimeError``
+        naming it, so that no rank waits for the next product.
+        """
         V = V.to(device=self.device, dtype=self.torch_dtype)
-        if isinstance(self.local, FactoredGGN):
-            GV = self.local.matmat_torch(V)
-        else:
-            GV = self.local @ V
-        GV = GV.to(device=self.device, dtype=self.torch_dtype).contiguous()
-        _all_reduce(GV, self.shards)
+        shape, error = (self.shape[0], V.shape[1]), None
+        try:
+            if isinstance(self.local, FactoredGGN):
+                GV = self.local.matmat_torch(V)
+            else:
+                GV = self.local @ V
+            GV = GV.to(device=self.device, dtype=self.torch_dtype).reshape(shape)
+        except Exception as err:
+            GV, error = torch.zeros(shape, dtype=self.torch_dtype, device=self.device), err
+        world = self.shards.world_size
+        packed = torch.cat([GV.reshape(-1), GV.new_zeros(world)])
+        if error is not None:
+            packed[GV.numel() + self.shards.rank] = 1
+        _all_reduce(packed, self.shards)
         self.n_reductions += 1
         self.bytes_reduced += GV.numel() * GV.element_size()
-        return GV
+        if error is not None:
+            raise error
+        failed = failed_ranks(packed[GV.numel() :])
+        if failed:
+            raise RuntimeError(
+                f"GGN product {self.n_reductions} of the eigen-solve failed on rank(s) "
+                f"{', '.join(map(str, failed))} (see the error there): no rank returns "
+                "eigenpairs."
+            )
+        return packed[: GV.numel()].reshape(shape)
 
 
 def distribute_operator(plan: Any, problem: Any) -> Any:

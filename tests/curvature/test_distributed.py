@@ -341,6 +341,22 @@ def test_update_with_override_false(ranks):
 
 
 # ---------------------------------------------------------------- faults on one rank
+class _BreakingLoader:
+    """A DataLoader whose ``fail_at``-th pass raises (counting every ``iter``)."""
+
+    def __init__(self, inner, fail_at: int):
+        self.inner, self.fail_at, self.passes = inner, fail_at, 0
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __iter__(self):
+        self.passes += 1
+        if self.passes >= self.fail_at:
+            raise OSError(f"the loader broke on pass {self.passes}")
+        return iter(self.inner)
+
+
 def _fault_worker(rank: int, init_file: str, out_dir: str, fault: str, subset: str) -> None:
     """One rank of a fit where ``fault`` makes rank 1 differ; records what fit did."""
     torch.set_num_threads(1)
@@ -369,8 +385,12 @@ def _fault_worker(rank: int, init_file: str, out_dir: str, fault: str, subset: s
             n_components=k,
             solver=solver,
         )
+        train = loader(X, y, 16)
+        if fault == "product":  # curvlinops' operator: one loader pass per product
+            dispatch.default_factor_budget = lambda *args: 0
+            train = _BreakingLoader(train, 8 if rank == 1 else 10**9)
         try:
-            la.fit(loader(X, y, 16))
+            la.fit(train)
             outcome = f"eigenpairs {la.eigenvalues.tolist()}"
         except Exception as err:
             outcome = f"{type(err).__name__}: {err}"
@@ -440,4 +460,13 @@ def test_a_failed_pass_at_the_map_reaches_every_rank():
     assert rank0 == (
         "fitted=False\nRuntimeError: The pass at the MAP failed on rank(s) 1 (see the error "
         "there): no rank fits."
+    )
+
+
+def test_a_failed_product_in_the_eigen_solve_reaches_every_rank():
+    rank0, rank1 = _run_fault("product")
+    assert rank1 == "fitted=False\nOSError: the loader broke on pass 8"
+    assert rank0.startswith("fitted=False\nRuntimeError: GGN product ")
+    assert rank0.endswith(
+        "of the eigen-solve failed on rank(s) 1 (see the error there): no rank returns eigenpairs."
     )
