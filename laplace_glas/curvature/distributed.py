@@ -21,7 +21,7 @@ i.e. ``D m itemsize`` bytes of payload; a ring all-reduce sends and receives
 ``2 (W - 1) / W`` times that per rank. Once per fit: the agreement on settings and
 weights (an all-gather of ``1 + 5 S + 6`` float64 for ``S`` settings), the loss and
 ``N`` with one failure flag per rank (``2 + W`` float64), the factored-operator
-agreement (1 int64) and the broadcast of the eigenpairs from rank 0 (``(D + 4) k``
+agreement (``1 + W`` int64) and the broadcast of the eigenpairs from rank 0 (``(D + 4) k``
 numbers).
 
 Identical eigenpairs: every rank runs the *same* dense steps (ARPACK's or the block
@@ -153,11 +153,48 @@ def all_reduce_sum(tensor: torch.Tensor, shards: Shards | None) -> torch.Tensor:
     return _all_reduce(tensor.clone(), shards)
 
 
-def sum_count(n: int, shards: Shards | None, device: torch.device | str = "cpu") -> int:
-    """``sum_r n_r`` over the ranks (``n`` itself for a single process)."""
+def _flagged_sum(
+    value: int, shards: Shards, device: Any, error: Exception | None, step: str
+) -> int:
+    """``sum_r value_r`` from one all-reduce of ``1 + W`` int64 with a failure flag per
+    rank: a rank that failed (``error``) sets its flag and raises ``error`` after the
+    all-reduce; the other ranks raise a ``RuntimeError`` naming it. Every once-per-fit
+    count and agreement of the solve has this layout, so that a rank that fails before
+    one of them meets the others at whichever they are in.
+    """
+    flags = torch.zeros(1 + shards.world_size, dtype=torch.int64, device=device)
+    flags[0] = int(value)
+    if error is not None:
+        flags[1 + shards.rank] = 1
+    dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=shards.group)
+    if error is not None:
+        raise error
+    failed = failed_ranks(flags[1:])
+    if failed:
+        raise RuntimeError(
+            f"Rank(s) {', '.join(map(str, failed))} failed (see the error there) while this "
+            f"rank was {step}: no rank returns eigenpairs."
+        )
+    return int(flags[0])
+
+
+def sum_count(
+    n: int,
+    shards: Shards | None,
+    device: torch.device | str = "cpu",
+    *,
+    error: Exception | None = None,
+) -> int:
+    """``sum_r n_r`` over the ranks (``n`` itself for a single process).
+
+    ``error``: counting failed on this rank; raised on every rank (a ``RuntimeError``
+    naming it on the others).
+    """
     if shards is None:
+        if error is not None:
+            raise error
         return int(n)
-    return int(_all_reduce(torch.tensor([n], dtype=torch.int64, device=device), shards).item())
+    return _flagged_sum(n, shards, device, error, "counting the likelihood terms")
 
 
 def reduce_map_loss(
@@ -199,14 +236,23 @@ def reduce_map_loss(
     return MapLoss(loss, round(float(packed[1])), local.out_shape)
 
 
-def agree_on_operator(factored: bool, shards: Shards, device: torch.device | str) -> bool:
-    """True when the factored operator could be built on *every* rank (one all-reduce,
-    minimum): a rank whose shard exceeds the factor budget makes all ranks fall back to
-    curvlinops, so that all ranks run the same solve.
+def agree_on_operator(
+    factored: bool,
+    shards: Shards,
+    device: torch.device | str,
+    *,
+    error: Exception | None = None,
+) -> bool:
+    """True when the factored operator could be built on *every* rank (one all-reduce of
+    ``1 + W`` int64): a rank whose shard exceeds the factor budget makes all ranks fall
+    back to curvlinops, so that all ranks run the same solve.
+
+    ``error``: building this rank's operator failed; the rank still takes part, with
+    its failure flag set, and raises ``error`` after the all-reduce, while the other
+    ranks raise a ``RuntimeError`` naming it.
     """
-    flag = torch.tensor([int(factored)], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=shards.group)
-    return bool(flag.item())
+    step = "agreeing on the GGN operator"
+    return _flagged_sum(int(not factored), shards, device, error, step) == 0
 
 
 class AllReducedGGN(TorchOperator):
@@ -280,7 +326,7 @@ class AllReducedGGN(TorchOperator):
         return packed[: GV.numel()].reshape(shape)
 
 
-def distribute_operator(plan: Any, problem: Any) -> Any:
+def distribute_operator(plan: Any, problem: Any, error: Exception | None = None) -> Any:
     """The plan of a distributed fit: its operator all-reduced over ``problem.shards``
     (``plan`` itself for a single process).
 
@@ -289,11 +335,16 @@ def distribute_operator(plan: Any, problem: Any) -> Any:
     ``problem`` (a :class:`~laplace_glas.curvature.problem.CurvatureProblem`). Every
     rank uses curvlinops' operator of the problem unless the factored operator was
     built on all of them. The dual solve becomes Lanczos on the all-reduced factored
-    products (see the module docstring).
+    products (see the module docstring). ``error``: planning failed on this rank
+    (``plan`` is ``None``); raised on every rank (:func:`agree_on_operator`).
     """
     shards = problem.shards
     if shards is None:
+        if error is not None:
+            raise error
         return plan
+    if error is not None:
+        agree_on_operator(False, shards, problem.device, error=error)  # raises
     operator, scale, solver, name = plan.operator, plan.scale, plan.solver, plan.operator_name
     factored = isinstance(operator, FactoredGGN)
     # every rank calls this collective once, whatever its own outcome

@@ -401,7 +401,12 @@ class SubspaceFit:
         if ncv is None:
             ncv = lanczos_basis_size(self.ncv, k, self.n_params)
         with autodiff_friendly(self.model):
-            plan = distribute_operator(self._plan(problem, k), problem)
+            plan, error = None, None
+            try:  # a rank whose planning fails still takes part in the agreement
+                plan = self._plan(problem, k)
+            except Exception as err:
+                error = err
+            plan = distribute_operator(plan, problem, error)
             if stored is not None:  # fit(override=False): add to the stored curvature
                 plan = add_stored_curvature(plan, stored, problem.n_loader_terms, self._dtype)
             eig = compute_eigenpairs(

@@ -389,6 +389,8 @@ def _fault_worker(rank: int, init_file: str, out_dir: str, fault: str, subset: s
         if fault == "product":  # curvlinops' operator: one loader pass per product
             dispatch.default_factor_budget = lambda *args: 0
             train = _BreakingLoader(train, 8 if rank == 1 else 10**9)
+        if fault.startswith("pass"):  # the fit's n-th pass fails on rank 1
+            train = _BreakingLoader(train, int(fault[4:]) if rank == 1 else 10**9)
         try:
             la.fit(train)
             outcome = f"eigenpairs {la.eigenvalues.tolist()}"
@@ -469,4 +471,15 @@ def test_a_failed_product_in_the_eigen_solve_reaches_every_rank():
     assert rank0.startswith("fitted=False\nRuntimeError: GGN product ")
     assert rank0.endswith(
         "of the eigen-solve failed on rank(s) 1 (see the error there): no rank returns eigenpairs."
+    )
+
+
+@pytest.mark.parametrize("fail_at", [3, 4])
+def test_a_failure_between_the_map_and_the_solve_reaches_every_rank(fail_at):
+    # pass 3: the first batch of the curvature problem; pass 4: the factored operator
+    rank0, rank1 = _run_fault(f"pass{fail_at}")
+    assert rank1 == f"fitted=False\nOSError: the loader broke on pass {fail_at}"
+    assert rank0 == (
+        "fitted=False\nRuntimeError: Rank(s) 1 failed (see the error there) while this rank "
+        "was agreeing on the GGN operator: no rank returns eigenpairs."
     )
