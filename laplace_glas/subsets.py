@@ -53,6 +53,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
+from laplace_glas.curvature.distributed import data_parallel
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES
 from laplace_glas.curvature.planner import Plan
 from laplace_glas.curvature.problem import CurvatureProblem
@@ -221,9 +222,11 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
         self.model.eval()
         if self.model.last_layer is None:
             reiterable("train_loader", train_loader)  # before a batch is taken from it
-            self.data = next(iter(train_loader), None)
-            if self.data is None:
-                raise ValueError("The training loader is empty: there is no data to fit.")
+        first = None if self.model.last_layer is not None else next(iter(train_loader), None)
+        if first is None and self.model.last_layer is None and data_parallel() is None:
+            raise ValueError("The training loader is empty: there is no data to fit.")
+        if first is not None:  # an empty shard is refused on every rank by the fit
+            self.data = first
             self._find_last_layer(self.data)
             self._use_last_layer()
             # as LLLaplace: the hyperparameters given before D_L was known are checked now

@@ -15,11 +15,14 @@ result. Likewise the loss at the MAP and ``N`` are summed once per fit, and the
 calibration's coverage, width and NLL are weighted means whose numerators and counts
 are summed once per sweep.
 
-Communication per data pass: one all-reduce of ``D * m`` numbers in the model's dtype
-(``m = 1`` for Lanczos, ``block_size`` for the block solver), i.e. ``D m itemsize``
-bytes of payload; a ring all-reduce sends and receives ``2 (W - 1) / W`` times that per
-rank. Once per fit: the loss and ``N`` (2 float64), the factored-operator agreement (1
-int64) and the broadcast of the eigenpairs from rank 0 (``(D + 4) k`` numbers).
+Communication per data pass: one all-reduce of ``D * m + W`` numbers in the model's
+dtype (``m = 1`` for Lanczos, ``block_size`` for the block solver; ``W`` failure flags),
+i.e. ``D m itemsize`` bytes of payload; a ring all-reduce sends and receives
+``2 (W - 1) / W`` times that per rank. Once per fit: the agreement on settings and
+weights (an all-gather of ``1 + 5 S + 6`` float64 for ``S`` settings), the loss and
+``N`` with one failure flag per rank (``2 + W`` float64), the factored-operator
+agreement (``1 + W`` int64) and the broadcast of the eigenpairs from rank 0 (``(D + 4) k``
+numbers).
 
 Identical eigenpairs: every rank runs the *same* dense steps (ARPACK's or the block
 solver's Rayleigh-Ritz and restarts) on the *same* all-reduced products from the same
@@ -44,7 +47,10 @@ all); ``N`` is then the sum of the subsamples.
 Backends: any that supports ``all_reduce`` and ``broadcast`` on the model's device
 (gloo on CPU, NCCL on CUDA; tested with gloo on one machine, NCCL and several machines
 not). Every rank must call ``fit`` (and the other collective
-methods) with a non-empty shard and the same settings.
+methods) with a non-empty shard and the same settings: ``fit`` and
+``compute_eigenpairs`` check both, and the weights, on every rank before their first
+data pass (:mod:`laplace_glas.curvature.agreement`), and a failed pass at the MAP raises
+on every rank.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ import torch
 import torch.distributed as dist
 from laplace.utils.utils import validate
 
+from laplace_glas.curvature.agreement import failed_ranks
 from laplace_glas.curvature.fitting import MapLoss
 from laplace_glas.curvature.operators.curvlinops import mean_ggn_operator
 from laplace_glas.curvature.operators.factored import FactoredGGN
@@ -146,40 +153,106 @@ def all_reduce_sum(tensor: torch.Tensor, shards: Shards | None) -> torch.Tensor:
     return _all_reduce(tensor.clone(), shards)
 
 
-def sum_count(n: int, shards: Shards | None, device: torch.device | str = "cpu") -> int:
-    """``sum_r n_r`` over the ranks (``n`` itself for a single process)."""
-    if shards is None:
-        return int(n)
-    return int(_all_reduce(torch.tensor([n], dtype=torch.int64, device=device), shards).item())
+def _flagged_sum(
+    value: int, shards: Shards, device: Any, error: Exception | None, step: str
+) -> int:
+    """``sum_r value_r`` from one all-reduce of ``1 + W`` int64 with a failure flag per
+    rank: a rank that failed (``error``) sets its flag and raises ``error`` after the
+    all-reduce; the other ranks raise a ``RuntimeError`` naming it. Every once-per-fit
+    count and agreement of the solve has this layout, so that a rank that fails before
+    one of them meets the others at whichever they are in.
+    """
+    flags = torch.zeros(1 + shards.world_size, dtype=torch.int64, device=device)
+    flags[0] = int(value)
+    if error is not None:
+        flags[1 + shards.rank] = 1
+    dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=shards.group)
+    if error is not None:
+        raise error
+    failed = failed_ranks(flags[1:])
+    if failed:
+        raise RuntimeError(
+            f"Rank(s) {', '.join(map(str, failed))} failed (see the error there) while this "
+            f"rank was {step}: no rank returns eigenpairs."
+        )
+    return int(flags[0])
 
 
-def reduce_map_loss(local: MapLoss, shards: Shards | None) -> MapLoss:
-    """The loss at the MAP and ``N`` summed over the ranks (one all-reduce of 2 float64).
+def sum_count(
+    n: int,
+    shards: Shards | None,
+    device: torch.device | str = "cpu",
+    *,
+    error: Exception | None = None,
+) -> int:
+    """``sum_r n_r`` over the ranks (``n`` itself for a single process).
 
-    ``L = sum_r L_r``, ``N = sum_r N_r``; the output shape per point is the local one
-    (every rank has the same model).
+    ``error``: counting failed on this rank; raised on every rank (a ``RuntimeError``
+    naming it on the others).
     """
     if shards is None:
+        if error is not None:
+            raise error
+        return int(n)
+    return _flagged_sum(n, shards, device, error, "counting the likelihood terms")
+
+
+def reduce_map_loss(
+    local: MapLoss | None,
+    shards: Shards | None,
+    *,
+    error: Exception | None = None,
+    device: torch.device | str = "cpu",
+) -> MapLoss:
+    """The loss at the MAP and ``N`` summed over the ranks (one all-reduce of ``2 + W``
+    float64).
+
+    ``L = sum_r L_r``, ``N = sum_r N_r``; the output shape per point is the local one
+    (every rank has the same model). ``error``: this rank's pass failed (``local`` is
+    ``None``); it still takes part in the all-reduce, with its entry of the ``W``
+    failure flags set, and raises ``error`` after it, while the other ranks raise a
+    ``RuntimeError`` naming it.
+    """
+    if shards is None:
+        if error is not None:
+            raise error
         return local
-    packed = torch.stack(
-        [
-            local.loss.detach().to(torch.float64).reshape(()),
-            torch.tensor(float(local.n_terms), dtype=torch.float64, device=local.loss.device),
-        ]
-    )
+    packed = torch.zeros(2 + shards.world_size, dtype=torch.float64, device=device)
+    if error is None:
+        packed[0] = local.loss.detach().to(torch.float64).reshape(())
+        packed[1] = float(local.n_terms)
+    else:
+        packed[2 + shards.rank] = 1.0
     _all_reduce(packed, shards)
-    loss = packed[0].to(local.loss.dtype)
+    if error is not None:
+        raise error
+    failed = failed_ranks(packed[2:])
+    if failed:
+        raise RuntimeError(
+            f"The pass at the MAP failed on rank(s) {', '.join(map(str, failed))} (see the "
+            "error there): no rank fits."
+        )
+    loss = packed[0].to(device=local.loss.device, dtype=local.loss.dtype)
     return MapLoss(loss, round(float(packed[1])), local.out_shape)
 
 
-def agree_on_operator(factored: bool, shards: Shards, device: torch.device | str) -> bool:
-    """True when the factored operator could be built on *every* rank (one all-reduce,
-    minimum): a rank whose shard exceeds the factor budget makes all ranks fall back to
-    curvlinops, so that all ranks run the same solve.
+def agree_on_operator(
+    factored: bool,
+    shards: Shards,
+    device: torch.device | str,
+    *,
+    error: Exception | None = None,
+) -> bool:
+    """True when the factored operator could be built on *every* rank (one all-reduce of
+    ``1 + W`` int64): a rank whose shard exceeds the factor budget makes all ranks fall
+    back to curvlinops, so that all ranks run the same solve.
+
+    ``error``: building this rank's operator failed; the rank still takes part, with
+    its failure flag set, and raises ``error`` after the all-reduce, while the other
+    ranks raise a ``RuntimeError`` naming it.
     """
-    flag = torch.tensor([int(factored)], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=shards.group)
-    return bool(flag.item())
+    step = "agreeing on the GGN operator"
+    return _flagged_sum(int(not factored), shards, device, error, step) == 0
 
 
 class AllReducedGGN(TorchOperator):
@@ -217,20 +290,43 @@ class AllReducedGGN(TorchOperator):
         return self
 
     def matmat_torch(self, V: torch.Tensor) -> torch.Tensor:
-        """``sum_r G_r V`` for ``V (D, m)`` (one all-reduce)."""
+        """``sum_r G_r V`` for ``V (D, m)`` (one all-reduce).
+
+        A rank whose local product fails (e.g. its loader raises) still takes part in
+        the all-reduce, with its entry of the ``W`` failure flags sent with the product
+        set, and raises its error after it; the other ranks raise a ``RuntimeError``
+        naming it, so that no rank waits for the next product.
+        """
         V = V.to(device=self.device, dtype=self.torch_dtype)
-        if isinstance(self.local, FactoredGGN):
-            GV = self.local.matmat_torch(V)
-        else:
-            GV = self.local @ V
-        GV = GV.to(device=self.device, dtype=self.torch_dtype).contiguous()
-        _all_reduce(GV, self.shards)
+        shape, error = (self.shape[0], V.shape[1]), None
+        try:
+            if isinstance(self.local, FactoredGGN):
+                GV = self.local.matmat_torch(V)
+            else:
+                GV = self.local @ V
+            GV = GV.to(device=self.device, dtype=self.torch_dtype).reshape(shape)
+        except Exception as err:
+            GV, error = torch.zeros(shape, dtype=self.torch_dtype, device=self.device), err
+        world = self.shards.world_size
+        packed = torch.cat([GV.reshape(-1), GV.new_zeros(world)])
+        if error is not None:
+            packed[GV.numel() + self.shards.rank] = 1
+        _all_reduce(packed, self.shards)
         self.n_reductions += 1
         self.bytes_reduced += GV.numel() * GV.element_size()
-        return GV
+        if error is not None:
+            raise error
+        failed = failed_ranks(packed[GV.numel() :])
+        if failed:
+            raise RuntimeError(
+                f"GGN product {self.n_reductions} of the eigen-solve failed on rank(s) "
+                f"{', '.join(map(str, failed))} (see the error there): no rank returns "
+                "eigenpairs."
+            )
+        return packed[: GV.numel()].reshape(shape)
 
 
-def distribute_operator(plan: Any, problem: Any) -> Any:
+def distribute_operator(plan: Any, problem: Any, error: Exception | None = None) -> Any:
     """The plan of a distributed fit: its operator all-reduced over ``problem.shards``
     (``plan`` itself for a single process).
 
@@ -239,11 +335,16 @@ def distribute_operator(plan: Any, problem: Any) -> Any:
     ``problem`` (a :class:`~laplace_glas.curvature.problem.CurvatureProblem`). Every
     rank uses curvlinops' operator of the problem unless the factored operator was
     built on all of them. The dual solve becomes Lanczos on the all-reduced factored
-    products (see the module docstring).
+    products (see the module docstring). ``error``: planning failed on this rank
+    (``plan`` is ``None``); raised on every rank (:func:`agree_on_operator`).
     """
     shards = problem.shards
     if shards is None:
+        if error is not None:
+            raise error
         return plan
+    if error is not None:
+        agree_on_operator(False, shards, problem.device, error=error)  # raises
     operator, scale, solver, name = plan.operator, plan.scale, plan.solver, plan.operator_name
     factored = isinstance(operator, FactoredGGN)
     # every rank calls this collective once, whatever its own outcome

@@ -28,6 +28,13 @@ from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, RandomSampler
 
 from laplace_glas.autodiff.context import autodiff_friendly
+from laplace_glas.curvature.agreement import (
+    Setting,
+    agree_on_fit,
+    generator_checksum,
+    shard_is_empty,
+    weights_checksum,
+)
 from laplace_glas.curvature.diagonal import ggn_diagonal
 from laplace_glas.curvature.distributed import (
     Shards,
@@ -93,26 +100,20 @@ class SubspaceFit:
             group of one rank fits on the local data alone.
 
         """
-        update = not flag("override", override) and getattr(self, "_eigenpairs", None) is not None
-        show = self.progress_bar if progress_bar is None else progress_bar
-        if (
-            isinstance(train_loader, DataLoader)
-            and train_loader.drop_last
-            and isinstance(train_loader.sampler, RandomSampler)
-        ):
-            raise ValueError(
-                "A shuffled DataLoader with drop_last=True changes the data between "
-                "GGN products; use drop_last=False."
-            )
-        reiterable("train_loader", train_loader)
-        self.model.eval()
         shards = data_parallel(process_group)
-        # nothing is assigned until the solve has succeeded: a failed fit leaves the
-        # previous posterior (or the unfitted state) as it was
-        loss, n_data, out_shape = self._loss_at_map(train_loader, show, shards)
+        try:  # local checks: a rank that fails them still takes part in the agreement
+            update, show, k = self._fit_checks(train_loader, override, progress_bar)
+        except Exception as err:
+            if shards is None:
+                raise
+            self._agree(shards, train_loader, error=err)  # raises err after the exchange
         generator = self.generator
         if generator is None:
             generator = torch.Generator().manual_seed(self.seed)
+        self._agree(shards, train_loader, k=k, update=update, generator=generator)
+        # nothing is assigned until the solve has succeeded: a failed fit leaves the
+        # previous posterior (or the unfitted state) as it was
+        loss, n_data, out_shape = self._loss_at_map(train_loader, show, shards)
         stored = None
         if update:
             if out_shape[-1] != self.n_outputs:
@@ -121,9 +122,6 @@ class SubspaceFit:
                     f"{out_shape[-1]} outputs, the fitted posterior {self.n_outputs}."
                 )
             stored = StoredCurvature(*self.H, self.n_data)
-        k = self._validate_n_components(
-            self.H[0].shape[1] if update else self._n_components, self.n_params
-        )
         problem = self._curvature_problem(
             train_loader, out_shape, n_data, generator, self.subsample_size, shards, show
         )
@@ -154,6 +152,91 @@ class SubspaceFit:
         self._ggn_diagonal = diagonal
         self._process_group = process_group
 
+    def _fit_checks(
+        self, train_loader: Any, override: bool, progress_bar: bool | None
+    ) -> tuple[bool, bool, int]:
+        """The checks of ``fit`` that need no data pass: whether it updates, whether it
+        shows progress bars and the checked ``k``.
+        """
+        update = not flag("override", override) and getattr(self, "_eigenpairs", None) is not None
+        show = self.progress_bar if progress_bar is None else progress_bar
+        if (
+            isinstance(train_loader, DataLoader)
+            and train_loader.drop_last
+            and isinstance(train_loader.sampler, RandomSampler)
+        ):
+            raise ValueError(
+                "A shuffled DataLoader with drop_last=True changes the data between "
+                "GGN products; use drop_last=False."
+            )
+        reiterable("train_loader", train_loader)
+        self.model.eval()
+        k = self._validate_n_components(
+            self.H[0].shape[1] if update else self._n_components, self.n_params
+        )
+        return update, show, k
+
+    def _agree(
+        self,
+        shards: Shards | None,
+        loader: Any,
+        *,
+        error: Exception | None = None,
+        **settings: Any,
+    ) -> None:
+        """The ranks' agreement before a data-parallel fit
+        (:func:`~laplace_glas.curvature.agreement.agree_on_fit`): nothing for one
+        process; ``error`` (a failed local check) is raised after the exchange.
+        """
+        if shards is None:
+            return
+        empty = False
+        try:
+            empty = shard_is_empty(loader)
+        except Exception as err:  # a loader that cannot start still agrees
+            error = error or err
+        weights = [*self.model.parameters(), *self.model.buffers()]
+        agree_on_fit(
+            shards,
+            self._shared_settings(**settings),
+            weights_checksum((w for w in weights if w.is_floating_point()), self._device),
+            self._device,
+            empty=empty,
+            error=error,
+        )
+
+    def _shared_settings(
+        self,
+        k: int | None = None,
+        update: bool = False,
+        generator: torch.Generator | None = None,
+        subsample_size: Any = None,
+        tol: Any = None,
+        maxiter: Any = None,
+        ncv: Any = None,
+    ) -> list[Setting]:
+        """The settings every rank of a data-parallel fit must share (``None``: the
+        constructor's).
+        """
+        pick = {"tol": tol, "maxiter": maxiter, "ncv": ncv, "subsample_size": subsample_size}
+        pick = {name: getattr(self, name) if v is None else v for name, v in pick.items()}
+        start = None if generator is None else generator_checksum(generator)
+        return [
+            Setting("n_components", k),
+            Setting("override=False (an update)", update),
+            Setting("solver", self.solver),
+            Setting("likelihood", self.likelihood),
+            Setting("loss_scaling", self.loss_scaling),
+            Setting("complement", self.complement),
+            Setting("dtype", self._dtype),
+            Setting("the number of parameters D", self.n_params),
+            *(Setting(name, value) for name, value in pick.items()),
+            Setting("block_size", self.block_size),
+            Setting("rank_threshold", self.rank_threshold),
+            Setting("ignore_index", self.ignore_index),
+            Setting("the random start (generator state checksum)", start),
+        ]
+
     def _complement_diagonal(
         self, loader: Any, shards: Shards | None, show: bool, update: bool
     ) -> torch.Tensor | None:
@@ -178,19 +261,25 @@ class SubspaceFit:
         """:func:`laplace_glas.curvature.fitting.loss_at_map` with this posterior's
         settings, summed over the ranks of ``shards``.
         """
-        local = loss_at_map(
-            self.model,
-            loader,
-            self._curvature_likelihood,
-            ignore_index=self.ignore_index,
-            dict_key_x=self.dict_key_x,
-            dict_key_y=self.dict_key_y,
-            device=self._device,
-            dtype=self._dtype,
-            loss_fn=self.loss_fn,
-            progress_bar=show,
-        )
-        return reduce_map_loss(local, shards)
+        local, error = None, None
+        try:  # a rank whose pass fails still takes part in the all-reduce
+            local = loss_at_map(
+                self.model,
+                loader,
+                self._curvature_likelihood,
+                ignore_index=self.ignore_index,
+                dict_key_x=self.dict_key_x,
+                dict_key_y=self.dict_key_y,
+                device=self._device,
+                dtype=self._dtype,
+                loss_fn=self.loss_fn,
+                progress_bar=show,
+            )
+        except Exception as err:
+            if shards is None:
+                raise
+            error = err
+        return reduce_map_loss(local, shards, error=error, device=self._device)
 
     def compute_eigenpairs(
         self,
@@ -224,17 +313,32 @@ class SubspaceFit:
             ``Lambda_n`` is that loss's Hessian in the outputs.
 
         """
-        k = self._n_components if n_components is None else n_components
-        k = self._validate_n_components(k, self.n_params)
-        reiterable("train_loader", train_loader)
-        ncv = lanczos_basis_size(self.ncv if ncv is None else ncv, k, self.n_params)
-        tol = self.tol if tol is None else tolerance(tol)
-        maxiter = self.maxiter if maxiter is None else positive_int("maxiter", maxiter)
-        if generator is None:
-            generator = torch.Generator().manual_seed(self.seed)
         if process_group is None:
             process_group = getattr(self, "_process_group", None)
         shards = data_parallel(process_group)
+        try:  # local checks: a rank that fails them still takes part in the agreement
+            k = self._n_components if n_components is None else n_components
+            k = self._validate_n_components(k, self.n_params)
+            reiterable("train_loader", train_loader)
+            ncv = lanczos_basis_size(self.ncv if ncv is None else ncv, k, self.n_params)
+            tol = self.tol if tol is None else tolerance(tol)
+            maxiter = self.maxiter if maxiter is None else positive_int("maxiter", maxiter)
+        except Exception as err:
+            if shards is None:
+                raise
+            self._agree(shards, train_loader, error=err)  # raises err after the exchange
+        if generator is None:
+            generator = torch.Generator().manual_seed(self.seed)
+        self._agree(
+            shards,
+            train_loader,
+            k=k,
+            generator=generator,
+            subsample_size=subsample_size,
+            tol=tol,
+            maxiter=maxiter,
+            ncv=ncv,
+        )
         out_shape, n_terms = getattr(self, "_out_shape", None), None
         if not out_shape:  # before fit: a pass at the MAP gives both
             _, n_terms, out_shape = self._loss_at_map(train_loader, False, shards)
@@ -297,7 +401,12 @@ class SubspaceFit:
         if ncv is None:
             ncv = lanczos_basis_size(self.ncv, k, self.n_params)
         with autodiff_friendly(self.model):
-            plan = distribute_operator(self._plan(problem, k), problem)
+            plan, error = None, None
+            try:  # a rank whose planning fails still takes part in the agreement
+                plan = self._plan(problem, k)
+            except Exception as err:
+                error = err
+            plan = distribute_operator(plan, problem, error)
             if stored is not None:  # fit(override=False): add to the stored curvature
                 plan = add_stored_curvature(plan, stored, problem.n_loader_terms, self._dtype)
             eig = compute_eigenpairs(

@@ -141,6 +141,10 @@ class CurvatureProblem:
         ``n_terms`` is ``N`` of ``loader`` when the caller has counted it (the pass at
         the MAP); otherwise it is counted from the targets (summed over ``shards``).
 
+        A rank of ``shards`` whose step fails still takes part in the next collective
+        of the fit (its failure flag set) and raises its error after it; the others
+        raise a ``RuntimeError`` naming it.
+
         Raises
         ------
         ValueError
@@ -149,27 +153,42 @@ class CurvatureProblem:
         """
         likelihood = curvature_likelihood(likelihood)
 
-        def count(batches: Iterable) -> int:
-            n = count_terms(batches, likelihood, ignore_index, dict_key_x, dict_key_y)
-            return sum_count(n, shards, device)
+        def count(batches: Iterable, error: Exception | None = None) -> int:
+            n = 0
+            try:  # a rank whose count (or an earlier step) fails still takes part
+                if error is None:
+                    n = count_terms(batches, likelihood, ignore_index, dict_key_x, dict_key_y)
+            except Exception as err:
+                error = err
+            return sum_count(n, shards, device, error=error)
 
         if n_terms is None:
             n_terms = count(loader)
             if n_terms == 0:
                 raise ValueError("The loader is empty (or all its targets are ignore_index).")
-        eigen_loader, eigen_n = loader, n_terms
+        eigen_loader, eigen_n, error = loader, n_terms, None
         if subsample_size is not None:
-            eigen_loader = subsample_loader(loader, subsample_size, generator)
-            eigen_n = count(eigen_loader)
-        loss_func, scale, num_data = curvature_loss(
-            likelihood,
-            eigen_n,
-            out_shape,
-            ignore_index=ignore_index,
-            loss_fn=loss_fn,
-            device=device,
-            dtype=dtype,
-        )
+            try:
+                eigen_loader = subsample_loader(loader, subsample_size, generator)
+            except Exception as err:
+                error = err
+            eigen_n = count(eigen_loader, error)
+        try:  # local steps: a rank that fails them meets the others' next collective
+            loss_func, scale, num_data = curvature_loss(
+                likelihood,
+                eigen_n,
+                out_shape,
+                ignore_index=ignore_index,
+                loss_fn=loss_fn,
+                device=device,
+                dtype=dtype,
+            )
+            data = XYBatches(eigen_loader, dict_key_y)
+            batch_size_fn = _batch_size_fn(loader, dict_key_x, dict_key_y)
+        except Exception as err:
+            if shards is None:
+                raise
+            sum_count(0, shards, device, error=err)  # raises err after the all-reduce
         return cls(
             model=model,
             params=tuple(params),
@@ -177,8 +196,8 @@ class CurvatureProblem:
             scale=scale,
             num_data=num_data,
             loader=eigen_loader,
-            data=XYBatches(eigen_loader, dict_key_y),
-            batch_size_fn=_batch_size_fn(loader, dict_key_x, dict_key_y),
+            data=data,
+            batch_size_fn=batch_size_fn,
             n_terms=eigen_n,
             n_loader_terms=n_terms,
             out_shape=out_shape,

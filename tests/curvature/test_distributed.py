@@ -338,3 +338,148 @@ def test_update_with_override_false(ranks):
         assert rank["update"]["n_data"] == one.n_data == N_TRAIN
         _close(rank["update"]["values"], one.eigenvalues)
         _close(rank["update"]["loss"], one.loss)
+
+
+# ---------------------------------------------------------------- faults on one rank
+class _BreakingLoader:
+    """A DataLoader whose ``fail_at``-th pass raises (counting every ``iter``)."""
+
+    def __init__(self, inner, fail_at: int):
+        self.inner, self.fail_at, self.passes = inner, fail_at, 0
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __iter__(self):
+        self.passes += 1
+        if self.passes >= self.fail_at:
+            raise OSError(f"the loader broke on pass {self.passes}")
+        return iter(self.inner)
+
+
+def _fault_worker(rank: int, init_file: str, out_dir: str, fault: str, subset: str) -> None:
+    """One rank of a fit where ``fault`` makes rank 1 differ; records what fit did."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        model, X, y, _, _ = _problem("regression")
+        X, y = _shard((X, y), rank, "uneven")
+        k, solver = K, "lanczos"
+        if rank == 1 and fault == "solver":
+            solver = "block"
+        if rank == 1 and fault == "weights":
+            with torch.no_grad():
+                model[0].weight[0, 0] += 0.1
+        if rank == 1 and fault == "n_components":
+            k = K - 1
+        if rank == 1 and fault == "empty":
+            X, y = X[:0], y[:0]
+        if rank == 1 and fault == "nan":  # the pass at the MAP fails on rank 1
+            X = X.clone()
+            X[3, 0] = float("nan")
+        la = Laplace(
+            model,
+            "regression",
+            subset_of_weights=subset,
+            hessian_structure="glas",
+            n_components=k,
+            solver=solver,
+        )
+        train = loader(X, y, 16)
+        if fault == "product":  # curvlinops' operator: one loader pass per product
+            dispatch.default_factor_budget = lambda *args: 0
+            train = _BreakingLoader(train, 8 if rank == 1 else 10**9)
+        if fault.startswith("pass"):  # the fit's n-th pass fails on rank 1
+            train = _BreakingLoader(train, int(fault[4:]) if rank == 1 else 10**9)
+        try:
+            la.fit(train)
+            outcome = f"eigenpairs {la.eigenvalues.tolist()}"
+        except Exception as err:
+            outcome = f"{type(err).__name__}: {err}"
+        fitted = getattr(la, "H", None) is not None
+        Path(out_dir, f"rank{rank}.txt").write_text(f"fitted={fitted}\n{outcome}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_fault(fault: str, subset: str = "all", timeout: float = 60.0) -> list[str]:
+    """Both ranks' outcomes (the text each rank wrote); a hang fails after ``timeout``."""
+    ctx = mp.get_context("fork")
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(target=_fault_worker, args=(r, init_file, tmp, fault, subset))
+            for r in range(WORLD)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        assert not hung, f"ranks {hung} hung on fault {fault!r}"
+        assert [p.exitcode for p in procs] == [0] * WORLD
+        return [Path(tmp, f"rank{r}.txt").read_text() for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+def test_different_weights_are_refused_on_every_rank(subset):
+    for outcome in _run_fault("weights", subset):
+        assert outcome.startswith("fitted=False\nValueError: The ranks' model weights differ")
+        assert "rank 0: sum" in outcome and "rank 1: sum" in outcome
+        assert "needs the same weights on every rank" in outcome
+
+
+def test_different_n_components_are_refused_on_every_rank():
+    for outcome in _run_fault("n_components"):
+        assert outcome.startswith("fitted=False\nValueError: The ranks' settings differ")
+        assert f"n_components (rank 0: {K}, rank 1: {K - 1})" in outcome
+        assert "model weights" not in outcome
+
+
+def test_a_different_solver_is_refused_on_every_rank():
+    for outcome in _run_fault("solver"):
+        assert outcome.startswith("fitted=False\nValueError: The ranks' settings differ")
+        assert "solver (rank 0: 'lanczos', rank 1: 'block')" in outcome
+
+
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+def test_an_empty_shard_is_refused_on_every_rank(subset):
+    for outcome in _run_fault("empty", subset):
+        assert outcome == (
+            "fitted=False\nValueError: The training shard of rank 1 is empty: a "
+            "data-parallel fit needs data on every rank (give every rank a non-empty "
+            "shard, or fit on a process group of the ranks that have data)."
+        )
+
+
+def test_a_failed_pass_at_the_map_reaches_every_rank():
+    rank0, rank1 = _run_fault("nan")
+    assert rank1.startswith("fitted=False\nValueError: The training inputs")
+    assert rank0 == (
+        "fitted=False\nRuntimeError: The pass at the MAP failed on rank(s) 1 (see the error "
+        "there): no rank fits."
+    )
+
+
+def test_a_failed_product_in_the_eigen_solve_reaches_every_rank():
+    rank0, rank1 = _run_fault("product")
+    assert rank1 == "fitted=False\nOSError: the loader broke on pass 8"
+    assert rank0.startswith("fitted=False\nRuntimeError: GGN product ")
+    assert rank0.endswith(
+        "of the eigen-solve failed on rank(s) 1 (see the error there): no rank returns eigenpairs."
+    )
+
+
+@pytest.mark.parametrize("fail_at", [3, 4])
+def test_a_failure_between_the_map_and_the_solve_reaches_every_rank(fail_at):
+    # pass 3: the first batch of the curvature problem; pass 4: the factored operator
+    rank0, rank1 = _run_fault(f"pass{fail_at}")
+    assert rank1 == f"fitted=False\nOSError: the loader broke on pass {fail_at}"
+    assert rank0 == (
+        "fitted=False\nRuntimeError: Rank(s) 1 failed (see the error there) while this rank "
+        "was agreeing on the GGN operator: no rank returns eigenpairs."
+    )
