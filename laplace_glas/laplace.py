@@ -244,12 +244,12 @@ class ActiveSubspaceLaplace(
         n_params, dtype = trainable_size_and_dtype(model)
         likelihood = choice("likelihood", likelihood, _LIKELIHOODS)
         self.loss_scaling = loss_scaling  # validated by the property
-        complement = self._checked_complement(complement)
         # a subset class whose weights are not known yet checks k when they are
         bound = n_params if self._k_bound_known_at_init else math.inf
         self._k_from_default = n_components is None
         n_components = self._validate_n_components(self._capped_default(n_components, bound), bound)
         curvature = resolve_backend(backend, backend_kwargs)
+        complement = self._checked_complement(complement, curvature.kind, loss_fn)
         settings = solver_settings(
             n_components, n_params, solver=choice("solver", solver, SOLVERS),
             block_size=block_size, tol=tol, maxiter=maxiter, ncv=ncv, seed=seed,
@@ -355,6 +355,9 @@ class ActiveSubspaceLaplace(
             eigen_solve=self._eigenpairs,
             weight_indices=getattr(self, "subnetwork_indices", None),
             ggn_diagonal=getattr(self, "_ggn_diagonal", None),
+            complement_curvature=(
+                self._complement_curvature() if self.complement == "diag" else None
+            ),
             process_group=getattr(self, "_process_group", None),
             ignore_index=self.ignore_index,
             dict_key_x=self.dict_key_x,

@@ -9,8 +9,10 @@
 with ``Lambda_n`` the unit-noise loss Hessian in the outputs (``I`` for regression,
 ``diag(p) - p p^T`` for the softmax cross-entropy): the same convention as the stored
 eigenvalues ``h_j = N lambda_j(G_1)``, so the posterior scales both alike. Computed in
-one pass over the data by laplace-torch's BackPACK backend (``DiagGGNExact``, on a copy
-of the network), summed over the ranks of a data-parallel fit.
+one pass over the data with BackPACK's exact GGN diagonal (``DiagGGNExact``) on a copy
+of the network (BackPACK's hooks stay on the modules it extends), over the parameters
+that require grad, leaving out classification targets equal to ``ignore_index``, and
+summed over the ranks of a data-parallel fit.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import warnings
 from collections.abc import Iterable
 
 import torch
-from laplace.curvature import BackPackGGN
+from backpack import backpack, extend
+from backpack.extensions import DiagGGNExact
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -35,6 +38,7 @@ def ggn_diagonal(
     loader: Iterable,
     likelihood: str,
     *,
+    ignore_index: int = -100,
     dict_key_y: str = "labels",
     device: torch.device | str = "cpu",
     shards: Shards | None = None,
@@ -50,6 +54,8 @@ def ggn_diagonal(
         ``(X, y)`` tuples with tensor inputs.
     likelihood : {'regression', 'classification'}
         The curvature's likelihood.
+    ignore_index : int
+        Classification targets left out (padding).
     dict_key_y : str
         Key of the targets in mapping batches.
     device : torch.device or str
@@ -62,33 +68,76 @@ def ggn_diagonal(
     Raises
     ------
     ValueError
-        If the model's layers or its outputs are beyond what BackPACK's exact GGN
-        diagonal covers (named with BackPACK's own reason).
+        For inputs that are not tensors, per-token outputs, and layers or outputs
+        beyond what BackPACK's exact GGN diagonal covers (named with its reason).
 
     """
-    # BackPACK extends the modules it is given with hooks that stay (and break
-    # torch.func's transforms on them): it gets a copy of the network
-    backend = BackPackGGN(copy.deepcopy(model), likelihood, last_layer=False)
+    network = extend(copy.deepcopy(model))
+    params = [p for p in network.parameters() if p.requires_grad]
+    # 0.5 ||f - y||^2 (MSE summed, halved) or the summed cross-entropy: unit noise
+    loss_fn = extend(
+        nn.MSELoss(reduction="sum")
+        if likelihood == "regression"
+        else nn.CrossEntropyLoss(reduction="sum")
+    )
+    factor = 0.5 if likelihood == "regression" else 1.0
     total = None
     for batch in tqdm(loader, disable=not progress_bar, desc="GGN diagonal"):
-        X, y = split_batch(batch, dict_key_y)
-        if not isinstance(X, torch.Tensor):
-            raise ValueError(
-                "complement='diag' needs tensor inputs (its GGN diagonal comes from "
-                f"BackPACK); got inputs of type {type(X).__name__}."
-            )
-        try:
-            with warnings.catch_warnings():  # BackPACK's hooks on inputs without grad
-                warnings.filterwarnings("ignore", message="Full backward hook is firing")
-                _, diagonal = backend.diag(X.to(device), y.to(device))
-        except Exception as err:  # BackPACK's refusals come as several exception types
-            raise ValueError(
-                "complement='diag' needs the GGN diagonal, which BackPACK cannot compute "
-                f"for this model ({type(err).__name__}: {err}). Use complement='zero' or "
-                "'prior'."
-            ) from err
-        diagonal = diagonal.detach()
+        X, y = _batch_for_diagonal(batch, likelihood, ignore_index, dict_key_y, device)
+        if X is None:
+            continue
+        diagonal = _batch_diagonal(network, params, loss_fn, X, y) * factor
         total = diagonal if total is None else total + diagonal
     if total is None:
-        raise ValueError("The loader is empty: there is no GGN diagonal to compute.")
-    return all_reduce_sum(total, shards)
+        total = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
+        if shards is None:
+            raise ValueError("The loader has no scored targets: there is no GGN diagonal.")
+    return all_reduce_sum(total.to(device), shards)
+
+
+def _batch_for_diagonal(
+    batch: object, likelihood: str, ignore_index: int, dict_key_y: str, device: torch.device | str
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(X, y)`` on ``device`` with the padded classification targets left out (None, None
+    when nothing is left).
+    """
+    X, y = split_batch(batch, dict_key_y)
+    if not isinstance(X, torch.Tensor):
+        raise ValueError(
+            "complement='diag' needs tensor inputs (its GGN diagonal comes from BackPACK); "
+            f"got inputs of type {type(X).__name__}."
+        )
+    if likelihood != "regression":
+        if y.ndim != 1:
+            raise ValueError(
+                "complement='diag' takes one class label per input (outputs (batch, C)); "
+                f"got targets of shape {tuple(y.shape)}. Use complement='zero' or 'prior'."
+            )
+        keep = y != ignore_index
+        if not bool(keep.any()):
+            return None, None
+        X, y = X[keep], y[keep]
+    return X.to(device), y.to(device)
+
+
+def _batch_diagonal(
+    network: nn.Module,
+    params: list[torch.Tensor],
+    loss_fn: nn.Module,
+    X: torch.Tensor,
+    y: torch.Tensor,
+) -> torch.Tensor:
+    """BackPACK's exact GGN diagonal of ``loss_fn`` on one batch, flattened over ``params``."""
+    try:
+        with warnings.catch_warnings():  # BackPACK's hooks on inputs without grad
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            network.zero_grad(set_to_none=True)
+            loss = loss_fn(network(X), y)
+            with backpack(DiagGGNExact()):
+                loss.backward()
+            return torch.cat([p.diag_ggn_exact.detach().reshape(-1) for p in params])
+    except Exception as err:  # BackPACK's refusals come as several exception types
+        raise ValueError(
+            "complement='diag' needs the GGN diagonal, which BackPACK cannot compute for "
+            f"this model ({type(err).__name__}: {err}). Use complement='zero' or 'prior'."
+        ) from err

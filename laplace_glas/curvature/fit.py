@@ -125,8 +125,9 @@ class SubspaceFit:
         problem = self._curvature_problem(
             train_loader, out_shape, n_data, generator, self.subsample_size, shards, show
         )
-        eig = self._solve(problem, k, generator, stored=stored)
+        # the complement's pass first: its refusals come before the eigen-solve's cost
         diagonal = self._complement_diagonal(train_loader, shards, show, update)
+        eig = self._solve(problem, k, generator, stored=stored)
         if update:
             loss, n_data = self.loss + loss, self.n_data + n_data
         n_below = int(eig.below_threshold.sum())
@@ -245,17 +246,24 @@ class SubspaceFit:
         """
         if self.complement != "diag":
             return None
+        stored = getattr(self, "_ggn_diagonal", None)
+        if update and stored is None:
+            raise ValueError(
+                "fit(override=False) with complement='diag' needs the GGN diagonal of the "
+                "stored fit, which was fitted with another complement: refit with "
+                "override=True."
+            )
         diagonal = ggn_diagonal(
             self.model,
             loader,
             self._curvature_likelihood,
+            ignore_index=self.ignore_index,
             dict_key_y=self.dict_key_y,
             device=self._device,
             shards=shards,
             progress_bar=show,
         ).to(self._dtype)
-        stored = getattr(self, "_ggn_diagonal", None)
-        return diagonal + stored if update and stored is not None else diagonal
+        return diagonal + stored if update else diagonal
 
     def _loss_at_map(self, loader: Any, show: bool, shards: Shards | None = None) -> MapLoss:
         """:func:`laplace_glas.curvature.fitting.loss_at_map` with this posterior's

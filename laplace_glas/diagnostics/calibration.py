@@ -55,7 +55,8 @@ from laplace_glas.curvature.batches import concatenate_inputs, split_batch
 from laplace_glas.curvature.distributed import data_parallel, reduce_coverage_rows
 from laplace_glas.diagnostics.coverage import CoverageRow, check_sweep_arguments, coverage_table
 from laplace_glas.posterior.closed_forms import optimal_prior_precision
-from laplace_glas.posterior.view import fitted_posterior
+from laplace_glas.posterior.complement import optimal_complement_prior_precision
+from laplace_glas.posterior.view import FittedPosterior, fitted_posterior
 from laplace_glas.validation import flag
 
 __all__ = [
@@ -232,11 +233,27 @@ def _candidates(
         taus = {t: False for t in grid}
         if empirical_bayes:
             try:
-                taus[optimal_prior_precision(curvature[:k], square_norm)] = True
+                taus[_evidence_optimum(posterior, curvature, k, square_norm)] = True
             except ValueError:
                 pass
         pairs.extend((k, t, eb) for t, eb in taus.items())
     return pairs
+
+
+def _evidence_optimum(
+    posterior: FittedPosterior, curvature: torch.Tensor, k: int, square_norm: float
+) -> float:
+    """The evidence-maximising ``tau`` at ``k``: over the subspace, or over every
+    direction for ``complement='diag'`` (its evidence counts the complement too).
+    """
+    if posterior.complement_curvature is not None:
+        return optimal_complement_prior_precision(
+            posterior.eigenvectors[:, :k],
+            curvature[:k],
+            posterior.complement_curvature,
+            square_norm,
+        )
+    return optimal_prior_precision(curvature[:k], square_norm)
 
 
 def _validate_ks(la: Any, ks: Sequence[int] | None) -> list[int]:

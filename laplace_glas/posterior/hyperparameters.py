@@ -46,11 +46,11 @@ __all__ = [
 ]
 
 LOSS_SCALINGS = ("mean", "sum")
+"""The ``loss_scaling`` values: generalized (``s = 1``) and standard (``s = N``)."""
 COMPLEMENTS = ("zero", "prior", "diag")
 """The ``complement`` values: none, the prior's, the GGN diagonal's curvature."""
 DEFAULT_N_COMPONENTS = 20
 """``n_components`` when none is given (capped at ``D - 1``)."""
-"""The ``loss_scaling`` values: generalized (``s = 1``) and standard (``s = N``)."""
 
 
 Method = TypeVar("Method", bound=Callable[..., Any])
@@ -90,8 +90,12 @@ class PosteriorHyperparameters:
     #: weights); the last-layer and subnetwork posteriors refuse it.
     _diag_complement_available = True
 
-    def _checked_complement(self, complement: Any) -> str:
-        """``complement`` checked against :data:`COMPLEMENTS` and this class."""
+    def _checked_complement(
+        self, complement: Any, curvature_kind: str = "ggn", loss_fn: Any = None
+    ) -> str:
+        """``complement`` checked against :data:`COMPLEMENTS`, this class, and (for
+        ``'diag'``, whose diagonal is the likelihood's GGN) the curvature and loss.
+        """
         complement = choice(
             "complement",
             complement,
@@ -103,6 +107,12 @@ class PosteriorHyperparameters:
                 f"complement='diag' is not available for {type(self).__name__} (its GGN "
                 "diagonal would be over other weights than the posterior's); use "
                 "complement='zero' or 'prior'."
+            )
+        if complement == "diag" and (curvature_kind != "ggn" or loss_fn is not None):
+            what = "a custom loss_fn" if loss_fn is not None else f"the {curvature_kind} backend"
+            raise ValueError(
+                f"complement='diag' takes the likelihood's GGN diagonal and cannot follow "
+                f"{what}; use complement='zero' or 'prior' with it."
             )
         return complement
 

@@ -42,6 +42,9 @@ __all__ = ["FittedPosterior", "fitted_posterior"]
 class FittedPosterior:
     """Read-only record of a fitted posterior (``la.posterior``).
 
+    The record cannot be rebound; its tensors are the posterior's own (no copies are
+    made), so change none of them in place.
+
     Attributes
     ----------
     eigenvectors : torch.Tensor
@@ -71,7 +74,7 @@ class FittedPosterior:
     sigma_noise, temperature : torch.Tensor or float
         Observation noise and temperature of the likelihood.
     likelihood, complement : str
-        The likelihood and the complement (``'zero'`` or ``'prior'``).
+        The likelihood and the complement (``'zero'``, ``'prior'`` or ``'diag'``).
     param_names, param_shapes : tuple
         Names and shapes of the network's parameter tensors under inference.
     device, dtype :
@@ -85,6 +88,9 @@ class FittedPosterior:
     ggn_diagonal : torch.Tensor or None
         ``(D,)`` diagonal of the summed unit-noise GGN (``complement='diag'``; None
         otherwise).
+    complement_curvature : torch.Tensor or None
+        ``(D,)`` ``c = s diag(G) / T``, the complement's curvature scaled as
+        ``curvature`` (``complement='diag'``; None otherwise).
     process_group : Any
         The process group of a data-parallel fit (None otherwise).
     ignore_index : int
@@ -135,6 +141,7 @@ class FittedPosterior:
     eigen_solve: Eigenpairs
     weight_indices: torch.Tensor | None
     ggn_diagonal: torch.Tensor | None
+    complement_curvature: torch.Tensor | None
     process_group: Any
     ignore_index: int
     dict_key_x: str

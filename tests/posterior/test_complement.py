@@ -229,3 +229,60 @@ def test_the_subset_posteriors_refuse_diag():
         SubnetActiveSubspaceLaplace(
             model, "regression", torch.tensor([0, 1, 2]), n_components=2, complement="diag"
         )
+
+
+def test_padded_labels_are_left_out_of_the_diagonal():
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(40, 3, generator=g, dtype=torch.float64)
+    y = (X[:, 0] > 0).long() + (X[:, 1] > 0).long()
+    model = train(mlp([3, 5, 3], dtype=torch.float64), X, y, steps=50, classification=True)
+    padded = y.clone()
+    padded[:10] = -100
+    la = fit_glas(model, X, padded, "classification", n_components=3, complement="diag")
+    clean = fit_glas(model, X[10:], y[10:], "classification", n_components=3, complement="diag")
+    torch.testing.assert_close(la._ggn_diagonal, clean._ggn_diagonal)
+
+
+def test_frozen_parameters_leave_the_diagonal_over_the_trainable_ones():
+    X, y = regression_data(30)
+    X, y = X.double(), y.double()
+    model = train(mlp([1, 6, 1], dtype=torch.float64), X, y, steps=50)
+    model[0].bias.requires_grad_(False)
+    la = fit_glas(model, X, y, n_components=3, complement="diag", loss_scaling="sum")
+    J = explicit_jacobian(model, X)  # over all 19 parameters: drop the frozen bias's 6
+    J = torch.cat([J[:, :6], J[:, 12:]], dim=1)
+    assert la._ggn_diagonal.shape == (la.n_params,) == (13,)
+    torch.testing.assert_close(la._ggn_diagonal, J.square().sum(0))
+
+
+def test_diag_refuses_a_custom_loss_and_other_backends():
+    from laplace.curvature import CurvlinopsEF
+
+    from laplace_glas import ActiveSubspaceLaplace
+
+    model = mlp([1, 4, 1])
+    with pytest.raises(ValueError, match="cannot follow a custom loss_fn"):
+        ActiveSubspaceLaplace(
+            model, "regression", complement="diag", loss_fn=torch.nn.MSELoss(reduction="sum")
+        )
+    with pytest.raises(ValueError, match="cannot follow the ef backend"):
+        ActiveSubspaceLaplace(model, "regression", complement="diag", backend=CurvlinopsEF)
+
+
+def test_an_update_after_switching_to_diag_is_refused(fitted):
+    _, model, X, y = fitted
+    la = fit_glas(model, X, y, n_components=3)
+    la.complement = "diag"
+    with pytest.raises(ValueError, match="refit with override=True"):
+        la.fit(loader(X, y), override=False)
+
+
+def test_calibrations_evidence_rows_use_the_whole_evidence(fitted):
+    from laplace_glas import select_dimension
+
+    la, _, X, y = fitted
+    selection = select_dimension(la, loader(X, y), ks=[la.n_components], prior_precisions=[])
+    other = la.with_loss_scaling("sum")
+    other.optimize_prior_precision()
+    (row,) = [r for r in selection.rows if r.empirical_bayes]
+    assert row.prior_precision == pytest.approx(float(other.prior_precision), rel=1e-6)
