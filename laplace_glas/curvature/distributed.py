@@ -66,7 +66,6 @@ from laplace.utils.utils import validate
 
 from laplace_glas.curvature.agreement import failed_ranks
 from laplace_glas.curvature.fitting import MapLoss
-from laplace_glas.curvature.operators.curvlinops import mean_ggn_operator
 from laplace_glas.curvature.operators.factored import FactoredGGN
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES, TorchOperator
 
@@ -349,14 +348,7 @@ def distribute_operator(plan: Any, problem: Any, error: Exception | None = None)
     factored = isinstance(operator, FactoredGGN)
     # every rank calls this collective once, whatever its own outcome
     if not agree_on_operator(factored, shards, problem.device) and factored:
-        operator = mean_ggn_operator(
-            problem.model,
-            problem.loss_func,
-            problem.params,
-            problem.data,
-            num_data=problem.num_data,
-            batch_size_fn=problem.batch_size_fn,
-        )
+        operator = problem.reference_operator()
         scale = problem.scale
         name = "curvlinops (not factored: the factors exceed a budget on another rank)"
         factored = False

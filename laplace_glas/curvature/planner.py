@@ -42,7 +42,7 @@ from laplace_glas.curvature.backends import (
     CurvatureChoice,
     _ef_loss,
 )
-from laplace_glas.curvature.operators.curvlinops import curvlinops_operator, mean_ggn_operator
+from laplace_glas.curvature.operators.curvlinops import curvlinops_operator
 from laplace_glas.curvature.operators.factored import (
     FactoredGGN,
     build_factored_ggn,
@@ -152,14 +152,7 @@ def plan_solve(
     curvature = _GGN if curvature is None else curvature
     if curvature.kind != "ggn":
         return _curvlinops_plan(problem, solver, curvature)
-    reference = mean_ggn_operator(
-        problem.model,
-        problem.loss_func,
-        problem.params,
-        problem.data,
-        num_data=problem.num_data,
-        batch_size_fn=problem.batch_size_fn,
-    )
+    reference = problem.reference_operator()
     if solver == "lanczos":
         return Plan(reference, problem.scale, solver, "curvlinops", problem.n_terms)
     itemsize = torch.finfo(problem.dtype).bits // 8

@@ -14,11 +14,13 @@ from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from curvlinops import GGNLinearOperator
 from torch import nn
 
 from laplace_glas.curvature.batches import XYBatches, batch_size, split_batch, subsample_loader
 from laplace_glas.curvature.distributed import Shards, sum_count
 from laplace_glas.curvature.fitting import count_terms, curvature_loss
+from laplace_glas.curvature.operators.curvlinops import mean_ggn_operator
 
 __all__ = ["CurvatureProblem", "curvature_likelihood"]
 
@@ -113,6 +115,19 @@ class CurvatureProblem:
     def n_params(self) -> int:
         """``D``, the number of parameters under inference."""
         return sum(p.numel() for p in self.params)
+
+    def reference_operator(self) -> GGNLinearOperator:
+        """Curvlinops' GGN operator of ``loss_func`` on ``data`` (the reference; its
+        products times ``scale`` are the unit-noise mean-loss GGN's).
+        """
+        return mean_ggn_operator(
+            self.model,
+            self.loss_func,
+            self.params,
+            self.data,
+            num_data=self.num_data,
+            batch_size_fn=self.batch_size_fn,
+        )
 
     @classmethod
     def build(

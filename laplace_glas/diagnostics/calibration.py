@@ -404,7 +404,7 @@ def _all_ranks(la: Any, rows: list[CoverageRow], y: torch.Tensor) -> list[Covera
     if shards is None:
         return rows
     if la.likelihood == "classification":
-        n_scored = int((y != getattr(la, "ignore_index", -100)).sum())
+        n_scored = int((y != posterior.ignore_index).sum())
     else:
         n_scored = y.numel()
     return reduce_coverage_rows(rows, n_scored, shards, posterior.device)
