@@ -17,9 +17,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from laplace.utils.matrix import Kron
 
 from laplace_glas.curvature.eigenpairs import Eigenpairs
 from laplace_glas.curvature.fitting import loss_fn_name
+from laplace_glas.curvature.kron import check_kron_factors
 from laplace_glas.validation import (
     homoscedastic_noise,
     positive_scalar,
@@ -142,11 +144,13 @@ def check_state(
     complements: tuple[str, ...],
     dtype: torch.dtype | None = None,
     n_layers: int | None = None,
+    param_shapes: list[torch.Size] | None = None,
 ) -> None:
     """Validate a GLAS state dict against the posterior it is loaded into.
 
     With ``n_layers``, a prior precision of one value per parameter tensor or per
-    weight is accepted as well (positive and finite).
+    weight is accepted as well (positive and finite). With ``param_shapes``, the
+    Kronecker factors of ``complement='kron'`` are checked block by block against them.
 
     Raises
     ------
@@ -193,6 +197,7 @@ def check_state(
         if state[key] not in allowed:
             raise ValueError(f"state_dict[{key!r}] must be one of {allowed}, got {state[key]!r}.")
     _check_ggn_diagonal(state, n_params)
+    _check_ggn_kron(state, n_params, param_shapes)
     _count("n_data", state["n_data"])
     _count("n_outputs", state["n_outputs"])
     loss = state["loss"]
@@ -283,6 +288,47 @@ def _check_ggn_diagonal(state: Mapping[str, Any], n_params: int) -> None:
         raise ValueError("state_dict['ggn_diagonal'] holds negative values: a GGN's diagonal.")
 
 
+def _check_ggn_kron(
+    state: Mapping[str, Any], n_params: int, shapes: list[torch.Size] | None
+) -> None:
+    """``complement='kron'`` needs KFAC's factors: one ``(B, A)`` / ``(B,)`` block per
+    parameter tensor, square, symmetric and finite, of Kronecker sizes summing to ``D``.
+    """
+    blocks = state.get("ggn_kron")
+    if blocks is None:
+        if state["complement"] == "kron":
+            raise ValueError(
+                "state_dict['ggn_kron'] is missing: complement='kron' needs the Kronecker "
+                "factors that its fit computed."
+            )
+        return
+    if shapes is None:  # the blocks' own sizes, which must then sum to D
+        shapes = [
+            torch.Size([math.prod(F.shape[0] for F in block)])
+            if isinstance(block, (list, tuple))
+            and all(isinstance(F, torch.Tensor) and F.ndim == 2 for F in block)
+            else torch.Size([0])
+            for block in (blocks if isinstance(blocks, (list, tuple)) else [])
+        ]
+        if sum(math.prod(shape) for shape in shapes) != n_params:
+            raise ValueError(f"state_dict['ggn_kron'] does not cover the D={n_params} weights.")
+    check_kron_factors(blocks, shapes, "state_dict['ggn_kron']")
+
+
+def restored_complement(
+    state: Mapping[str, Any], device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor | None, Kron | None]:
+    """The checked state's GGN diagonal and KFAC factors (None where it holds none) on
+    ``device`` in ``dtype``.
+    """
+    diagonal, blocks = state.get("ggn_diagonal"), state.get("ggn_kron")
+    if diagonal is not None:
+        diagonal = diagonal.to(device, dtype)
+    if blocks is not None:
+        blocks = Kron([[F.to(device, dtype) for F in block] for block in blocks])
+    return diagonal, blocks
+
+
 def glas_state(la: Any, base_state: dict[str, Any]) -> dict[str, Any]:
     """laplace-torch's ``base_state`` of the fitted ``la`` plus the GLAS entries.
 
@@ -302,8 +348,11 @@ def glas_state(la: Any, base_state: dict[str, Any]) -> dict[str, Any]:
     del record["vectors"]  # the same tensor as H[0]
     state["eigenpairs"] = tuple(record.items())
     state["loss_fn"] = loss_fn_name(la.loss_fn)
-    if la.posterior.ggn_diagonal is not None:
-        state["ggn_diagonal"] = la.posterior.ggn_diagonal
+    view = la.posterior
+    if view.ggn_diagonal is not None:
+        state["ggn_diagonal"] = view.ggn_diagonal
+    if view.ggn_kron is not None:
+        state["ggn_kron"] = tuple(tuple(block) for block in view.ggn_kron.kfacs)
     return state
 
 
@@ -332,6 +381,7 @@ def restore_glas_state(
         complements=complements,
         dtype=dtype,
         n_layers=la.n_layers,
+        param_shapes=[p.shape for p in la.params],
     )
     if la.loss_scaling != state["loss_scaling"]:
         warnings.warn(

@@ -39,7 +39,7 @@ from laplace_glas.curvature.fitting import validate_loss_fn
 from laplace_glas.curvature.planner import SOLVERS
 from laplace_glas.curvature.problem import curvature_likelihood
 from laplace_glas.diagnostics.calibration import DimensionSelection, select_dimension
-from laplace_glas.io import glas_state, restore_glas_state
+from laplace_glas.io import glas_state, restore_glas_state, restored_complement
 from laplace_glas.posterior.hyperparameters import (
     COMPLEMENTS,
     LOSS_SCALINGS,
@@ -123,13 +123,13 @@ class ActiveSubspaceLaplace(
     loss_scaling : {'mean', 'sum'}, default='mean'
         Generalized (``s = 1``, the GLAS default) or standard Bayesian (``s = N``)
         scaling of the loss.
-    complement : {'zero', 'prior', 'diag'}, default='zero'
-        Variance outside ``span(U)``: none (GLAS), the prior's ``1/tau`` (the
-        posterior of laplace-torch's ``LowRankLaplace``), or ``1 / (c_i + tau)`` with
-        ``c`` the GGN diagonal's curvature (one extra data pass in ``fit``; scalar
-        prior, all weights; :mod:`laplace_glas.posterior.complement`). The evidence
-        counts the complement's curvature too, so marglik's ``tau`` is comparable to
-        Kron's and Full's.
+    complement : {'zero', 'prior', 'diag', 'kron'}, default='zero'
+        Variance outside ``span(U)``: none (GLAS), the prior's ``1/tau`` (laplace-torch's
+        ``LowRankLaplace``), or that of the GGN diagonal's (``'diag'``,
+        :mod:`~laplace_glas.posterior.complement`) or KFAC's (``'kron'``,
+        :mod:`~laplace_glas.posterior.kron_complement`) curvature plus ``tau``, projected
+        off ``span(U)`` (one extra data pass in ``fit``; scalar prior, all weights). Their
+        evidence counts every direction, so marglik's ``tau`` is comparable to Kron's.
     solver : {'auto', 'dual', 'factored', 'lanczos', 'block'}, default='auto'
         Eigen-solver. ``'auto'``: where every trainable parameter sits in an
         ``nn.Linear``, ``nn.Conv1d/2d``, ``nn.LayerNorm``, ``nn.BatchNorm1d/2d`` (eval)
@@ -355,8 +355,9 @@ class ActiveSubspaceLaplace(
             eigen_solve=self._eigenpairs,
             weight_indices=getattr(self, "subnetwork_indices", None),
             ggn_diagonal=getattr(self, "_ggn_diagonal", None),
+            ggn_kron=getattr(self, "_ggn_kron", None),
             complement_curvature=(
-                self._complement_curvature() if self.complement == "diag" else None
+                self._complement_curvature() if self.complement in ("diag", "kron") else None
             ),
             process_group=getattr(self, "_process_group", None),
             ignore_index=self.ignore_index,
@@ -494,5 +495,4 @@ class ActiveSubspaceLaplace(
         self.complement = state_dict["complement"]
         self._eigenpairs = eigenpairs.to(device, dtype)
         self._n_components = int(state_dict["n_components"])
-        diagonal = state_dict.get("ggn_diagonal")
-        self._ggn_diagonal = None if diagonal is None else diagonal.to(device, dtype)
+        self._ggn_diagonal, self._ggn_kron = restored_complement(state_dict, device, dtype)

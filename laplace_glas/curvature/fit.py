@@ -24,6 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from laplace.utils.matrix import Kron
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, RandomSampler
 
@@ -46,6 +47,7 @@ from laplace_glas.curvature.distributed import (
 from laplace_glas.curvature.eigenpairs import Eigenpairs, NumericalRankWarning
 from laplace_glas.curvature.eigensolve import compute_eigenpairs
 from laplace_glas.curvature.fitting import MapLoss, loss_at_map
+from laplace_glas.curvature.kron import ggn_kron
 from laplace_glas.curvature.operators.updated import StoredCurvature, add_stored_curvature
 from laplace_glas.curvature.planner import Plan, plan_solve
 from laplace_glas.curvature.problem import CurvatureProblem
@@ -127,6 +129,7 @@ class SubspaceFit:
         )
         # the complement's pass first: its refusals come before the eigen-solve's cost
         diagonal = self._complement_diagonal(train_loader, shards, show, update)
+        kron = self._complement_kron(train_loader, shards, show, update)
         eig = self._solve(problem, k, generator, stored=stored)
         if update:
             loss, n_data = self.loss + loss, self.n_data + n_data
@@ -151,6 +154,7 @@ class SubspaceFit:
         self._n_components = eig.k
         self.H = (eig.vectors, n_data * eig.values)
         self._ggn_diagonal = diagonal
+        self._ggn_kron = kron
         self._process_group = process_group
 
     def _fit_checks(
@@ -264,6 +268,30 @@ class SubspaceFit:
             progress_bar=show,
         ).to(self._dtype)
         return diagonal + stored if update else diagonal
+
+    def _complement_kron(
+        self, loader: Any, shards: Shards | None, show: bool, update: bool
+    ) -> Kron | None:
+        """KFAC's factors of the summed GGN for ``complement='kron'`` (:func:`ggn_kron`),
+        else None; ``fit(override=False)`` is refused with it (not supported yet).
+        """
+        if self.complement != "kron":
+            return None
+        if update:
+            raise ValueError(
+                "fit(override=False) with complement='kron' is not supported yet (KFAC's "
+                "factors of two data sets do not add up to the union's): refit with "
+                "override=True on all of the data."
+            )
+        return ggn_kron(
+            self.model,
+            loader,
+            self._curvature_likelihood,
+            ignore_index=self.ignore_index,
+            dict_key_y=self.dict_key_y,
+            shards=shards,
+            progress_bar=show,
+        )
 
     def _loss_at_map(self, loader: Any, show: bool, shards: Shards | None = None) -> MapLoss:
         """:func:`laplace_glas.curvature.fitting.loss_at_map` with this posterior's

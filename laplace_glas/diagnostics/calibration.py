@@ -244,7 +244,8 @@ def _evidence_optimum(
     posterior: FittedPosterior, curvature: torch.Tensor, k: int, square_norm: float
 ) -> float:
     """The evidence-maximising ``tau`` at ``k``: over the subspace, or over every
-    direction for ``complement='diag'`` (its evidence counts the complement too).
+    direction for ``complement='diag'`` or ``'kron'`` (its evidence counts the complement
+    too).
     """
     if posterior.complement_curvature is not None:
         return optimal_complement_prior_precision(

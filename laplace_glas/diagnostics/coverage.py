@@ -141,9 +141,9 @@ def coverage_table(
     a = posterior.curvature[:k_max].detach()
     sigma2 = float(la.sigma_noise.square()) if la.likelihood == "regression" else 0.0
     prior_complement = la.complement == "prior"
-    # complement='diag': every candidate through the posterior's own predictive at that
+    # complement='diag' / 'kron': every candidate through the posterior's own predictive at that
     # (k, tau) (the complement's variance depends on k through P = I - U_k U_k^T)
-    own = la.complement == "diag"
+    own = la.complement in ("diag", "kron")
     theta = posterior.network_weights.detach()
     rows = []
     with torch.no_grad(), autodiff_friendly(la.model):
@@ -297,7 +297,7 @@ def _sampled_rows(
 
     rows = []
     for k, tau, eb in pairs:
-        if tau is None or la.complement == "diag":  # the posterior's own prior / complement
+        if tau is None or la.complement in ("diag", "kron"):  # its own prior / complement
             fs = _own_prior_draws(la, X, k, pred_type, n_samples, generator, batch_size, tau)
         elif pred_type == "glm":
             fs = f0 + torch.einsum("...k,sk->s...", JU[..., :k], _coefficients(z, a, k, tau))

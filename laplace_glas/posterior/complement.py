@@ -31,6 +31,8 @@ of this is the ``complement='prior'`` posterior.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from scipy.optimize import minimize_scalar
@@ -169,10 +171,11 @@ class DiagonalComplementPosterior:
 def optimal_complement_prior_precision(
     vectors: torch.Tensor,
     curvature: torch.Tensor,
-    complement_curvature: torch.Tensor,
+    complement_curvature: Any,
     square_norm: float,
 ) -> float:
-    """The ``tau > 0`` that maximises the evidence of the ``complement='diag'`` posterior.
+    """The ``tau > 0`` that maximises the evidence of the ``complement='diag'`` or
+    ``'kron'`` posterior.
 
     Up to terms free of ``tau`` the negative log evidence is
 
@@ -182,16 +185,25 @@ def optimal_complement_prior_precision(
         + \\sum_i \\log(c_i + \\tau) - \\sum_j \\log(\\beta_j + \\tau)
         - D \\log \\tau\\Big],
 
-    with ``m = ||theta* - mu_0||^2`` and ``beta`` the eigenvalues of ``U^T diag(c) U``
-    (so ``log det(U^T E U) = sum_j log(beta_j + tau)``). Each evaluation is ``O(D)``:
-    the minimum is bracketed on a log-spaced grid over ``[1e-8, 1e8]`` and refined by
-    Brent's method in ``log tau``.
+    with ``m = ||theta* - mu_0||^2``, ``c`` the eigenvalues of the complement's
+    curvature ``C`` (the diagonal ``c`` itself for 'diag', KFAC's ``s lambda_B lambda_A
+    / T`` for 'kron': a :class:`~laplace_glas.posterior.kron_complement.KronCurvature`)
+    and ``beta`` the eigenvalues of ``U^T C U`` (so ``log det(U^T E U) = sum_j
+    log(beta_j + tau)``). Each evaluation is ``O(D)``: the minimum is bracketed on a
+    log-spaced grid over ``[1e-8, 1e8]`` and refined by Brent's method in ``log tau``.
     """
     U = vectors.detach().to(torch.float64)
-    c = complement_curvature.detach().to(torch.float64).cpu().numpy()
+    if isinstance(complement_curvature, torch.Tensor):
+        c = complement_curvature.detach().to(U)
+        projected = U.T @ (c[:, None] * U)
+    else:  # KFAC's curvature: its eigenvalues and U^T C U from products with C
+        zero = torch.zeros((), dtype=vectors.dtype, device=vectors.device)
+        CU = complement_curvature.apply(vectors.detach().T, zero, 1.0).T
+        c = complement_curvature.eigenvalues.detach().to(U)
+        projected = U.T @ CU.detach().to(U)
     a = curvature.detach().to(torch.float64).cpu().numpy()
-    beta = torch.linalg.eigvalsh(U.T @ (complement_curvature.detach().to(U)[:, None] * U))
-    beta = beta.clamp(min=0).cpu().numpy()
+    beta = torch.linalg.eigvalsh(projected).clamp(min=0).cpu().numpy()
+    c = c.cpu().numpy()
     D = c.size
 
     def g(log_tau: float) -> float:

@@ -47,8 +47,8 @@ __all__ = [
 
 LOSS_SCALINGS = ("mean", "sum")
 """The ``loss_scaling`` values: generalized (``s = 1``) and standard (``s = N``)."""
-COMPLEMENTS = ("zero", "prior", "diag")
-"""The ``complement`` values: none, the prior's, the GGN diagonal's curvature."""
+COMPLEMENTS = ("zero", "prior", "diag", "kron")
+"""The ``complement`` values: none, the prior's, the GGN diagonal's or KFAC's curvature."""
 DEFAULT_N_COMPONENTS = 20
 """``n_components`` when none is given (capped at ``D - 1``)."""
 
@@ -86,8 +86,8 @@ class PosteriorHyperparameters:
     _k_bound_known_at_init = True  # D is known at construction (False: checked later)
 
     _k_from_default = False  # n_components was not given: min(20, D - 1)
-    #: Whether ``complement='diag'`` is served (the GGN diagonal over the posterior's
-    #: weights); the last-layer and subnetwork posteriors refuse it.
+    #: Whether ``complement='diag'`` / ``'kron'`` are served (the GGN's diagonal or KFAC
+    #: over the posterior's weights); the last-layer and subnetwork posteriors refuse them.
     _diag_complement_available = True
 
     def _checked_complement(
@@ -100,19 +100,20 @@ class PosteriorHyperparameters:
             "complement",
             complement,
             COMPLEMENTS,
-            " (no variance / the prior's / the GGN diagonal's curvature outside span(U))",
+            " (no variance / the prior's / the GGN diagonal's / KFAC's curvature outside span(U))",
         )
-        if complement == "diag" and not self._diag_complement_available:
+        curved = complement in ("diag", "kron")
+        if curved and not self._diag_complement_available:
             raise ValueError(
-                f"complement='diag' is not available for {type(self).__name__} (its GGN "
-                "diagonal would be over other weights than the posterior's); use "
+                f"complement={complement!r} is not available for {type(self).__name__} (its "
+                "GGN curvature would be over other weights than the posterior's); use "
                 "complement='zero' or 'prior'."
             )
-        if complement == "diag" and (curvature_kind != "ggn" or loss_fn is not None):
+        if curved and (curvature_kind != "ggn" or loss_fn is not None):
             what = "a custom loss_fn" if loss_fn is not None else f"the {curvature_kind} backend"
             raise ValueError(
-                f"complement='diag' takes the likelihood's GGN diagonal and cannot follow "
-                f"{what}; use complement='zero' or 'prior' with it."
+                f"complement={complement!r} takes the likelihood's GGN curvature and cannot "
+                f"follow {what}; use complement='zero' or 'prior' with it."
             )
         return complement
 

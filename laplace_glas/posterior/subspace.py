@@ -48,6 +48,7 @@ from laplace_glas.posterior.diagonal_prior import (
     layer_grams,
 )
 from laplace_glas.posterior.hyperparameters import unchanged_on_failure
+from laplace_glas.posterior.kron_complement import KronComplementPosterior, KronCurvature
 from laplace_glas.posterior.prior import Prior
 from laplace_glas.validation import (
     choice,
@@ -153,10 +154,18 @@ class SubspacePosterior:
             return DiagonalComplementPosterior(
                 U, curvature, self._diag_complement_tau(), self._complement_curvature()
             )
+        if self.complement == "kron":
+            return KronComplementPosterior(
+                U, curvature, self._diag_complement_tau(), self._complement_curvature()
+            )
         return self._prior.posterior(U, curvature, self.complement, self._layer_grams)
 
-    def _complement_curvature(self) -> torch.Tensor:
-        """``c = s diag(G) / T`` ``(D,)``, scaled as the subspace curvature ``a``."""
+    def _complement_curvature(self) -> torch.Tensor | KronCurvature:
+        """``c = s diag(G) / T`` ``(D,)`` ('diag'), or KFAC's ``C = s K / T`` ('kron'),
+        scaled as the subspace curvature ``a``.
+        """
+        if self.complement == "kron":
+            return KronCurvature(self._kron_blocks(), self._H_factor)
         diagonal = getattr(self, "_ggn_diagonal", None)
         if diagonal is None:
             raise ValueError(
@@ -165,11 +174,28 @@ class SubspacePosterior:
             )
         return self._H_factor * diagonal
 
+    def _kron_blocks(self) -> list:
+        """The eigen-decomposed Kronecker factors of the fit (cached per factor set)."""
+        kron = getattr(self, "_ggn_kron", None)
+        if kron is None:
+            raise ValueError(
+                "complement='kron' needs KFAC's Kronecker factors, computed by fit: this "
+                "posterior was fitted with another complement. Refit with complement='kron'."
+            )
+        cache = getattr(self, "_kron_cache", None)
+        if cache is None or cache[0] is not kron:
+            cache = (kron, KronCurvature.decompose(kron, self._dtype, self._device))
+            self._kron_cache = cache
+        return cache[1]
+
     def _diag_complement_tau(self) -> torch.Tensor:
-        """The scalar ``tau`` that ``complement='diag'`` needs (a clear error otherwise)."""
+        """The scalar ``tau`` that ``complement='diag'`` or ``'kron'`` needs (a clear
+        error otherwise).
+        """
         if self._prior.tau is None or self._directions_embedded:
             raise ValueError(
-                "complement='diag' takes a scalar prior_precision on a posterior over all "
+                f"complement={self.complement!r} takes a scalar prior_precision on a "
+                "posterior over all "
                 f"of the network's weights; got {type(self).__name__} with a prior of shape "
                 f"{tuple(self.prior_precision.shape)}. Use complement='prior' here."
             )
@@ -407,7 +433,7 @@ class SubspacePosterior:
             delta = self.mean - self.prior_mean
             square_norm = float(delta.detach().square().sum())
             with torch.no_grad():
-                if self.complement == "diag":  # the evidence over every direction
+                if self.complement in ("diag", "kron"):  # the evidence over every direction
                     tau = optimal_complement_prior_precision(
                         self.eigenvectors,
                         self.subspace_curvature,

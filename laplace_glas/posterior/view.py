@@ -74,7 +74,7 @@ class FittedPosterior:
     sigma_noise, temperature : torch.Tensor or float
         Observation noise and temperature of the likelihood.
     likelihood, complement : str
-        The likelihood and the complement (``'zero'``, ``'prior'`` or ``'diag'``).
+        The likelihood and the complement (``'zero'``, ``'prior'``, ``'diag'`` or ``'kron'``).
     param_names, param_shapes : tuple
         Names and shapes of the network's parameter tensors under inference.
     device, dtype :
@@ -88,9 +88,14 @@ class FittedPosterior:
     ggn_diagonal : torch.Tensor or None
         ``(D,)`` diagonal of the summed unit-noise GGN (``complement='diag'``; None
         otherwise).
-    complement_curvature : torch.Tensor or None
-        ``(D,)`` ``c = s diag(G) / T``, the complement's curvature scaled as
-        ``curvature`` (``complement='diag'``; None otherwise).
+    ggn_kron : laplace.utils.matrix.Kron or None
+        KFAC's Kronecker factors of the summed unit-noise GGN (``complement='kron'``;
+        None otherwise).
+    complement_curvature : torch.Tensor or KronCurvature or None
+        The complement's curvature scaled as ``curvature``: ``(D,)`` ``c = s diag(G) / T``
+        (``complement='diag'``) or KFAC's ``C = s K / T``
+        (:class:`~laplace_glas.posterior.kron_complement.KronCurvature`,
+        ``complement='kron'``); None otherwise.
     process_group : Any
         The process group of a data-parallel fit (None otherwise).
     ignore_index : int
@@ -141,7 +146,8 @@ class FittedPosterior:
     eigen_solve: Eigenpairs
     weight_indices: torch.Tensor | None
     ggn_diagonal: torch.Tensor | None
-    complement_curvature: torch.Tensor | None
+    ggn_kron: Any
+    complement_curvature: Any
     process_group: Any
     ignore_index: int
     dict_key_x: str

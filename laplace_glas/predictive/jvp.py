@@ -17,7 +17,7 @@ restricted to the parameters under inference).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -167,11 +167,13 @@ def jacobian_gram(
     chunk_size: int = 32,
     model_kwargs: dict | None = None,
     dict_key_x: str = "input_ids",
-    weights: torch.Tensor | None = None,
+    weights: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``J J^T`` at ``theta``: ``(batch, C, C)``, or ``(batch*C, batch*C)`` if ``joint``.
 
-    With ``weights`` ``w`` ``(D,)``: ``J diag(w) J^T`` (a diagonal prior's covariance).
+    With ``weights`` ``w`` ``(D,)``: ``J diag(w) J^T`` (a diagonal prior's covariance);
+    with a callable ``B`` (a symmetric ``D x D`` operator applied to the last axis):
+    ``J B J^T`` (KFAC's inverse in ``complement='kron'``).
 
     For outputs ``(batch, ..., C)`` the leading axes are flattened: ``(batch * ..., C, C)``.
 
@@ -193,14 +195,19 @@ def jacobian_gram(
         flat = [J[n].reshape(-1, n_out, s.numel()) for n, s in zip(names, shapes)]
         return torch.cat(flat, dim=-1)  # (b * ..., C, D)
 
+    def weighted(J: torch.Tensor) -> torch.Tensor:
+        if weights is None:
+            return J
+        return weights(J) if callable(weights) else J * weights
+
     if joint:
         J = jac(x)
         J = J.reshape(-1, J.shape[-1])
-        return (J if weights is None else J * weights) @ J.T
+        return weighted(J) @ J.T
     grams = []
     for rows in row_chunks(x, chunk_size, dict_key_x):
         J = jac(rows)
-        grams.append((J if weights is None else J * weights) @ J.transpose(1, 2))
+        grams.append(weighted(J) @ J.transpose(1, 2))
     return torch.cat(grams)
 
 

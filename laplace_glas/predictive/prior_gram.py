@@ -12,6 +12,7 @@ class it is mixed into.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,9 +43,15 @@ class PriorGram:
         return self._jacobian_gram(X, theta, joint)
 
     def _jacobian_gram(
-        self, X: Any, theta: torch.Tensor, joint: bool, weights: torch.Tensor | None = None
+        self,
+        X: Any,
+        theta: torch.Tensor,
+        joint: bool,
+        weights: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """``J diag(weights) J^T`` over all weights (``J J^T`` without ``weights``)."""
+        """``J diag(weights) J^T`` (or ``J B J^T`` for an operator ``B``) over all
+        weights (``J J^T`` without ``weights``).
+        """
         return jacobian_gram(
             self.model,
             self._param_names,
@@ -57,11 +64,18 @@ class PriorGram:
         )
 
     def _diagonal_gram(
-        self, X: Any, theta: torch.Tensor, diagonal: torch.Tensor, joint: bool = False
+        self,
+        X: Any,
+        theta: torch.Tensor,
+        diagonal: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],
+        joint: bool = False,
     ) -> torch.Tensor:
         """``J diag(d) J^T`` for the diagonal part ``d`` of the covariance: ``d J J^T``
-        (:meth:`_prior_gram`) for a 0-dim ``d``, else over all weights.
+        (:meth:`_prior_gram`) for a 0-dim ``d``, else over all weights; ``J B J^T`` for
+        a base operator ``B`` (KFAC's ``E^{-1}`` of ``complement='kron'``).
         """
+        if callable(diagonal):
+            return self._jacobian_gram(X, theta, joint, weights=diagonal)
         if diagonal.ndim == 0:
             return self._prior_gram(X, theta, joint=joint) * diagonal
         return self._jacobian_gram(X, theta, joint, weights=diagonal)

@@ -51,6 +51,13 @@ def _check_pred_type(pred_type: PredType | str) -> None:
         raise ValueError("Only glm and nn supported as prediction types.")
 
 
+def _weighted(Js: torch.Tensor, base: Any) -> torch.Tensor:
+    """``Js diag(d)`` for a diagonal ``d``, or the base operator ``B`` (KFAC's
+    ``E^{-1}``, symmetric) applied to the last axis of ``Js``.
+    """
+    return base(Js) if callable(base) else Js * base
+
+
 class SubspacePredictive(PriorGram):
     """Predictive methods of a subspace Laplace posterior (a mixin; see the module).
 
@@ -412,7 +419,7 @@ class SubspacePredictive(PriorGram):
         f_var = torch.einsum("nck,k,nlk->ncl", JV, weights, JV)
         if diagonal is None:
             return f_var
-        return f_var + torch.einsum("ncp,nkp->nck", Js * diagonal, Js)
+        return f_var + torch.einsum("ncp,nkp->nck", _weighted(Js, diagonal), Js)
 
     def functional_covariance(self, Js: torch.Tensor) -> torch.Tensor:
         """Joint ``J Sigma J^T``: ``(batch*C, batch*C)`` from Jacobians ``(batch, C, D)``."""
@@ -424,7 +431,7 @@ class SubspacePredictive(PriorGram):
         f_cov = (JV * weights) @ JV.T
         if diagonal is None:
             return f_cov
-        return f_cov + (Js * diagonal) @ Js.T
+        return f_cov + _weighted(Js, diagonal) @ Js.T
 
     def _nn_functional_samples(
         self,

@@ -1,0 +1,196 @@
+"""The Kronecker-factored summed GGN (KFAC), for the curvature-aware complement
+(``complement='kron'``).
+
+Per layer with weight ``W`` (``d_out x d_in``, flattened row-major) and bias ``b``:
+
+.. math::
+
+    K_W = B \\otimes A, \\qquad K_b = B, \\qquad
+    A = \\frac1N \\sum_{n=1}^N a_n a_n^\\top, \\qquad
+    B = \\sum_{n=1}^N \\sum_{c} g_{n,c} \\, g_{n,c}^\\top,
+
+with ``a_n`` the layer's input and ``g_{n,c} = (\\partial f_n / \\partial s_n)^\\top
+\\Lambda_n^{1/2} e_c`` the output's sensitivity to the layer's pre-activation ``s_n``
+(``Lambda_n`` the unit-noise loss Hessian in the outputs: ``I`` for regression,
+``diag(p) - p p^T`` for the softmax cross-entropy). This is the exact-GGN ("type-2")
+KFAC with the 'expand' convention for weight sharing that laplace-torch's
+``KronLaplace`` computes by default (curvlinops' ``KFACLinearOperator``, weights and
+biases apart), taken over the whole loader at once: ``K`` approximates the summed GGN
+``N G_1``, the convention of the stored eigenvalues ``h_j = N lambda_j(G_1)``. For a
+loader of equal-sized batches it equals ``KronLaplace(...).fit(loader)``'s factors.
+
+The result is laplace-torch's :class:`laplace.utils.matrix.Kron` with one block per
+trainable parameter tensor, in the order of ``model.parameters()``: ``[B, A]`` for a
+weight and ``[B]`` for a bias.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from curvlinops import FisherType, KFACLinearOperator
+from laplace.utils.matrix import Kron
+from torch import nn
+
+from laplace_glas.curvature.batches import split_batch
+from laplace_glas.curvature.distributed import Shards
+
+__all__ = ["check_kron_factors", "ggn_kron"]
+
+
+class _BatchError(ValueError):
+    """A batch ``complement='kron'`` cannot take (raised as it is, not wrapped)."""
+
+
+class _ScoredBatches:
+    """The loader's ``(X, y)`` batches with padded classification targets left out
+    (re-iterable: curvlinops passes over the data three times).
+    """
+
+    def __init__(
+        self, loader: Iterable, likelihood: str, ignore_index: int, dict_key_y: str
+    ) -> None:
+        self.loader, self.likelihood = loader, likelihood
+        self.ignore_index, self.dict_key_y = ignore_index, dict_key_y
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for batch in self.loader:
+            X, y = split_batch(batch, self.dict_key_y)
+            if not isinstance(X, torch.Tensor):
+                raise _BatchError(
+                    "complement='kron' needs tensor inputs (its Kronecker factors come from "
+                    f"curvlinops' KFAC); got inputs of type {type(X).__name__}."
+                )
+            if self.likelihood != "regression":
+                if y.ndim != 1:
+                    raise _BatchError(
+                        "complement='kron' takes one class label per input (outputs "
+                        f"(batch, C)); got targets of shape {tuple(y.shape)}. Use "
+                        "complement='zero' or 'prior'."
+                    )
+                keep = y != self.ignore_index
+                if not bool(keep.any()):
+                    continue
+                X, y = X[keep], y[keep]
+            yield X, y
+
+
+def ggn_kron(
+    model: nn.Module,
+    loader: Iterable,
+    likelihood: str,
+    *,
+    ignore_index: int = -100,
+    dict_key_y: str = "labels",
+    shards: Shards | None = None,
+    progress_bar: bool = False,
+) -> Kron:
+    """KFAC of the summed unit-noise GGN over the trainable parameters (see the module).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The network at its MAP weights (every trainable parameter in an ``nn.Linear``
+        or ``nn.Conv2d``).
+    loader : iterable of batches
+        ``(X, y)`` tuples with tensor inputs (moved to the parameters' device).
+    likelihood : {'regression', 'classification'}
+        The curvature's likelihood.
+    ignore_index : int
+        Classification targets left out (padding).
+    dict_key_y : str
+        Key of the targets in mapping batches.
+    shards : Shards, optional
+        Must be None: a data-parallel fit is not supported by ``complement='kron'`` yet.
+    progress_bar : bool
+        Show curvlinops' progress bar over the batches.
+
+    Raises
+    ------
+    ValueError
+        For a data-parallel fit, inputs that are not tensors, per-token targets, and
+        parameters outside the layers KFAC covers (named with curvlinops' reason).
+
+    """
+    if shards is not None:
+        raise ValueError(
+            "complement='kron' does not support a data-parallel fit yet (its Kronecker "
+            "factors are not summed over ranks); use complement='diag' there."
+        )
+    params = [p for p in model.parameters() if p.requires_grad]
+    # 0.5 ||f - y||^2 (MSE summed, halved below) or the summed cross-entropy: unit noise
+    loss_fn = (
+        nn.MSELoss(reduction="sum")
+        if likelihood == "regression"
+        else nn.CrossEntropyLoss(reduction="sum")
+    )
+    factor = 0.5 if likelihood == "regression" else 1.0
+    data = _ScoredBatches(loader, likelihood, ignore_index, dict_key_y)
+    try:
+        linop = KFACLinearOperator(
+            model,
+            loss_fn,
+            params,
+            data,
+            progressbar=progress_bar,
+            check_deterministic=False,
+            fisher_type=FisherType.TYPE2,
+            separate_weight_and_bias=True,
+        )
+        linop.compute_kronecker_factors()
+    except _BatchError:
+        raise
+    except Exception as err:  # curvlinops' refusals come as several exception types
+        raise ValueError(
+            "complement='kron' needs KFAC's Kronecker factors, which curvlinops cannot "
+            f"compute for this model ({type(err).__name__}: {err}); every trainable "
+            "parameter must sit in an nn.Linear or nn.Conv2d. Use complement='diag', "
+            "'zero' or 'prior'."
+        ) from err
+    blocks: list[list[torch.Tensor] | None] = [None] * len(params)
+    for name, positions in linop._mapping.items():
+        B = linop._gradient_covariances[name].detach() * factor
+        for kind, position in positions.items():
+            if kind == "weight":
+                blocks[position] = [B, linop._input_covariances[name].detach()]
+            else:
+                blocks[position] = [B]
+    return Kron(check_kron_factors(blocks, [p.shape for p in params]))
+
+
+def check_kron_factors(
+    blocks: Any, shapes: list[torch.Size], what: str = "the Kronecker factors"
+) -> list[list[torch.Tensor]]:
+    """``blocks`` as a list of ``[B, A]`` / ``[B]`` square, symmetric, finite factors
+    whose Kronecker sizes are those of ``shapes``; a ``ValueError`` naming ``what``
+    otherwise.
+    """
+    if not isinstance(blocks, (list, tuple)) or len(blocks) != len(shapes):
+        n = len(blocks) if isinstance(blocks, (list, tuple)) else type(blocks).__name__
+        raise ValueError(
+            f"{what} must hold one block per parameter tensor ({len(shapes)}), got {n}."
+        )
+    checked = []
+    for i, (block, shape) in enumerate(zip(blocks, shapes)):
+        if not isinstance(block, (list, tuple)) or len(block) not in (1, 2):
+            raise ValueError(f"{what}: block {i} must be [B, A] or [B].")
+        size = 1
+        for F in block:
+            if not isinstance(F, torch.Tensor) or F.ndim != 2 or F.shape[0] != F.shape[1]:
+                raise ValueError(f"{what}: block {i} holds a factor that is not a square matrix.")
+            if not torch.isfinite(F).all():
+                raise ValueError(f"{what}: block {i} holds NaN or inf.")
+            largest = float(F.abs().max()) if F.numel() else 0.0
+            if not torch.allclose(F, F.T, atol=1e-6 * max(largest, 1e-30)):
+                raise ValueError(f"{what}: block {i} holds a factor that is not symmetric.")
+            size *= F.shape[0]
+        if size != math.prod(shape):
+            raise ValueError(
+                f"{what}: block {i} has Kronecker size {size}, but parameter {i} has "
+                f"{math.prod(shape)} entries (shape {tuple(shape)})."
+            )
+        checked.append(list(block))
+    return checked

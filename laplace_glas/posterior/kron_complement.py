@@ -1,0 +1,296 @@
+"""A curvature-aware complement from KFAC: the Kronecker-factored GGN outside ``span(U)``.
+
+With ``complement='kron'`` the posterior keeps the exact curvature ``a_j`` along the
+top-``k`` eigenvectors ``U`` and, on the complement ``P = I - U U^T``, the curvature of
+KFAC's block-diagonal ``C = s K / T`` (``K`` the Kronecker-factored summed GGN of
+:func:`laplace_glas.curvature.kron.ggn_kron`, scaled as ``a``), under a scalar prior
+precision ``tau > 0``. With ``E = C + tau I``:
+
+.. math::
+
+    \\Sigma = U \\,\\mathrm{diag}(v)\\, U^\\top + P E^{-1} P, \\qquad
+    v_j = \\frac{1}{a_j + \\tau}.
+
+This is the 'diag' complement of :mod:`laplace_glas.posterior.complement` with
+``diag(c + tau)`` replaced by ``E``; the same identities give, with ``Q`` an
+orthonormal basis of the complement,
+``Q (Q^T E^{-1} Q)^{-1} Q^T = E - E U (U^T E U)^{-1} U^T E`` and
+``det(Q^T E^{-1} Q) = det(E^{-1}) det(U^T E U)``:
+
+.. math::
+
+    \\Sigma^{-1} = U \\,\\mathrm{diag}(a + \\tau)\\, U^\\top + E - E U (U^\\top E U)^{-1}
+    U^\\top E, \\qquad
+    \\log\\det \\Sigma^{-1} = \\sum_j \\log(a_j + \\tau) + \\log\\det E
+    - \\log\\det(U^\\top E U),
+
+``P E^{-1} P = E^{-1} + [U, E^{-1} U] [[M, -I], [-I, 0]] [U, E^{-1} U]^T`` with
+``M = U^T E^{-1} U``, and draws ``U (sqrt(v) z) + P E^{-1/2} e``. ``log det E`` is the
+sum of ``log(s lambda_B lambda_A / T + tau)`` over the factors' eigenvalues, and
+``U^T E U = U^T C U + tau I`` is ``k x k``: the evidence's Occam term
+``log det Sigma^{-1} - D log tau`` is exact for this ``Sigma`` and counts every one of
+the ``D`` directions, the subspace through ``a`` and the complement through
+KFAC's curvature restricted to it (the Schur complement of ``E`` on ``P``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from laplace.utils.matrix import Kron
+
+from laplace_glas.posterior.closed_forms import FactoredMatrix, posterior_variances, proper_tau
+
+__all__ = ["KronComplementPosterior", "KronCurvature", "KronLowRankOperator"]
+
+
+class KronCurvature:
+    """``C = s K`` from the eigen-decomposed Kronecker factors of ``K``, shifted by
+    ``tau``: ``E = C + tau I`` (block-diagonal, one block per parameter tensor).
+
+    Parameters
+    ----------
+    blocks : list
+        Per parameter tensor ``([Q_B, Q_A], [l_B, l_A])`` or ``([Q_B], [l_B])``: the
+        factors' eigenvectors and (non-negative) eigenvalues.
+    scale : torch.Tensor
+        0-dim ``s >= 0`` (differentiable).
+
+    """
+
+    def __init__(self, blocks: list, scale: torch.Tensor) -> None:
+        self.blocks = blocks
+        self.scale = scale
+
+    @classmethod
+    def decompose(cls, kron: Kron, dtype: torch.dtype, device: torch.device) -> list:
+        """The ``blocks`` of :class:`KronCurvature` from laplace-torch's ``Kron``
+        (eigenvalues of round-off sign clamped to 0).
+        """
+        blocks = []
+        for factors in kron.kfacs:
+            Qs, ls = [], []
+            for F in factors:
+                values, vectors = torch.linalg.eigh(F.to(device, dtype))
+                Qs.append(vectors)
+                ls.append(values.clamp(min=0))
+            blocks.append((Qs, ls))
+        return blocks
+
+    @property
+    def n_params(self) -> int:
+        """``D``."""
+        return sum(math.prod(len(v) for v in ls) for _, ls in self.blocks)
+
+    def _block_values(self, ls: list[torch.Tensor]) -> torch.Tensor:
+        """``s`` times the block's eigenvalues, laid out as its ``(d_B, d_A)`` grid."""
+        values = ls[0] if len(ls) == 1 else torch.outer(ls[0], ls[1])
+        return self.scale * values
+
+    @property
+    def eigenvalues(self) -> torch.Tensor:
+        """``(D,)`` eigenvalues of ``C`` (block by block)."""
+        return torch.cat([self._block_values(ls).reshape(-1) for _, ls in self.blocks])
+
+    def logdet(self, tau: torch.Tensor) -> torch.Tensor:
+        """``log det(C + tau I)``."""
+        return torch.log(self.eigenvalues + tau).sum()
+
+    def apply(self, W: torch.Tensor, tau: torch.Tensor, exponent: float = 1.0) -> torch.Tensor:
+        """``(C + tau I)^exponent`` applied to the last axis of ``W`` ``(..., D)``."""
+        lead, D = W.shape[:-1], W.shape[-1]
+        W = W.reshape(-1, D)
+        out, start = [], 0
+        for Qs, ls in self.blocks:
+            scaled = (self._block_values(ls) + tau).pow(exponent)
+            if len(Qs) == 1:
+                (Q,) = Qs
+                part = W[:, start : start + len(ls[0])]
+                out.append(((part @ Q) * scaled) @ Q.T)
+            else:
+                QB, QA = Qs
+                part = W[:, start : start + len(ls[0]) * len(ls[1])]
+                part = part.reshape(-1, len(ls[0]), len(ls[1]))
+                rotated = (QB.T @ part @ QA) * scaled
+                out.append((QB @ rotated @ QA.T).reshape(part.shape[0], -1))
+            start += scaled.numel()
+        return torch.cat(out, dim=1).reshape(*lead, D)
+
+    def to_dense(self, tau: torch.Tensor, exponent: float = 1.0) -> torch.Tensor:
+        """The ``D x D`` matrix ``(C + tau I)^exponent`` (for tests and small models)."""
+        Q0 = self.blocks[0][0][0]
+        eye = torch.eye(self.n_params, dtype=Q0.dtype, device=Q0.device)
+        return self.apply(eye, tau, exponent)
+
+
+class KronLowRankOperator(FactoredMatrix):
+    """The symmetric matrix ``M = E^e + V diag(w) V^T`` with ``E = C + tau I`` a
+    :class:`KronCurvature`, never formed (``e = -1``: the covariance, ``e = 1``: the
+    precision).
+    """
+
+    def __init__(
+        self,
+        curvature: KronCurvature,
+        tau: torch.Tensor,
+        exponent: float,
+        vectors: torch.Tensor,
+        weights: torch.Tensor,
+    ) -> None:
+        self.curvature, self.tau, self.exponent = curvature, tau, exponent
+        self.vectors, self.weights = vectors, weights
+
+    def __matmul__(self, x: torch.Tensor) -> torch.Tensor:
+        """``M @ x`` for ``x`` of shape ``(D,)`` or ``(D, m)``."""
+        base = self.curvature.apply(x.T, self.tau, self.exponent).T
+        V = self.vectors
+        coeffs = self.weights.reshape(-1, *([1] * (x.ndim - 1))) * (V.T @ x)
+        return base + V @ coeffs
+
+    def diagonal(self) -> torch.Tensor:
+        """``diag(M)`` (``O(D^2)`` through the dense base: small models)."""
+        base = self.curvature.to_dense(self.tau, self.exponent).diagonal()
+        return base + self.vectors.square() @ self.weights
+
+    def to_dense(self) -> torch.Tensor:
+        """Materialise the ``D x D`` matrix (only when explicitly asked for)."""
+        V = self.vectors
+        return self.curvature.to_dense(self.tau, self.exponent) + (V * self.weights) @ V.T
+
+    def logdet(self) -> torch.Tensor:
+        """``e log det E + log det(I_k + diag(w) V^T E^{-e} V)`` (determinant lemma)."""
+        V = self.vectors
+        eye = torch.eye(V.shape[1], dtype=V.dtype, device=V.device)
+        inner = V.T @ self.curvature.apply(V.T, self.tau, -self.exponent).T
+        sign, log_abs = torch.linalg.slogdet(eye + self.weights[:, None] * inner)
+        if bool(sign <= 0):
+            return torch.full_like(log_abs, -math.inf if bool(sign == 0) else math.nan)
+        return self.exponent * self.curvature.logdet(self.tau) + log_abs
+
+    def __repr__(self) -> str:
+        D, k = self.vectors.shape
+        return f"KronLowRankOperator(D={D}, k={k}, exponent={self.exponent:g})"
+
+
+class KronComplementPosterior:
+    """The posterior of ``(U, a)`` with KFAC's curvature ``C`` off ``span(U)`` under
+    ``tau I`` (see the module), behind the interface of
+    :class:`~laplace_glas.posterior.complement.DiagonalComplementPosterior`.
+
+    Parameters
+    ----------
+    vectors : torch.Tensor
+        ``(D, k)`` orthonormal ``U``.
+    curvature : torch.Tensor
+        ``(k,)`` ``a >= 0``.
+    tau : torch.Tensor
+        0-dim ``tau > 0``.
+    complement_curvature : KronCurvature
+        ``C``, scaled as ``curvature``.
+
+    """
+
+    complement = "kron"
+
+    def __init__(
+        self,
+        vectors: torch.Tensor,
+        curvature: torch.Tensor,
+        tau: torch.Tensor,
+        complement_curvature: KronCurvature,
+    ):
+        self.U = vectors
+        self.a = curvature
+        self.tau = proper_tau(tau, "complement='kron' (the prior outside KFAC's curvature)")
+        self.C = complement_curvature
+
+    def _apply(self, W: torch.Tensor, exponent: float) -> torch.Tensor:
+        """``E^exponent`` applied to the columns of ``W`` ``(D, m)``."""
+        return self.C.apply(W.T, self.tau, exponent).T
+
+    def inverse_base(self, W: torch.Tensor) -> torch.Tensor:
+        """``E^{-1}`` applied to the last axis of ``W`` ``(..., D)``: the base of
+        :meth:`covariance_factors`.
+        """
+        return self.C.apply(W, self.tau, -1.0)
+
+    @property
+    def subspace_variances(self) -> torch.Tensor:
+        """``v_j = 1 / (a_j + tau)`` ``(k,)`` (``U^T P = 0``: the complement adds none)."""
+        return posterior_variances(self.a, self.tau)
+
+    def covariance_factors(self) -> tuple[torch.Tensor, torch.Tensor, KronCurvature]:
+        """``(V, w, base)`` with ``Sigma = V diag(w) V^T + E^{-1}``: ``V = [U, E^{-1}U] Q``
+        and ``w`` from the eigen-decomposition of the ``2k x 2k`` middle block;
+        ``base`` is :meth:`inverse_base` (``W -> E^{-1} W`` on the last axis).
+        """
+        U = self.U
+        k = U.shape[1]
+        eye = torch.eye(k, dtype=U.dtype, device=U.device)
+        EiU = self._apply(U, -1.0)
+        S = torch.cat(
+            [
+                torch.cat([torch.diag(self.subspace_variances) + U.T @ EiU, -eye], dim=1),
+                torch.cat([-eye, torch.zeros_like(eye)], dim=1),
+            ]
+        )
+        w, Q = torch.linalg.eigh(S)
+        return torch.cat([U, EiU], dim=1) @ Q, w, self.inverse_base
+
+    @property
+    def covariance(self) -> KronLowRankOperator:
+        """``Sigma`` as ``E^{-1} + V diag(w) V^T`` (matrix-free)."""
+        V, w, _ = self.covariance_factors()
+        return KronLowRankOperator(self.C, self.tau, -1.0, V, w)
+
+    def _projected_precision(self) -> torch.Tensor:
+        """``U^T E U`` ``(k, k)``."""
+        return self.U.T @ self._apply(self.U, 1.0)
+
+    @property
+    def precision(self) -> KronLowRankOperator:
+        """``Sigma^{-1} = E + [U, EU R] blockdiag(diag(a + tau), -1/mu) [U, EU R]^T`` with
+        ``U^T E U = R diag(mu) R^T``.
+        """
+        mu, R = torch.linalg.eigh(self._projected_precision())
+        V = torch.cat([self.U, self._apply(self.U, 1.0) @ R], dim=1)
+        return KronLowRankOperator(
+            self.C, self.tau, 1.0, V, torch.cat([self.a + self.tau, -1.0 / mu])
+        )
+
+    @property
+    def log_det_posterior_precision(self) -> torch.Tensor:
+        """``sum_j log(a_j + tau) + log det E - log det(U^T E U)``."""
+        return (
+            torch.log(self.a + self.tau).sum()
+            + self.C.logdet(self.tau)
+            - torch.linalg.slogdet(self._projected_precision())[1]
+        )
+
+    @property
+    def log_det_ratio(self) -> torch.Tensor:
+        """``log det Sigma^{-1} - D log tau``: the Occam term over all ``D`` directions."""
+        return self.log_det_posterior_precision - self.U.shape[0] * self.tau.log()
+
+    def square_norm(self, delta: torch.Tensor) -> torch.Tensor:
+        """``delta^T Sigma^{-1} delta`` for ``delta`` ``(D,)`` or ``(n, D)``."""
+        z = delta @ self.U
+        inside = (z.square() * (self.a + self.tau)).sum(-1)
+        Ed = self.C.apply(delta, self.tau, 1.0)
+        projected = Ed @ self.U
+        solved = torch.linalg.solve(self._projected_precision(), projected.unsqueeze(-1))
+        outside = (delta * Ed).sum(-1) - (projected * solved.squeeze(-1)).sum(-1)
+        return inside + outside
+
+    def log_normaliser(self) -> tuple[int, torch.Tensor]:
+        """``(D, log det Sigma^{-1})``: a Gaussian density in ``R^D``."""
+        return self.U.shape[0], self.log_det_posterior_precision
+
+    def sample(self, n_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``(n_samples, D)`` zero-mean draws ``U (sqrt(v) z) + P E^{-1/2} e``."""
+        D, k = self.U.shape
+        options = {"generator": generator, "device": self.U.device, "dtype": self.U.dtype}
+        z = torch.randn(n_samples, k, **options)
+        e = self.C.apply(torch.randn(n_samples, D, **options), self.tau, -0.5)
+        return (z * self.subspace_variances.sqrt()) @ self.U.T + e - (e @ self.U) @ self.U.T
