@@ -36,6 +36,7 @@ KFAC's curvature restricted to it (the Schur complement of ``E`` on ``P``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from laplace.utils.matrix import Kron
@@ -168,6 +169,15 @@ class KronLowRankOperator(FactoredMatrix):
             return torch.full_like(log_abs, -math.inf if bool(sign == 0) else math.nan)
         return self.exponent * self.curvature.logdet(self.tau) + log_abs
 
+    def clone(self) -> KronLowRankOperator:
+        """A copy with cloned low-rank factors (the Kronecker factors are shared: they
+        are never modified in place).
+        """
+        return KronLowRankOperator(
+            self.curvature, self.tau.clone(), self.exponent, self.vectors.clone(),
+            self.weights.clone(),
+        )  # fmt: skip
+
     def __repr__(self) -> str:
         D, k = self.vectors.shape
         return f"KronLowRankOperator(D={D}, k={k}, exponent={self.exponent:g})"
@@ -220,7 +230,9 @@ class KronComplementPosterior:
         """``v_j = 1 / (a_j + tau)`` ``(k,)`` (``U^T P = 0``: the complement adds none)."""
         return posterior_variances(self.a, self.tau)
 
-    def covariance_factors(self) -> tuple[torch.Tensor, torch.Tensor, KronCurvature]:
+    def covariance_factors(
+        self,
+    ) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
         """``(V, w, base)`` with ``Sigma = V diag(w) V^T + E^{-1}``: ``V = [U, E^{-1}U] Q``
         and ``w`` from the eigen-decomposition of the ``2k x 2k`` middle block;
         ``base`` is :meth:`inverse_base` (``W -> E^{-1} W`` on the last axis).
