@@ -362,3 +362,21 @@ def test_a_layer_kfac_does_not_cover_is_refused_before_the_solve():
     model = torch.nn.Sequential(torch.nn.Linear(1, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 1))
     with pytest.raises(ValueError, match=r"nn\.Linear or nn\.Conv2d"):
         fit_glas(model, X, y, n_components=2, complement="kron")
+
+
+def test_conv_factors_follow_the_weights_flattening():
+    """A last Conv2d with one output position and a scalar output under unit noise has
+    the same sensitivity for every input, so KFAC's weight block is the exact GGN block
+    ``sum_n vec(x_n) vec(x_n)^T``: the factors' layout is the weight's (C_in, kh, kw)
+    flattening.
+    """
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(30, 2, 2, 3, generator=g, dtype=DOUBLE)
+    y = torch.randn(30, 1, generator=g, dtype=DOUBLE)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 1, (2, 3)), torch.nn.Flatten()).to(DOUBLE)
+    la = fit_glas(model, X, y, n_components=2, complement="kron", loss_scaling="sum")
+    J = explicit_jacobian(model, X)  # (N, 12 + 1)
+    torch.testing.assert_close(la._ggn_kron.to_matrix()[:12, :12], J[:, :12].T @ J[:, :12])
+    _, f_var = la(X[:4])
+    expected = torch.einsum("nd,de,ne->n", J[:4], la.posterior_covariance.to_dense(), J[:4])
+    torch.testing.assert_close(f_var.reshape(-1), expected)
