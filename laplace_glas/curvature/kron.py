@@ -151,11 +151,15 @@ def ggn_kron(
             "'zero' or 'prior'."
         ) from err
     blocks: list[list[torch.Tensor] | None] = [None] * len(params)
+
+    def symmetric(F: torch.Tensor) -> torch.Tensor:  # summed outer products, round-off
+        return (F + F.T) / 2
+
     for name, positions in linop._mapping.items():
-        B = linop._gradient_covariances[name].detach() * factor
+        B = symmetric(linop._gradient_covariances[name].detach()) * factor
         for kind, position in positions.items():
             if kind == "weight":
-                blocks[position] = [B, linop._input_covariances[name].detach()]
+                blocks[position] = [B, symmetric(linop._input_covariances[name].detach())]
             else:
                 blocks[position] = [B]
     return Kron(check_kron_factors(blocks, [p.shape for p in params]))
@@ -184,7 +188,8 @@ def check_kron_factors(
             if not torch.isfinite(F).all():
                 raise ValueError(f"{what}: block {i} holds NaN or inf.")
             largest = float(F.abs().max()) if F.numel() else 0.0
-            if not torch.allclose(F, F.T, atol=1e-6 * max(largest, 1e-30)):
+            rounding = math.sqrt(torch.finfo(F.dtype).eps) if F.is_floating_point() else 0.0
+            if not torch.allclose(F, F.T, rtol=0.0, atol=rounding * max(largest, 1e-30)):
                 raise ValueError(f"{what}: block {i} holds a factor that is not symmetric.")
             size *= F.shape[0]
         if size != math.prod(shape):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -295,7 +296,27 @@ def test_state_dict_round_trip_keeps_the_factors(fitted):
     broken["ggn_kron"] = tuple(blocks)
     with pytest.raises(ValueError, match="Kronecker size"):
         other.load_state_dict(broken)
+    blocks = list(state["ggn_kron"])
+    B = blocks[2][0].clone()
+    B[0, 1] += 1.0
+    broken["ggn_kron"] = (*blocks[:2], (B, blocks[2][1]), *blocks[3:])
+    with pytest.raises(ValueError, match="not symmetric"):
+        other.load_state_dict(broken)
     assert other.complement == "kron"  # a refused load leaves it as it was
+
+
+def test_a_float32_model_gets_the_float64_factors_to_its_precision():
+    X, y = regression_data(40)
+    model = train(mlp([1, 6, 1]), X, y, steps=100)
+    single = fit_glas(model, X, y, n_components=3, complement="kron", loss_scaling="sum")
+    double = fit_glas(
+        copy.deepcopy(model).double(), X.double(), y.double(), n_components=3, complement="kron",
+        loss_scaling="sum",
+    )  # fmt: skip
+    torch.testing.assert_close(
+        single._ggn_kron.to_matrix().double(), double._ggn_kron.to_matrix(), rtol=1e-4, atol=1e-4
+    )
+    assert torch.isfinite(single(X[:4].float())[1]).all()
 
 
 def test_calibration_rows_equal_the_posteriors_own_coverage(fitted):
