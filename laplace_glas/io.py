@@ -56,7 +56,10 @@ LAPLACE_KEYS = (
 """Keys of laplace-torch's ``ParametricLaplace.state_dict``."""
 
 GLAS_KEYS = ("loss_scaling", "complement", "n_components", "eigenpairs")
-"""Keys GLAS adds (``loss_fn``, the name of a custom curvature loss, is optional)."""
+"""Keys GLAS adds (optional: ``loss_fn``, the name of a custom curvature loss, and for
+``complement='auto'`` ``complement_setting`` and ``complement_reason``; ``complement``
+then holds what ``fit`` resolved it to).
+"""
 
 _EIGENPAIR_KEYS = (
     "values",
@@ -196,6 +199,14 @@ def check_state(
     for key, allowed in (("loss_scaling", loss_scalings), ("complement", complements)):
         if state[key] not in allowed:
             raise ValueError(f"state_dict[{key!r}] must be one of {allowed}, got {state[key]!r}.")
+    setting = state.get("complement_setting", state["complement"])
+    if setting not in ("auto", state["complement"]):
+        raise ValueError(
+            f"state_dict['complement_setting'] must be 'auto' or the complement "
+            f"{state['complement']!r}, got {setting!r}."
+        )
+    if not isinstance(state.get("complement_reason", ""), str):
+        raise ValueError("state_dict['complement_reason'] must be a str.")
     _check_ggn_diagonal(state, n_params)
     _check_ggn_kron(state, n_params, param_shapes)
     _count("n_data", state["n_data"])
@@ -388,7 +399,7 @@ def restore_glas_state(
             f"loss_scaling {la.loss_scaling!r} is replaced by the saved {state['loss_scaling']!r}.",
             stacklevel=3,
         )
-    if la.complement != state["complement"]:
+    if la.complement not in (state["complement"], state.get("complement_setting")):
         warnings.warn(
             f"complement {la.complement!r} is replaced by the saved {state['complement']!r}.",
             stacklevel=3,

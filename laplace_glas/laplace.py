@@ -29,10 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from laplace_glas.curvature.backends import resolve_backend
-from laplace_glas.curvature.distributed import (
-    data_parallel,
-    gridsearch,
-)
+from laplace_glas.curvature.distributed import data_parallel, gridsearch
 from laplace_glas.curvature.eigenpairs import Eigenpairs
 from laplace_glas.curvature.fit import SubspaceFit
 from laplace_glas.curvature.fitting import validate_loss_fn
@@ -48,9 +45,7 @@ from laplace_glas.posterior.hyperparameters import (
 )
 from laplace_glas.posterior.subspace import SubspacePosterior
 from laplace_glas.posterior.view import FittedPosterior
-from laplace_glas.predictive.jvp import (
-    parameter_names,
-)
+from laplace_glas.predictive.jvp import parameter_names
 from laplace_glas.predictive.subspace_predictive import (
     FittedWeightsChangedWarning,
     SubspacePredictive,
@@ -120,16 +115,18 @@ class ActiveSubspaceLaplace(
         ``k``, the number of leading GGN eigenpairs (``1 <= k < D``). Default:
         ``min(20, D - 1)``, so that the default works on any model with ``D >= 2``
         (for a model that small laplace-torch's ``'full'`` is exact and cheap).
-    loss_scaling : {'mean', 'sum'}, default='mean'
-        Generalized (``s = 1``, the GLAS default) or standard Bayesian (``s = N``)
-        scaling of the loss.
-    complement : {'zero', 'prior', 'diag', 'kron'}, default='zero'
-        Variance outside ``span(U)``: none (GLAS), the prior's ``1/tau`` (laplace-torch's
+    loss_scaling : {'sum', 'mean'}, default='sum'
+        Standard Bayesian (``s = N``, as laplace-torch) or generalized (``s = 1``, GLAS's
+        route to calibrated intervals with :meth:`calibrate`) scaling of the loss.
+    complement : {'auto', 'zero', 'prior', 'diag', 'kron'}, default='auto'
+        Variance outside ``span(U)``: none, the prior's ``1/tau`` (laplace-torch's
         ``LowRankLaplace``), or that of the GGN diagonal's (``'diag'``,
         :mod:`~laplace_glas.posterior.complement`) or KFAC's (``'kron'``,
         :mod:`~laplace_glas.posterior.kron_complement`) curvature plus ``tau``, projected
-        off ``span(U)`` (one extra data pass in ``fit``; scalar prior, all weights). Their
-        evidence counts every direction, so marglik's ``tau`` is comparable to Kron's.
+        off ``span(U)`` (one extra data pass in ``fit``; scalar prior, all weights; their
+        evidence counts every direction). ``'auto'``: ``fit`` takes ``'kron'`` where it
+        is served, else ``'diag'``, else ``'zero'`` (``la.complement`` and
+        ``la.complement_reason`` record the choice).
     solver : {'auto', 'dual', 'factored', 'lanczos', 'block'}, default='auto'
         Eigen-solver. ``'auto'``: where every trainable parameter sits in an
         ``nn.Linear``, ``nn.Conv1d/2d``, ``nn.LayerNorm``, ``nn.BatchNorm1d/2d`` (eval)
@@ -169,10 +166,7 @@ class ActiveSubspaceLaplace(
     jvp_chunk_size : int or None, default=8
         Number of Jacobian-vector products vectorised at once in the 'glm'
         predictive and the calibration sweeps; ``None`` pushes all ``k`` at once.
-        Memory grows with it (each direction carries a weight-sized tangent through
-        every layer), speed hardly does: on the 1.6M-weight SMILES LSTM with k = 20,
-        100 sequences, 'glm' took 18.0 s and +3.7 GB with all 20 at once, 11.8 s and
-        +1.3 GB with 8.
+        Memory grows with it (a weight-sized tangent per direction), speed hardly does.
     sample_chunk_size : int, default=32
         Number of weight samples pushed through the network at once ('nn').
     ignore_index : int, default=-100
@@ -224,8 +218,8 @@ class ActiveSubspaceLaplace(
         asdl_fisher_kwargs: dict[str, Any] | None = None,
         *,
         n_components: int | None = None,
-        loss_scaling: str = "mean",
-        complement: str = "zero",
+        loss_scaling: str = "sum",
+        complement: str = "auto",
         solver: str = "auto",
         block_size: int | None = None,
         tol: float = 0.0,
@@ -468,7 +462,11 @@ class ActiveSubspaceLaplace(
         (:func:`laplace_glas.io.glas_state`).
         """
         self._check_H_init()
-        return glas_state(self, super().state_dict())
+        state = glas_state(self, super().state_dict())
+        if self._complement_setting == "auto":  # the fit's resolution, and why
+            state.update(complement=self._complement_fitted, complement_setting="auto")
+            state["complement_reason"] = self._complement_why or ""
+        return state
 
     @unchanged_on_failure
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -493,6 +491,9 @@ class ActiveSubspaceLaplace(
         self.mean = self.mean.to(device, dtype)
         self.loss_scaling = state_dict["loss_scaling"]
         self.complement = state_dict["complement"]
+        if state_dict.get("complement_setting") == "auto":  # states before 'auto': explicit
+            self._complement_setting, self._complement_fitted = "auto", state_dict["complement"]
+            self._complement_why = state_dict.get("complement_reason") or None
         self._eigenpairs = eigenpairs.to(device, dtype)
         self._n_components = int(state_dict["n_components"])
         self._ggn_diagonal, self._ggn_kron = restored_complement(state_dict, device, dtype)

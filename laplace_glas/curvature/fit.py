@@ -47,7 +47,7 @@ from laplace_glas.curvature.distributed import (
 from laplace_glas.curvature.eigenpairs import Eigenpairs, NumericalRankWarning
 from laplace_glas.curvature.eigensolve import compute_eigenpairs
 from laplace_glas.curvature.fitting import MapLoss, loss_at_map
-from laplace_glas.curvature.kron import ggn_kron
+from laplace_glas.curvature.kron import ggn_kron, kron_refusal
 from laplace_glas.curvature.operators.updated import StoredCurvature, add_stored_curvature
 from laplace_glas.curvature.planner import Plan, plan_solve
 from laplace_glas.curvature.problem import CurvatureProblem
@@ -60,6 +60,10 @@ from laplace_glas.validation import (
 )
 
 __all__ = ["SubspaceFit"]
+
+
+def _diagonal_or_kron(complement: str, curvature: Any) -> tuple[Any, Any]:
+    return (curvature, None) if complement == "diag" else (None, curvature)
 
 
 class SubspaceFit:
@@ -128,8 +132,7 @@ class SubspaceFit:
             train_loader, out_shape, n_data, generator, self.subsample_size, shards, show
         )
         # the complement's pass first: its refusals come before the eigen-solve's cost
-        diagonal = self._complement_diagonal(train_loader, shards, show, update)
-        kron = self._complement_kron(train_loader, shards, show, update)
+        complement, why, diagonal, kron = self._complement_pass(train_loader, shards, show, update)
         eig = self._solve(problem, k, generator, stored=stored)
         if update:
             loss, n_data = self.loss + loss, self.n_data + n_data
@@ -155,6 +158,8 @@ class SubspaceFit:
         self.H = (eig.vectors, n_data * eig.values)
         self._ggn_diagonal = diagonal
         self._ggn_kron = kron
+        if complement is not None:  # complement='auto', resolved by this fit
+            self._complement_fitted, self._complement_why = complement, why
         self._process_group = process_group
 
     def _fit_checks(
@@ -242,56 +247,77 @@ class SubspaceFit:
             Setting("the random start (generator state checksum)", start),
         ]
 
-    def _complement_diagonal(
-        self, loader: Any, shards: Shards | None, show: bool, update: bool
-    ) -> torch.Tensor | None:
-        """The summed GGN diagonal for ``complement='diag'`` (:func:`ggn_diagonal`; the
-        stored one plus this loader's for ``fit(override=False)``), else None.
-        """
-        if self.complement != "diag":
-            return None
-        stored = getattr(self, "_ggn_diagonal", None)
-        if update and stored is None:
-            raise ValueError(
-                "fit(override=False) with complement='diag' needs the GGN diagonal of the "
-                "stored fit, which was fitted with another complement: refit with "
-                "override=True."
-            )
-        diagonal = ggn_diagonal(
-            self.model,
-            loader,
-            self._curvature_likelihood,
-            ignore_index=self.ignore_index,
-            dict_key_y=self.dict_key_y,
-            device=self._device,
-            shards=shards,
-            progress_bar=show,
-        ).to(self._dtype)
-        return diagonal + stored if update else diagonal
-
-    def _complement_kron(
-        self, loader: Any, shards: Shards | None, show: bool, update: bool
-    ) -> Kron | None:
-        """KFAC's factors of the summed GGN for ``complement='kron'`` (:func:`ggn_kron`),
-        else None; ``fit(override=False)`` is refused with it (not supported yet).
-        """
-        if self.complement != "kron":
-            return None
-        if update:
-            raise ValueError(
+    def _complement_refusal(
+        self, complement: str, shards: Shards | None, update: bool
+    ) -> str | None:
+        """Why ``fit`` cannot compute ``complement``'s curvature here (None: it can)."""
+        refusal = self._static_complement_refusal(complement, self.curvature.kind, self.loss_fn)
+        if refusal is not None or complement not in ("diag", "kron"):
+            return refusal
+        if complement == "kron":
+            return kron_refusal(self.model, shards) if not update else (
                 "fit(override=False) with complement='kron' is not supported yet (KFAC's "
                 "factors of two data sets do not add up to the union's): refit with "
                 "override=True on all of the data."
-            )
-        return ggn_kron(
-            self.model,
-            loader,
-            self._curvature_likelihood,
-            ignore_index=self.ignore_index,
-            dict_key_y=self.dict_key_y,
-            shards=shards,
-            progress_bar=show,
-        )
+            )  # fmt: skip
+        return None if not update or getattr(self, "_ggn_diagonal", None) is not None else (
+            "fit(override=False) with complement='diag' needs the GGN diagonal of the "
+            "stored fit, which was fitted with another complement: refit with override=True."
+        )  # fmt: skip
+
+    def _complement_pass(
+        self, loader: Any, shards: Shards | None, show: bool, update: bool
+    ) -> tuple[str | None, str | None, torch.Tensor | None, Kron | None]:
+        """``(resolved, reason, GGN diagonal, KFAC)``: an explicit complement's refusal is
+        raised (``resolved`` None); ``'auto'`` takes the first of ``'kron'``, ``'diag'``
+        not refused, under a scalar prior, whose pass succeeds, else ``'zero'``.
+        """
+        setting = self._complement_setting
+        if setting != "auto":
+            refusal = self._complement_refusal(setting, shards, update)
+            if refusal is not None:
+                raise ValueError(refusal)
+            curvature = self._complement_data(setting, loader, shards, show, update)
+            return None, None, *_diagonal_or_kron(setting, curvature)
+        reasons, shape = [], tuple(self.prior_precision.shape)
+        for candidate in ("kron", "diag"):
+            refusal = self._complement_refusal(candidate, shards, update)
+            if refusal is None and not self._scalar_prior():
+                refusal = f"complement={candidate!r} takes a scalar prior, got shape {shape}."
+            if refusal is None:
+                try:
+                    curvature = self._complement_data(candidate, loader, shards, show, update)
+                except ValueError as err:  # a data-time refusal (BackPACK's, a batch's)
+                    refusal = str(err)
+                else:
+                    why = " ".join(reasons) or (
+                        "KFAC covers every trainable parameter (scalar prior, the "
+                        "likelihood's GGN, no loss_fn, one process, override=True)."
+                    )
+                    why = f"complement='auto' resolved to {candidate!r}: {why}"
+                    return candidate, why, *_diagonal_or_kron(candidate, curvature)
+            reasons.append(f"not {candidate!r}: {refusal}")
+        return "zero", "complement='auto' resolved to 'zero': " + " ".join(reasons), None, None
+
+    def _complement_data(
+        self, complement: str, loader: Any, shards: Shards | None, show: bool, update: bool
+    ) -> torch.Tensor | Kron | None:
+        """The summed GGN diagonal (``'diag'``; plus the stored one for an update) or
+        KFAC's factors of the summed GGN (``'kron'``), else None.
+        """
+        common = {"ignore_index": self.ignore_index, "dict_key_y": self.dict_key_y}
+        if complement == "kron":
+            return ggn_kron(
+                self.model, loader, self._curvature_likelihood, shards=shards,
+                progress_bar=show, **common,
+            )  # fmt: skip
+        if complement != "diag":
+            return None
+        diagonal = ggn_diagonal(
+            self.model, loader, self._curvature_likelihood, device=self._device,
+            shards=shards, progress_bar=show, **common,
+        ).to(self._dtype)  # fmt: skip
+        return diagonal + self._ggn_diagonal if update else diagonal
 
     def _loss_at_map(self, loader: Any, show: bool, shards: Shards | None = None) -> MapLoss:
         """:func:`laplace_glas.curvature.fitting.loss_at_map` with this posterior's

@@ -38,7 +38,7 @@ from torch import nn
 from laplace_glas.curvature.batches import split_batch
 from laplace_glas.curvature.distributed import Shards
 
-__all__ = ["check_kron_factors", "ggn_kron"]
+__all__ = ["check_kron_factors", "ggn_kron", "kron_refusal"]
 
 
 class _BatchError(ValueError):
@@ -78,6 +78,31 @@ class _ScoredBatches:
             yield X, y
 
 
+def kron_refusal(model: nn.Module, shards: Shards | None = None) -> str | None:
+    """Why :func:`ggn_kron` cannot serve ``model`` (None: it can): a data-parallel fit
+    (``shards``), or a trainable parameter outside the layers curvlinops' KFAC covers
+    (``nn.Linear``, ``nn.Conv2d``).
+    """
+    if shards is not None:
+        return (
+            "complement='kron' does not support a data-parallel fit yet (its Kronecker "
+            "factors are not summed over ranks); use complement='diag' there."
+        )
+    covered = KFACLinearOperator._SUPPORTED_MODULES
+    for name, module in model.named_modules():
+        if isinstance(module, covered):
+            continue
+        for param_name, param in module.named_parameters(recurse=False):
+            if param.requires_grad:
+                where = f"{name}.{param_name}" if name else param_name
+                return (
+                    f"complement='kron' needs every trainable parameter in an nn.Linear or "
+                    f"nn.Conv2d (the layers KFAC covers); {where!r} sits in a "
+                    f"{type(module).__name__}. Use complement='diag', 'zero' or 'prior'."
+                )
+    return None
+
+
 def ggn_kron(
     model: nn.Module,
     loader: Iterable,
@@ -115,11 +140,9 @@ def ggn_kron(
         parameters outside the layers KFAC covers (named with curvlinops' reason).
 
     """
-    if shards is not None:
-        raise ValueError(
-            "complement='kron' does not support a data-parallel fit yet (its Kronecker "
-            "factors are not summed over ranks); use complement='diag' there."
-        )
+    refusal = kron_refusal(model, shards)
+    if refusal is not None:
+        raise ValueError(refusal)
     params = [p for p in model.parameters() if p.requires_grad]
     # 0.5 ||f - y||^2 (MSE summed, halved below) or the summed cross-entropy: unit noise
     loss_fn = (

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -39,6 +40,7 @@ from laplace_glas.validation import (
 
 __all__ = [
     "COMPLEMENTS",
+    "COMPLEMENT_SETTINGS",
     "DEFAULT_N_COMPONENTS",
     "LOSS_SCALINGS",
     "PosteriorHyperparameters",
@@ -49,6 +51,8 @@ LOSS_SCALINGS = ("mean", "sum")
 """The ``loss_scaling`` values: generalized (``s = 1``) and standard (``s = N``)."""
 COMPLEMENTS = ("zero", "prior", "diag", "kron")
 """The ``complement`` values: none, the prior's, the GGN diagonal's or KFAC's curvature."""
+COMPLEMENT_SETTINGS = ("auto", *COMPLEMENTS)
+"""The ``complement`` arguments: ``'auto'`` (resolved by ``fit``) or one of :data:`COMPLEMENTS`."""
 DEFAULT_N_COMPONENTS = 20
 """``n_components`` when none is given (capped at ``D - 1``)."""
 
@@ -90,32 +94,94 @@ class PosteriorHyperparameters:
     #: over the posterior's weights); the last-layer and subnetwork posteriors refuse them.
     _diag_complement_available = True
 
-    def _checked_complement(
-        self, complement: Any, curvature_kind: str = "ggn", loss_fn: Any = None
-    ) -> str:
-        """``complement`` checked against :data:`COMPLEMENTS`, this class, and (for
-        ``'diag'``, whose diagonal is the likelihood's GGN) the curvature and loss.
+    #: ``complement`` as given (``'auto'`` or a value of :data:`COMPLEMENTS`), what
+    #: ``fit`` resolved ``'auto'`` to (None: not resolved) and why.
+    _complement_setting = "zero"
+    _complement_fitted: str | None = None
+    _complement_why: str | None = None
+
+    def _static_complement_refusal(
+        self, complement: str, curvature_kind: str = "ggn", loss_fn: Any = None
+    ) -> str | None:
+        """Why ``complement`` cannot serve this class, curvature and loss (None: it can):
+        ``'diag'`` and ``'kron'`` take the likelihood's GGN over all of the weights.
         """
-        complement = choice(
-            "complement",
-            complement,
-            COMPLEMENTS,
-            " (no variance / the prior's / the GGN diagonal's / KFAC's curvature outside span(U))",
-        )
-        curved = complement in ("diag", "kron")
-        if curved and not self._diag_complement_available:
-            raise ValueError(
+        if complement not in ("diag", "kron"):
+            return None
+        if not self._diag_complement_available:
+            return (
                 f"complement={complement!r} is not available for {type(self).__name__} (its "
                 "GGN curvature would be over other weights than the posterior's); use "
                 "complement='zero' or 'prior'."
             )
-        if curved and (curvature_kind != "ggn" or loss_fn is not None):
+        if curvature_kind != "ggn" or loss_fn is not None:
             what = "a custom loss_fn" if loss_fn is not None else f"the {curvature_kind} backend"
-            raise ValueError(
+            return (
                 f"complement={complement!r} takes the likelihood's GGN curvature and cannot "
                 f"follow {what}; use complement='zero' or 'prior' with it."
             )
+        return None
+
+    def _checked_complement(
+        self, complement: Any, curvature_kind: str = "ggn", loss_fn: Any = None
+    ) -> str:
+        """``complement`` checked against :data:`COMPLEMENT_SETTINGS` and, unless it is
+        ``'auto'``, against this class, the curvature and the loss
+        (:meth:`_static_complement_refusal`).
+        """
+        complement = choice(
+            "complement",
+            complement,
+            COMPLEMENT_SETTINGS,
+            " (resolved by fit / no variance / the prior's / the GGN diagonal's / KFAC's "
+            "curvature outside span(U))",
+        )
+        refusal = self._static_complement_refusal(complement, curvature_kind, loss_fn)
+        if refusal is not None:
+            raise ValueError(refusal)
         return complement
+
+    @property
+    def complement(self) -> str:
+        """The complement in use: as given, or for ``complement='auto'`` what ``fit``
+        resolved it to (``'auto'`` before the fit; see :attr:`complement_reason`).
+
+        An ``'auto'`` that resolved to ``'diag'`` or ``'kron'`` is ``'zero'`` while the
+        prior precision is not a scalar (those complements take a scalar prior; a
+        warning says so when the prior changes), and ``'diag'`` / ``'kron'`` again when
+        it is a scalar once more. Assigning a value sets it explicitly.
+        """
+        if self._complement_setting != "auto":
+            return self._complement_setting
+        if self._complement_fitted is None:
+            return "auto"
+        if self._complement_fitted in ("diag", "kron") and not self._scalar_prior():
+            return "zero"
+        return self._complement_fitted
+
+    @complement.setter
+    def complement(self, value: str) -> None:
+        self._complement_setting = value
+        self._complement_fitted = None
+        self._complement_why = None
+
+    @property
+    def complement_reason(self) -> str | None:
+        """Why ``complement='auto'`` resolved as it did (None for an explicit
+        complement, or before the fit).
+        """
+        if self.complement == "zero" and self._complement_fitted in ("diag", "kron"):
+            return (
+                f"complement='auto' resolved to {self._complement_fitted!r} by fit, which "
+                "takes a scalar prior precision: 'zero' while the prior is not a scalar "
+                "(pass complement='zero' or 'prior' explicitly for a structured prior)."
+            )
+        return self._complement_why
+
+    def _scalar_prior(self) -> bool:
+        """Whether the prior precision is one scalar ``tau`` (what 'diag' / 'kron' take)."""
+        prior_precision = getattr(self, "_prior_precision", None)
+        return prior_precision is None or prior_precision.numel() == 1
 
     def _capped_default(self, k: int | None, n_params: float) -> int:
         """``k``, or for the default (``None``, or the default after the weights are
@@ -217,7 +283,18 @@ class PosteriorHyperparameters:
             prior_precision = prior_precision.reshape(-1)
         else:
             prior_precision = scalar_value("prior_precision", prior_precision)
+        before = self.complement
         ParametricLaplace.prior_precision.fset(self, prior_precision)
+        if before in ("diag", "kron") and self.complement == "zero":
+            warnings.warn(
+                f"complement='auto' resolved to {before!r}, which takes a scalar prior "
+                "precision; with this prior of shape "
+                f"{tuple(self.prior_precision.shape)} the complement is 'zero' (no variance "
+                f"outside span(U)) until the prior is a scalar again. Pass complement='zero' "
+                "or 'prior' explicitly to choose the complement of a structured prior.",
+                UserWarning,
+                stacklevel=2,
+            )
 
     @property
     def sigma_noise(self) -> torch.Tensor:

@@ -192,7 +192,7 @@ class SubspacePosterior:
         """The scalar ``tau`` that ``complement='diag'`` or ``'kron'`` needs (a clear
         error otherwise).
         """
-        if self._prior.tau is None or self._directions_embedded:
+        if not self._scalar_prior() or self._directions_embedded:
             raise ValueError(
                 f"complement={self.complement!r} takes a scalar prior_precision on a "
                 "posterior over all "
