@@ -30,6 +30,7 @@ def reg_glas(toy_regression):
         "regression",
         n_components=K,
         loss_scaling="mean",
+        complement="zero",
         sigma_noise=SIGMA,
         prior_precision=TAU,
     )

@@ -234,7 +234,7 @@ def test_calibration_accepts_sequence_batches_of_different_lengths(trained):
 
 def test_with_loss_scaling_shares_eigenpairs(trained):
     model, x, y = trained
-    la = fit(model, x, y, n_components=3)
+    la = fit(model, x, y, n_components=3, loss_scaling="mean", complement="zero")
     other = la.with_loss_scaling("sum")
     assert other.loss_scaling == "sum" and la.loss_scaling == "mean"
     assert other.H[0] is la.H[0]  # shared, not recomputed
