@@ -10,10 +10,9 @@ same network and training data:
   'last_layer'``) and ``full`` (only when D <= ``--full-max-params``, 3000);
 * GLAS (``hessian_structure='glas'``, ``n_components = --k``, 20) in each variant of
   ``--variants`` (a JSON list of constructor-keyword dicts). The default variants are
-  ``{}`` (the library default), ``{"loss_scaling": "sum"}``, ``{"loss_scaling": "sum",
-  "complement": "prior"}`` and, only if the installed laplace_glas accepts them,
-  ``{"complement": "diag"}``, ``{"loss_scaling": "sum", "complement": "diag"}``,
-  ``{"complement": "kron"}`` and ``{"loss_scaling": "sum", "complement": "kron"}``.
+  ``{}`` (the library default: 'sum', 'auto'), the loss scalings 'mean' and 'sum' with
+  each of the complements 'zero', 'diag' and 'kron' (the last two only if the installed
+  laplace_glas accepts them), and ``{"loss_scaling": "sum", "complement": "prior"}``.
 
 Every posterior's prior precision is tuned by its own ``la.optimize_prior_precision()``
 (laplace-torch's default: ``method='marglik'``, a scalar prior; GLAS solves the same
@@ -86,15 +85,16 @@ Z90 = statistics.NormalDist().inv_cdf(0.5 + LEVEL / 2)
 ECE_BINS = 15
 BASE_VARIANTS: list[dict[str, Any]] = [
     {},
-    {"loss_scaling": "sum"},
+    {"loss_scaling": "mean", "complement": "zero"},
+    {"loss_scaling": "sum", "complement": "zero"},
     {"loss_scaling": "sum", "complement": "prior"},
 ]
 DIAG_VARIANTS: list[dict[str, Any]] = [
-    {"complement": "diag"},
+    {"loss_scaling": "mean", "complement": "diag"},
     {"loss_scaling": "sum", "complement": "diag"},
 ]
 KRON_VARIANTS: list[dict[str, Any]] = [
-    {"complement": "kron"},
+    {"loss_scaling": "mean", "complement": "kron"},
     {"loss_scaling": "sum", "complement": "kron"},
 ]
 
@@ -448,8 +448,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=str,
         default=None,
         help="GLAS variants, a JSON list of constructor-kwarg dicts "
-        '(default: [{}, {"loss_scaling": "sum"}, {"loss_scaling": "sum", "complement": '
-        '"prior"}] and the complement="diag" / "kron" ones where supported)',
+        '(default: [{}], mean and sum with complement="zero", sum with "prior", and '
+        'mean and sum with "diag" / "kron" where supported)',
     )
     parser.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
     parser.add_argument("--concrete-data", type=Path, default=DEFAULT_CONCRETE)

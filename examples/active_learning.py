@@ -88,6 +88,8 @@ def glas_posterior(model: torch.nn.Module, X: torch.Tensor, y: torch.Tensor, k: 
         hessian_structure="glas",
         sigma_noise=sigma,
         n_components=k,
+        loss_scaling="mean",  # GLAS's mean-loss subspace posterior (not the defaults)
+        complement="zero",
     )
     la.fit(DataLoader(TensorDataset(X, y), batch_size=len(X)))
     la.optimize_prior_precision()

@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
             sigma_noise=sigma,
             n_components=args.k_max,
             loss_scaling=scaling,
+            complement="zero",  # the subspace alone, as in the paper
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", laplace_glas.NumericalRankWarning)

@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> dict:
             solver=args.solver,
             block_size=args.block_size,
             seed=args.seed,
+            loss_scaling="mean",  # GLAS's route: mean scaling, calibrated by coverage
+            complement="zero",
         )
         start = time.perf_counter()
         la.fit(shard(X, y, rank, world))

@@ -153,6 +153,7 @@ def fit_glas(model, loader, k_max: int, scaling: str, seed: int):
         prior_precision=PRIOR_PRECISION,
         n_components=k_max,
         loss_scaling=scaling,
+        complement="zero",  # the subspace alone, as in the paper
         generator=torch.Generator().manual_seed(seed),
     )
     start = time.perf_counter()

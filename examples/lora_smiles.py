@@ -421,6 +421,7 @@ def fit_posterior(name, model, train, calib, args, seed, shared=None):
                     hessian_structure="glas",
                     n_components=args.k_max,
                     loss_scaling="mean",
+                    complement="zero",  # the subspace alone, as in the paper
                     seed=seed,
                     solver=args.solver,
                     block_size=args.block_size if args.solver == "block" else None,

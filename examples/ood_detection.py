@@ -148,6 +148,8 @@ def glas_scores(model, likelihood, train, X_in, X_out, sigma, ks, figure=None) -
         subset_of_weights="all",
         hessian_structure="glas",
         n_components=max(ks),
+        loss_scaling="mean",  # the alignment scores' subspace posterior (not the defaults)
+        complement="zero",
         **kwargs,
     )
     la.fit(DataLoader(TensorDataset(*train), batch_size=128))

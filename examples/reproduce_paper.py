@@ -264,6 +264,7 @@ def fit_glas(problem: Problem, k_max: int, scaling: str, tau: float, rank_thresh
         prior_precision=tau,
         n_components=k_max,
         loss_scaling=scaling,
+        complement="zero",  # the subspace alone, as in the paper
         rank_threshold=rank_threshold,
     )
     with expected_warnings():

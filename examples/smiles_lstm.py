@@ -330,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
         hessian_structure="glas",
         n_components=args.k,
         loss_scaling="mean",
+        complement="zero",  # the subspace alone, as in the paper
         solver=args.solver,
         block_size=args.block_size,
         tol=args.tol,

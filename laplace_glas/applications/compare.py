@@ -238,8 +238,18 @@ def default_structures(
 
     """
     return [
-        Structure("GLAS mean", "all", "glas", {"n_components": glas_k_max, "loss_scaling": "mean"}),
-        Structure("GLAS sum", "all", "glas", {"n_components": glas_k_max, "loss_scaling": "sum"}),
+        Structure(
+            "GLAS mean",
+            "all",
+            "glas",
+            {"n_components": glas_k_max, "loss_scaling": "mean", "complement": "zero"},
+        ),
+        Structure(
+            "GLAS sum",
+            "all",
+            "glas",
+            {"n_components": glas_k_max, "loss_scaling": "sum", "complement": "zero"},
+        ),
         Structure("all / kron", "all", "kron"),
         Structure("all / diag", "all", "diag"),
         Structure("all / full", "all", "full", max_params=full_max_params),

@@ -86,6 +86,8 @@ def _fit(model, likelihood, solver, train, **fit_kwargs):
         block_size=3,
         prior_precision=TAU,
         sigma_noise=0.5 if likelihood == "regression" else 1.0,
+        loss_scaling="mean",  # the eigenpairs' machinery ('auto' would take 'kron' in one
+        complement="zero",  # process and 'diag' on two ranks, where KFAC is not summed)
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -384,6 +386,8 @@ def _fault_worker(rank: int, init_file: str, out_dir: str, fault: str, subset: s
             hessian_structure="glas",
             n_components=k,
             solver=solver,
+            loss_scaling="mean",
+            complement="zero",  # the fit's passes as counted below
         )
         train = loader(X, y, 16)
         if fault == "product":  # curvlinops' operator: one loader pass per product

@@ -51,7 +51,10 @@ def fitted(likelihood: str, n_out: int, k: int = 5, n: int = 40, tau: float = 0.
         y = torch.randn(n, n_out, generator=g, dtype=torch.float64)
     else:
         y = torch.randint(0, n_out, (n,), generator=g)
-    la = fit_glas(model, X, y, likelihood, batch_size=16, n_components=k, prior_precision=tau)
+    la = fit_glas(
+        model, X, y, likelihood, batch_size=16, n_components=k, prior_precision=tau,
+        loss_scaling="mean", complement="zero",
+    )  # fmt: skip
     return la, model, X
 
 
