@@ -156,7 +156,7 @@ def fit_row(name, model, batches, args) -> dict:
     likelihood = "classification"
     out = {}
     values = {}
-    glas = {"hessian_structure": "glas", "n_components": args.k}
+    glas = {"hessian_structure": "glas", "n_components": args.k, "complement": "zero"}
     for label, kwargs in (
         ("GLAS auto", glas),
         ("GLAS lanczos", {**glas, "solver": "lanczos"}),

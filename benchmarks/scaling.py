@@ -114,6 +114,7 @@ def _run_task(task: dict[str, Any]) -> dict[str, Any]:
     if kind == "glas":
         kwargs = {
             "n_components": task["k"],
+            "complement": "zero",  # the subspace's own fit and 'glm' cost, as measured
             "solver": task["solver"],
             "tol": task.get("tol", 0.0),
             "subsample_size": task.get("subsample_size"),
