@@ -201,16 +201,15 @@ def optimal_complement_prior_precision(
         CU = complement_curvature.apply(vectors.detach().T, zero, 1.0).T
         c = complement_curvature.eigenvalues.detach().to(U)
         projected = U.T @ CU.detach().to(U)
+    # the k-sized terms go to the host; the D curvatures c stay on their device
     a = curvature.detach().to(torch.float64).cpu().numpy()
     beta = torch.linalg.eigvalsh(projected).clamp(min=0).cpu().numpy()
-    c = c.cpu().numpy()
-    D = c.size
+    D = c.numel()
 
     def g(log_tau: float) -> float:
         tau = float(np.exp(log_tau))
-        logdet = (
-            np.log(a + tau).sum() + np.log(c + tau).sum() - np.log(beta + tau).sum()
-        ) - D * log_tau
+        log_c = float(torch.log(c + tau).sum())
+        logdet = (np.log(a + tau).sum() + log_c - np.log(beta + tau).sum()) - D * log_tau
         return 0.5 * tau * square_norm + 0.5 * logdet
 
     grid = np.linspace(np.log(1e-8), np.log(1e8), 161)

@@ -93,7 +93,9 @@ def test_unknown_loss_scaling(scaling):
 
 @pytest.mark.parametrize("complement", ["full", "Prior", None])
 def test_unknown_complement(complement):
-    with pytest.raises(ValueError, match=r"complement must be one of 'zero', 'prior', 'diag'"):
+    with pytest.raises(
+        ValueError, match=r"complement must be one of 'auto', 'zero', 'prior', 'diag'"
+    ):
         glas(complement=complement)
 
 

@@ -111,7 +111,7 @@ def test_sigma_noise_for_classification_is_refused_by_name():
 
 
 def test_zero_prior_precision_is_fine_where_the_posterior_is_proper(data):
-    la = fit(data, prior_precision=0.0)
+    la = fit(data, prior_precision=0.0, complement="zero")
     assert (la.subspace_curvature > 0).all()
     assert torch.allclose(la.posterior_variances, 1 / la.subspace_curvature)
     assert_valid_moments(*la(torch.randn(4, 1)))
@@ -121,7 +121,7 @@ def test_zero_prior_precision_refused_where_the_posterior_is_improper(data):
     la = fit(data, prior_precision=0.0, complement="prior")
     with pytest.raises(ValueError, match=r"needs a proper prior: prior_precision is 0"):
         la(torch.randn(4, 1))
-    la = fit(data, prior_precision=0.0)
+    la = fit(data, prior_precision=0.0, complement="zero")
     with pytest.raises(ValueError, match=r"The evidence needs a proper prior"):
         la.log_marginal_likelihood()
     la.prior_precision = 1.0
@@ -129,7 +129,7 @@ def test_zero_prior_precision_refused_where_the_posterior_is_improper(data):
 
 
 def test_zero_prior_precision_with_a_flat_direction_is_refused(data):
-    la = fit(data, prior_precision=0.0)
+    la = fit(data, prior_precision=0.0, complement="zero")
     h = la.H[1].clone()
     h[-1] = 0.0
     la.H = (la.H[0], h)
@@ -849,6 +849,8 @@ def test_calibrate_with_a_custom_dict_key_x(data, prior):
         n_components=K,
         dict_key_x="inputs",
         prior_precision=prior_precision,
+        loss_scaling="mean",  # intervals wide enough that the coverage is strictly between
+        complement="zero",  # 0 and 1 on these few points
     )
     la.fit([{"inputs": X[i : i + 10], "labels": y[i : i + 10]} for i in range(0, 40, 10)])
     calib = [{"inputs": Xc[i : i + 5], "labels": yc[i : i + 5]} for i in range(0, 20, 5)]
