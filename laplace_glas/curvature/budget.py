@@ -40,6 +40,7 @@ import torch
 
 __all__ = [
     "DEFAULT_SHARE",
+    "Estimates",
     "MemoryBudgetError",
     "OverBudget",
     "PeakMemory",
@@ -70,9 +71,11 @@ class MemoryBudgetError(ValueError):
 
 
 def format_bytes(n: int | float) -> str:
-    """``n`` bytes in MiB (or GiB above 10 GiB), for messages."""
+    """``n`` bytes in KiB (below 1 MiB), MiB or GiB (above 10 GiB), for messages."""
     if n >= 10 * 2**30:
         return f"{n / 2**30:.1f} GiB"
+    if n < 2**20:
+        return f"{n / 2**10:.1f} KiB"
     return f"{n / 2**20:.1f} MiB"
 
 
@@ -229,3 +232,68 @@ def with_measured_peak(eig, peak: PeakMemory):
         "peak_method": peak.method,
     }
     return replace(eig, plan={**(eig.plan or {}), **measured})
+
+
+class Estimates:
+    """The budget of one planning and the estimated peaks made so far (bytes).
+
+    The formulas are those of :mod:`~laplace_glas.curvature.planner`'s docstring;
+    ``storage`` is the solver's (:func:`solver_storage`). A strategy records its
+    estimate with :meth:`record` (``None``: unknown) and learns whether it fits.
+    """
+
+    def __init__(self, total: int, storage: int, itemsize: int, n_params: int, k: int):
+        self.total, self.storage, self.itemsize = total, storage, itemsize
+        self.D, self.k = n_params, k
+        self.estimates: dict[str, int | None] = {}
+        self.streaming: tuple[int | None, int] | None = None  # the planner's cache
+
+    def record(self, strategy: str, peak: int | None) -> bool:
+        """Record ``peak`` for ``strategy``; True when it fits (or is unknown)."""
+        self.estimates[strategy] = peak
+        return peak is None or peak <= self.total
+
+    def pairs(self) -> tuple[tuple[str, int], ...]:
+        """The estimates as ``(strategy, bytes)`` pairs (``-1``: unknown)."""
+        return tuple((name, -1 if b is None else int(b)) for name, b in self.estimates.items())
+
+    def factored_peaks(self, F: int, layer: int, widest: int, M: int) -> tuple[int, int | None]:
+        """Peaks of factored + Lanczos and of the dual solve (None where ``k >= M``)
+        for factors of ``F`` bytes, ``layer`` more while they are joined, the widest
+        layer's ``widest`` numbers per column and ``M`` rows.
+        """
+        s, D, k = self.itemsize, self.D, self.k
+        lanczos = F + layer + 2 * widest * s + 2 * D * s + self.storage
+        if k >= M:
+            return lanczos, None
+        gram = 3 * M * M * s + (4 * k + 40) * M * 8
+        return lanczos, F + max(layer, gram) + 3 * k * D * s
+
+    def streaming_peak(self, graph: int | None) -> tuple[int | None, int]:
+        """The streaming peak for one batch's forward graph of ``graph`` bytes, and the
+        columns a product may take at once (``(None, 1)`` for an unknown graph).
+        """
+        if graph is None:
+            return None, 1
+        column = 4 * graph + 3 * self.D * self.itemsize
+        free = self.total - self.storage - graph
+        return self.storage + graph + column, max(1, free // column)
+
+    def refuse(self, what: str) -> MemoryBudgetError:
+        """The error for a budget below every estimate (naming the smallest)."""
+        known = {name: b for name, b in self.estimates.items() if b is not None}
+        smallest = min(known.values()) if known else None
+        listed = ", ".join(f"{name} {format_bytes(b)}" for name, b in known.items())
+        need = (
+            f"the smallest that works is memory_budget={smallest} ({format_bytes(smallest)})"
+            if smallest is not None
+            else "no estimate could be made"
+        )
+        return MemoryBudgetError(
+            f"memory_budget={self.total} ({format_bytes(self.total)}) is below the estimated "
+            f"peak of every exact strategy for {what} ({listed}): {need}. Fewer components "
+            "or smaller batches need less.",
+            self.total,
+            smallest,
+            self.estimates,
+        )

@@ -72,6 +72,7 @@ from laplace_glas.curvature.backends import (
     _ef_loss,
 )
 from laplace_glas.curvature.budget import (
+    Estimates,
     MemoryBudgetError,
     OverBudget,
     format_bytes,
@@ -166,13 +167,9 @@ class Plan:
             "budget_bytes": -1 if self.budget_bytes is None else int(self.budget_bytes),
             "reasons": tuple(self.reasons),
             "strategy": self.strategy,
-            "estimated_peak_bytes": _bytes_or_unknown(self.estimated_peak),
+            "estimated_peak_bytes": -1 if self.estimated_peak is None else self.estimated_peak,
             "estimates": tuple(self.estimates),
         }
-
-
-def _bytes_or_unknown(n: int | None) -> int:
-    return -1 if n is None else int(n)
 
 
 def lanczos_products(k: int) -> int:
@@ -195,63 +192,14 @@ def choose_solver(operator, k: int, gram_budget: int | None = None) -> str:
     return "dual" if dual <= primal else "lanczos"
 
 
-class _Budget:
-    """The budget of one planning and the estimates made so far."""
-
-    def __init__(self, problem: CurvatureProblem, k: int, total: int, storage: int):
-        self.problem, self.k, self.total, self.storage = problem, k, total, storage
-        self.itemsize = torch.finfo(problem.dtype).bits // 8
-        self.D = problem.n_params
-        self.estimates: dict[str, int | None] = {}
-        self._streaming: tuple[int | None, int] | None = None
-
-    def record(self, strategy: str, peak: int | None) -> bool:
-        """Record ``peak`` for ``strategy``; True when it fits (or is unknown)."""
-        self.estimates[strategy] = peak
-        return peak is None or peak <= self.total
-
-    def pairs(self) -> tuple[tuple[str, int], ...]:
-        return tuple((name, _bytes_or_unknown(b)) for name, b in self.estimates.items())
-
-    def factored_peaks(self, F: int, layer: int, widest: int, M: int) -> tuple[int, int | None]:
-        """Estimated peaks of factored + Lanczos and of the dual solve (None: k >= M)."""
-        s, D, k = self.itemsize, self.D, self.k
-        lanczos = F + layer + 2 * widest * s + 2 * D * s + self.storage
-        if self.k >= M:
-            return lanczos, None
-        gram = 3 * M * M * s + (4 * k + 40) * M * 8
-        return lanczos, F + max(layer, gram) + 3 * k * D * s
-
-    def streaming(self) -> tuple[int | None, int]:
-        """The streaming estimate and the columns a product may take at once."""
-        if self._streaming is None:
-            p = self.problem
-            graph = forward_graph_bytes(p.model, p.data, p.device)
-            if graph is None:
-                self._streaming = (None, 1)
-            else:
-                column = 4 * graph + 3 * self.D * self.itemsize
-                free = self.total - self.storage - graph
-                self._streaming = (self.storage + graph + column, max(1, free // column))
-        return self._streaming
-
-    def refuse(self, what: str) -> MemoryBudgetError:
-        known = {name: b for name, b in self.estimates.items() if b is not None}
-        smallest = min(known.values()) if known else None
-        listed = ", ".join(f"{name} {format_bytes(b)}" for name, b in known.items())
-        need = (
-            f"the smallest that works is memory_budget={smallest} ({format_bytes(smallest)})"
-            if smallest is not None
-            else "no estimate could be made"
-        )
-        return MemoryBudgetError(
-            f"memory_budget={self.total} ({format_bytes(self.total)}) is below the estimated "
-            f"peak of every exact strategy for {what} ({listed}): {need}. Fewer components "
-            "or smaller batches need less.",
-            self.total,
-            smallest,
-            self.estimates,
-        )
+def _streaming(budget: Estimates, problem: CurvatureProblem) -> tuple[int | None, int]:
+    """The streaming estimate and the columns a product may take at once (one forward
+    pass of the first batch, made once per planning).
+    """
+    if budget.streaming is None:
+        graph = forward_graph_bytes(problem.model, problem.data, problem.device)
+        budget.streaming = budget.streaming_peak(graph)
+    return budget.streaming
 
 
 def plan_solve(
@@ -293,7 +241,7 @@ def plan_solve(
     itemsize = torch.finfo(problem.dtype).bits // 8
     total = resolve_budget(memory_budget, problem.device)
     storage = solver_storage(base, problem.n_params, k, itemsize, ncv=ncv, block_size=block_size)
-    budget = _Budget(problem, k, total, storage)
+    budget = Estimates(total, storage, itemsize, problem.n_params, k)
     if curvature.kind != "ggn":
         return _curvlinops_plan(problem, solver, curvature, budget)
     if solver == "lanczos":
@@ -325,19 +273,19 @@ def plan_solve(
     return _streaming_plan(problem, problem.reference_operator(), name, reasons, budget, base)
 
 
-def _distributed_fallback(problem: CurvatureProblem, budget: _Budget) -> tuple:
+def _distributed_fallback(problem: CurvatureProblem, budget: Estimates) -> tuple:
     """``(max_columns, streaming_peak)`` for a data-parallel plan (whose ranks fall back
     to streaming when one of them cannot factor), ``(None, None)`` otherwise.
     """
     if problem.shards is None:
         return None, None
-    peak, columns = budget.streaming()
+    peak, columns = _streaming(budget, problem)
     return columns, peak
 
 
-def _streaming_plan(problem, operator, name, reasons, budget: _Budget, solver: str) -> Plan:
+def _streaming_plan(problem, operator, name, reasons, budget: Estimates, solver: str) -> Plan:
     """Curvlinops' ``operator`` in column chunks that fit, or the budget error."""
-    peak, columns = budget.streaming()
+    peak, columns = _streaming(budget, problem)
     if not budget.record("streaming", peak):
         raise budget.refuse("this fit")
     operator = ColumnChunks(operator, columns, problem.dtype, problem.device)
@@ -347,7 +295,7 @@ def _streaming_plan(problem, operator, name, reasons, budget: _Budget, solver: s
     )  # fmt: skip
 
 
-def _factored(problem: CurvatureProblem, solver: str, budget: _Budget) -> Plan | str:
+def _factored(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan | str:
     """The factored plan (dual or Lanczos) of ``problem`` within the budget, or why not."""
     s = budget.itemsize
     wants_dual = solver in ("auto", "dual")
@@ -397,6 +345,10 @@ def _factored(problem: CurvatureProblem, solver: str, budget: _Budget) -> Plan |
     M = built.n_examples * built.n_rows
     widest = max([f.a.shape[0] * f.a.shape[1] * f.shape[0] for f in _outer(built)], default=1)
     lanczos, dual = budget.factored_peaks(F, 0, widest, M)
+    # the first batch's projection (with the join's layer) where one was made, so that
+    # the estimate reported is the one decided on
+    lanczos = budget.estimates.get("factored", lanczos)
+    dual = budget.estimates.get("dual", dual) if dual is not None else None
     fits_lanczos = budget.record("factored", lanczos)
     fits_dual = wants_dual and dual is not None and budget.record("dual", dual)
     if not (fits_lanczos or fits_dual):
@@ -443,7 +395,7 @@ def _factored_solver(op: FactoredGGN, solver: str, k: int, lanczos: bool, dual: 
     return choose_solver(op, k)
 
 
-def _linearized(problem: CurvatureProblem, budget: _Budget):
+def _linearized(problem: CurvatureProblem, budget: Estimates):
     """The linearised operator within the budget (its estimate recorded), or why not."""
     s = budget.itemsize
     room = budget.total - budget.storage - 2 * budget.D * s
@@ -472,7 +424,7 @@ def _linearized(problem: CurvatureProblem, budget: _Budget):
 
 
 def _curvlinops_plan(
-    problem: CurvatureProblem, solver: str, curvature: CurvatureChoice, budget: _Budget
+    problem: CurvatureProblem, solver: str, curvature: CurvatureChoice, budget: Estimates
 ) -> Plan:
     """The plan of curvlinops' empirical Fisher or Hessian operator of ``problem``'s loss
     (streaming, within the budget).
