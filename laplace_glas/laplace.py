@@ -315,7 +315,8 @@ class ActiveSubspaceLaplace(
     @property
     def lanczos_info(self) -> Eigenpairs:
         """The eigen-solve record: products used, residuals, wall time (all ``k``
-        computed pairs, not only the active ones).
+        computed pairs, not only the active ones), the plan and its memory (budget,
+        strategy, estimated and measured peak).
         """
         self._check_H_init()
         return self._eigenpairs

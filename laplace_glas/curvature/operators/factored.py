@@ -39,10 +39,13 @@ falls back to curvlinops. A forward-mode check on the first batch (``S v`` again
 
 Memory: the factors hold ``N * sum_l T_l (d_in,l + R d_out,l)`` numbers for the weight
 layers plus ``N R d`` for the explicit parameters, i.e. the activations times ``R``; they
-are built only while they stay below ``budget_bytes`` (default
-:func:`default_factor_budget`: ``max(2 GiB, 4 k D itemsize)``). A product with ``m``
-columns needs ``m N T d_out`` more per layer, in column chunks of at most
-``_CHUNK_ELEMENTS`` numbers.
+are built only while they stay below ``budget_bytes`` (a fit's planner derives it from
+``memory_budget`` and refuses the factors after the first batch when their projection
+does not fit, :mod:`~laplace_glas.curvature.planner`; a direct call defaults to
+:func:`default_factor_budget`). A product with ``m`` columns needs ``m N T d_out`` more
+per layer, in column chunks of at most ``FactoredGGN.chunk_elements`` numbers (the
+planner sets it from the budget; ``_CHUNK_ELEMENTS`` by default). Joining the batches'
+factors holds one layer's twice, not all of them.
 """
 
 from __future__ import annotations
