@@ -277,3 +277,19 @@ def test_a_state_saved_before_budgets_still_loads():
     assert (info.strategy, info.estimated_peak_bytes, info.measured_peak_bytes) == (None,) * 3
     assert info.memory_budget == 256 * 2**20
     torch.testing.assert_close(la3.eigenvalues, la.eigenvalues)
+
+
+def test_a_fit_refused_by_its_budget_leaves_the_posterior_as_it_was():
+    model, data, problem = _mlp_problem()
+    smallest = _estimates(problem).smallest
+    la = ActiveSubspaceLaplace(model, "regression", n_components=3, memory_budget=smallest - 1)
+    with pytest.raises(MemoryBudgetError, match=f"memory_budget={smallest} "):
+        la.fit(data)
+    assert not hasattr(la, "eigenvalues")  # still unfitted
+    fitted = _fit(model, data)
+    before = fitted.eigenvalues.clone()
+    fitted.memory_budget = smallest - 1
+    with pytest.raises(MemoryBudgetError):
+        fitted.fit(data)
+    assert torch.equal(fitted.eigenvalues, before)
+    assert fitted.lanczos_info.strategy in ("dual", "factored")
