@@ -57,6 +57,9 @@ from laplace_glas.validation import (
     reiterable,
     tolerance,
 )
+from laplace_glas.validation import (
+    memory_budget as checked_budget,
+)
 
 __all__ = ["SubspaceFit"]
 
@@ -486,7 +489,8 @@ class SubspaceFit:
             k,
             self.solver,
             self.curvature,
-            memory_budget=getattr(self, "memory_budget", None),
+            # checked again: the attribute may have been set after the constructor
+            memory_budget=checked_budget(getattr(self, "memory_budget", None)),
             ncv=ncv,
             block_size=self.block_size,
         )

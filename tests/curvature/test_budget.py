@@ -293,3 +293,9 @@ def test_a_fit_refused_by_its_budget_leaves_the_posterior_as_it_was():
         fitted.fit(data)
     assert torch.equal(fitted.eigenvalues, before)
     assert fitted.lanczos_info.strategy in ("dual", "factored")
+    fitted.memory_budget = "a lot"  # set after the constructor: checked at the fit
+    with pytest.raises(ValueError, match="memory_budget must be"):
+        fitted.fit(data)
+    fitted.memory_budget = "256 MiB"
+    fitted.fit(data)
+    assert fitted.lanczos_info.memory_budget == 256 * 2**20
