@@ -36,6 +36,7 @@ with warnings.catch_warnings():
 from laplace_glas.curvature import (
     Eigenpairs,
     LanczosConvergenceWarning,
+    MemoryBudgetError,
     NumericalRankWarning,
     compute_eigenpairs,
     mean_ggn_operator,
@@ -77,6 +78,7 @@ __all__ = [
     "FittedWeightsChangedWarning",
     "LanczosConvergenceWarning",
     "LastLayerActiveSubspaceLaplace",
+    "MemoryBudgetError",
     "NotFittedError",
     "NumericalRankWarning",
     "ReplicaCheck",

@@ -29,10 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from laplace_glas.curvature.backends import resolve_backend
-from laplace_glas.curvature.distributed import (
-    data_parallel,
-    gridsearch,
-)
+from laplace_glas.curvature.distributed import data_parallel, gridsearch
 from laplace_glas.curvature.eigenpairs import Eigenpairs
 from laplace_glas.curvature.fit import SubspaceFit
 from laplace_glas.curvature.fitting import validate_loss_fn
@@ -48,19 +45,15 @@ from laplace_glas.posterior.hyperparameters import (
 )
 from laplace_glas.posterior.subspace import SubspacePosterior
 from laplace_glas.posterior.view import FittedPosterior
-from laplace_glas.predictive.jvp import (
-    parameter_names,
-)
+from laplace_glas.predictive.jvp import parameter_names
 from laplace_glas.predictive.subspace_predictive import (
     FittedWeightsChangedWarning,
     SubspacePredictive,
 )
 from laplace_glas.validation import (
-    ArgumentTypeError,
     choice,
     finite_targets,
-    flag,
-    homoscedastic_noise,
+    laplace_arguments,
     solver_settings,
     trainable_size_and_dtype,
 )
@@ -131,17 +124,16 @@ class ActiveSubspaceLaplace(
         off ``span(U)`` (one extra data pass in ``fit``; scalar prior, all weights). Their
         evidence counts every direction, so marglik's ``tau`` is comparable to Kron's.
     solver : {'auto', 'dual', 'factored', 'lanczos', 'block'}, default='auto'
-        Eigen-solver. ``'auto'``: where every trainable parameter sits in an
-        ``nn.Linear``, ``nn.Conv1d/2d``, ``nn.LayerNorm``, ``nn.BatchNorm1d/2d`` (eval)
-        or ``nn.Embedding`` and there is no ``loss_fn``, the GGN is factored from one
-        forward and one batched backward pass (:mod:`laplace_glas.curvature.operators.factored`)
-        and eigen-solved through the ``NR x NR`` Gram matrix (``'dual'``) when it fits
-        ``max(768 MiB, k D itemsize)`` and is cheaper, else by Lanczos on the
-        factored products (``'factored'``); any other model gets Lanczos on the
-        linearised GGN (:mod:`laplace_glas.curvature.operators.linearized`: each batch's forward
-        graph kept, no forward pass per product), or on curvlinops' operator where the
-        kept graphs would exceed their budget (recorded in ``lanczos_info.operator``).
-        The factors, and the kept graphs, take at most ``max(2 GiB, 4 k D itemsize)``.
+        Eigen-solver. ``'auto'``: the fastest exact strategy within ``memory_budget``
+        (:mod:`laplace_glas.curvature.planner`): where every trainable parameter sits in
+        an ``nn.Linear``, ``nn.Conv1d/2d``, ``nn.LayerNorm``, ``nn.BatchNorm1d/2d``
+        (eval) or ``nn.Embedding`` and there is no ``loss_fn``, the GGN factored from
+        one forward and one batched backward pass
+        (:mod:`laplace_glas.curvature.operators.factored`), eigen-solved through the
+        ``NR x NR`` Gram matrix (``'dual'``) when that is cheaper, else by Lanczos on the
+        factored products; then Lanczos on the linearised GGN
+        (:mod:`laplace_glas.curvature.operators.linearized`: each batch's graph kept), then
+        on curvlinops' operator (streaming: one batch's graph per product).
         ``'lanczos'``: ARPACK's Lanczos (``scipy.sparse.linalg.eigsh``) on curvlinops'
         operator, one GGN product per data pass, the reference. ``'block'``: block
         Krylov with Rayleigh-Ritz on the factored, linearised or curvlinops operator
@@ -196,6 +188,15 @@ class ActiveSubspaceLaplace(
         evidence and the predictives keep laplace-torch's likelihood.
     progress_bar : bool, default=False
         Show ``tqdm`` progress bars during ``fit``.
+    memory_budget : int, str or None, default=None
+        Bytes the eigen-solve may take (operator, products and the solver's ``O(k D)``
+        basis): an int, or a string such as ``'512MB'``, ``'1.5GiB'``, ``'64 MiB'``.
+        ``None``: half of the free memory of the model's device at ``fit``. The planner
+        (:mod:`laplace_glas.curvature.planner`) takes the fastest exact strategy whose
+        estimated peak fits, down to streaming (one batch's graph per product); a
+        budget below every estimate raises ``MemoryBudgetError`` naming the smallest
+        that works. ``lanczos_info.plan`` records the budget, the strategy, its
+        estimate and the measured peak.
 
     """
 
@@ -240,9 +241,13 @@ class ActiveSubspaceLaplace(
         ignore_index: int = -100,
         loss_fn: nn.Module | None = None,
         progress_bar: bool = False,
+        memory_budget: int | str | None = None,
     ) -> None:
         n_params, dtype = trainable_size_and_dtype(model)
-        likelihood = choice("likelihood", likelihood, _LIKELIHOODS)
+        likelihood, enable_backprop = laplace_arguments(
+            likelihood, _LIKELIHOODS, sigma_noise=sigma_noise, dtype=dtype,
+            enable_backprop=enable_backprop, dict_key_x=dict_key_x, dict_key_y=dict_key_y,
+        )  # fmt: skip
         self.loss_scaling = loss_scaling  # validated by the property
         # a subset class whose weights are not known yet checks k when they are
         bound = n_params if self._k_bound_known_at_init else math.inf
@@ -256,16 +261,8 @@ class ActiveSubspaceLaplace(
             generator=generator, subsample_size=subsample_size,
             rank_threshold=rank_threshold, jvp_chunk_size=jvp_chunk_size,
             sample_chunk_size=sample_chunk_size, ignore_index=ignore_index,
-            progress_bar=progress_bar,
+            progress_bar=progress_bar, memory_budget=memory_budget,
         )  # fmt: skip
-        enable_backprop = flag("enable_backprop", enable_backprop)
-        for name, key in (("dict_key_x", dict_key_x), ("dict_key_y", dict_key_y)):
-            if not isinstance(key, str):
-                raise ArgumentTypeError(f"{name} must be a str, got {key!r}.")
-        # laplace-torch compares sigma_noise with 1 before its setter runs (a crash for
-        # a tensor), so it is checked here; prior_precision and temperature are checked
-        # by this class's setters inside ParametricLaplace.__init__
-        homoscedastic_noise(sigma_noise, dtype, likelihood)
         validate_loss_fn(loss_fn, settings["ignore_index"] if likelihood != "regression" else None)
 
         super().__init__(
@@ -318,7 +315,8 @@ class ActiveSubspaceLaplace(
     @property
     def lanczos_info(self) -> Eigenpairs:
         """The eigen-solve record: products used, residuals, wall time (all ``k``
-        computed pairs, not only the active ones).
+        computed pairs, not only the active ones), the plan and its memory (budget,
+        strategy, estimated and measured peak).
         """
         self._check_H_init()
         return self._eigenpairs

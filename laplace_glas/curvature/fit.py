@@ -36,6 +36,7 @@ from laplace_glas.curvature.agreement import (
     shard_is_empty,
     weights_checksum,
 )
+from laplace_glas.curvature.budget import PeakMemory, with_measured_peak
 from laplace_glas.curvature.diagonal import ggn_diagonal
 from laplace_glas.curvature.distributed import (
     Shards,
@@ -58,6 +59,9 @@ from laplace_glas.validation import (
     reiterable,
     tolerance,
 )
+from laplace_glas.validation import (
+    memory_budget as checked_budget,
+)
 
 __all__ = ["SubspaceFit"]
 
@@ -68,6 +72,23 @@ class SubspaceFit:
     """
 
     def fit(
+        self,
+        train_loader: DataLoader,
+        override: bool = True,
+        progress_bar: bool | None = None,
+        *,
+        process_group: Any = None,
+    ) -> None:
+        """Compute the top-k eigenpairs of the mean-loss GGN and the loss at the MAP
+        (see :meth:`_fit` for the arguments); the fit's peak memory, measured by
+        :class:`~laplace_glas.curvature.budget.PeakMemory`, is recorded in
+        ``lanczos_info.plan['measured_peak_bytes']`` (``-1``: not measurable here).
+        """
+        with PeakMemory(self._device) as peak:
+            self._fit(train_loader, override, progress_bar, process_group=process_group)
+        self._eigenpairs = with_measured_peak(self._eigenpairs, peak)
+
+    def _fit(
         self,
         train_loader: DataLoader,
         override: bool = True,
@@ -329,6 +350,28 @@ class SubspaceFit:
         ncv: int | None = None,
         process_group: Any = None,
     ) -> Eigenpairs:
+        """Top eigenpairs of the unit-noise mean-loss GGN at the model's weights (see
+        :meth:`_compute_eigenpairs`), with the measured peak memory in ``plan``.
+        """
+        with PeakMemory(self._device) as peak:
+            eig = self._compute_eigenpairs(
+                train_loader, n_components, generator, subsample_size, progress_bar,
+                tol, maxiter, ncv, process_group,
+            )  # fmt: skip
+        return with_measured_peak(eig, peak)
+
+    def _compute_eigenpairs(
+        self,
+        train_loader: DataLoader,
+        n_components: int | None = None,
+        generator: torch.Generator | None = None,
+        subsample_size: int | None = None,
+        progress_bar: bool = False,
+        tol: float | None = None,
+        maxiter: int | None = None,
+        ncv: int | None = None,
+        process_group: Any = None,
+    ) -> Eigenpairs:
         """Top eigenpairs of the unit-noise mean-loss GGN (or of ``loss_fn``'s) at the
         model's weights.
 
@@ -439,7 +482,7 @@ class SubspaceFit:
         with autodiff_friendly(self.model):
             plan, error = None, None
             try:  # a rank whose planning fails still takes part in the agreement
-                plan = self._plan(problem, k)
+                plan = self._plan(problem, k, ncv)
             except Exception as err:
                 error = err
             plan = distribute_operator(plan, problem, error)
@@ -465,8 +508,17 @@ class SubspaceFit:
         eig = replace(eig, plan={**plan.summary(), "solver": eig.solver})
         return broadcast_eigenpairs(eig, problem.shards)
 
-    def _plan(self, problem: CurvatureProblem, k: int) -> Plan:
-        """The operator and solver for ``problem`` with this posterior's ``solver`` and
-        ``curvature`` (:func:`laplace_glas.curvature.planner.plan_solve`).
+    def _plan(self, problem: CurvatureProblem, k: int, ncv: int | None = None) -> Plan:
+        """The operator and solver for ``problem`` with this posterior's ``solver``,
+        ``curvature`` and ``memory_budget`` (:func:`laplace_glas.curvature.planner.plan_solve`).
         """
-        return plan_solve(problem, k, self.solver, self.curvature)
+        return plan_solve(
+            problem,
+            k,
+            self.solver,
+            self.curvature,
+            # checked again: the attribute may have been set after the constructor
+            memory_budget=checked_budget(getattr(self, "memory_budget", None)),
+            ncv=ncv,
+            block_size=self.block_size,
+        )

@@ -424,9 +424,9 @@ def test_irreproducible_products_warn_about_the_residuals(data, solver, match, m
     """The curvlinops operator passes over the data once per product. (The factored and
     linearised operators, which solver='auto' and 'block' use within their memory
     budget, read the data once, so their products are consistent: a model with a
-    free-standing parameter and no budget keep curvlinops here.)
+    free-standing parameter and the linearised operator refused keep curvlinops here.)
     """
-    monkeypatch.setattr(dispatch, "default_factor_budget", lambda k, n, itemsize: 1)
+    monkeypatch.setattr(dispatch, "build_linearized_ggn", lambda *a, **kw: "refused here")
     torch.manual_seed(0)
     model = OutputScale(mlp([1, 8, 1]))
     la = ActiveSubspaceLaplace(model, "regression", n_components=K, solver=solver)
