@@ -29,13 +29,7 @@ from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, RandomSampler
 
 from laplace_glas.autodiff.context import autodiff_friendly
-from laplace_glas.curvature.agreement import (
-    Setting,
-    agree_on_fit,
-    generator_checksum,
-    shard_is_empty,
-    weights_checksum,
-)
+from laplace_glas.curvature.agreement import FitAgreement
 from laplace_glas.curvature.budget import PeakMemory, with_measured_peak
 from laplace_glas.curvature.diagonal import ggn_diagonal
 from laplace_glas.curvature.distributed import (
@@ -66,7 +60,7 @@ from laplace_glas.validation import (
 __all__ = ["SubspaceFit"]
 
 
-class SubspaceFit:
+class SubspaceFit(FitAgreement):
     """``fit`` and ``compute_eigenpairs`` of a subspace Laplace posterior (a mixin; see
     the module).
     """
@@ -201,67 +195,6 @@ class SubspaceFit:
             self.H[0].shape[1] if update else self._n_components, self.n_params
         )
         return update, show, k
-
-    def _agree(
-        self,
-        shards: Shards | None,
-        loader: Any,
-        *,
-        error: Exception | None = None,
-        **settings: Any,
-    ) -> None:
-        """The ranks' agreement before a data-parallel fit
-        (:func:`~laplace_glas.curvature.agreement.agree_on_fit`): nothing for one
-        process; ``error`` (a failed local check) is raised after the exchange.
-        """
-        if shards is None:
-            return
-        empty = False
-        try:
-            empty = shard_is_empty(loader)
-        except Exception as err:  # a loader that cannot start still agrees
-            error = error or err
-        weights = [*self.model.parameters(), *self.model.buffers()]
-        agree_on_fit(
-            shards,
-            self._shared_settings(**settings),
-            weights_checksum((w for w in weights if w.is_floating_point()), self._device),
-            self._device,
-            empty=empty,
-            error=error,
-        )
-
-    def _shared_settings(
-        self,
-        k: int | None = None,
-        update: bool = False,
-        generator: torch.Generator | None = None,
-        subsample_size: Any = None,
-        tol: Any = None,
-        maxiter: Any = None,
-        ncv: Any = None,
-    ) -> list[Setting]:
-        """The settings every rank of a data-parallel fit must share (``None``: the
-        constructor's).
-        """
-        pick = {"tol": tol, "maxiter": maxiter, "ncv": ncv, "subsample_size": subsample_size}
-        pick = {name: getattr(self, name) if v is None else v for name, v in pick.items()}
-        start = None if generator is None else generator_checksum(generator)
-        return [
-            Setting("n_components", k),
-            Setting("override=False (an update)", update),
-            Setting("solver", self.solver),
-            Setting("likelihood", self.likelihood),
-            Setting("loss_scaling", self.loss_scaling),
-            Setting("complement", self.complement),
-            Setting("dtype", self._dtype),
-            Setting("the number of parameters D", self.n_params),
-            *(Setting(name, value) for name, value in pick.items()),
-            Setting("block_size", self.block_size),
-            Setting("rank_threshold", self.rank_threshold),
-            Setting("ignore_index", self.ignore_index),
-            Setting("the random start (generator state checksum)", start),
-        ]
 
     def _complement_diagonal(
         self, loader: Any, shards: Shards | None, show: bool, update: bool
