@@ -135,7 +135,8 @@ class PosteriorHyperparameters:
         if k >= n_params:
             raise ValueError(
                 f"n_components={k} must be smaller than the number of parameters "
-                f"D={n_params}: Lanczos (scipy eigsh) finds at most D - 1 eigenpairs. "
+                f"D={n_params} (at least one direction stays outside the subspace; "
+                f"leave n_components out for the default min(20, D - 1)). "
                 f"For a model this small, laplace-torch's FullLaplace "
                 f"(hessian_structure='full') is exact and cheap."
             )
