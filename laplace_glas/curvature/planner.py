@@ -48,6 +48,11 @@ from laplace_glas.curvature.operators.factored import (
     build_factored_ggn,
     default_factor_budget,
 )
+from laplace_glas.curvature.operators.jacobian import (
+    JacobianGGN,
+    build_jacobian_ggn,
+    estimate_jacobian_bytes,
+)
 from laplace_glas.curvature.operators.linearized import build_linearized_ggn
 from laplace_glas.curvature.problem import CurvatureProblem
 from laplace_glas.curvature.solvers.gram import gram_fits, gram_flops
@@ -157,6 +162,9 @@ def plan_solve(
         return Plan(reference, problem.scale, solver, "curvlinops", problem.n_terms)
     itemsize = torch.finfo(problem.dtype).bits // 8
     budget = default_factor_budget(k, problem.n_params, itemsize)
+    jacobian = _jacobian(problem, budget) if solver != "factored" else "solver='factored'"
+    if not isinstance(jacobian, str):
+        return Plan(jacobian, 1.0, solver, "jacobian", problem.n_terms, budget_bytes=budget)
     built = _factored(problem, budget)
     if not isinstance(built, str):
         solver = {"factored": "lanczos"}.get(solver, solver)
@@ -188,6 +196,38 @@ def plan_solve(
     # the block solver works on any operator
     solver = "block" if solver == "block" else "lanczos"
     return Plan(operator, problem.scale, solver, name, problem.n_terms, "ggn", budget, reasons)
+
+
+def _jacobian(problem: CurvatureProblem, budget: int) -> JacobianGGN | str:
+    """The GGN of ``problem`` from stored Jacobians within ``budget`` bytes, or why not.
+
+    Tried first: no pass over the data when :func:`estimate_jacobian_bytes` (``N R D
+    itemsize``) exceeds the budget; the build stops after the first batch when the
+    Jacobians take more memory than the factored operator's factors would.
+    """
+    itemsize = torch.finfo(problem.dtype).bits // 8
+    estimate = estimate_jacobian_bytes(
+        problem.n_terms, problem.out_shape, problem.likelihood, problem.n_params, itemsize
+    )
+    if estimate > budget:
+        return (
+            f"explicit Jacobians ({estimate / 2**20:.0f} MiB) above the memory budget "
+            f"({budget / 2**20:.0f} MiB)"
+        )
+    return build_jacobian_ggn(
+        problem.model,
+        problem.params,
+        problem.loader,
+        problem.likelihood,
+        problem.n_terms,
+        ignore_index=problem.ignore_index,
+        dict_key_x=problem.dict_key_x,
+        dict_key_y=problem.dict_key_y,
+        device=problem.device,
+        budget_bytes=budget,
+        loss_fn=problem.loss_fn,
+        progress_bar=problem.progress_bar,
+    )
 
 
 def _factored(problem: CurvatureProblem, budget: int) -> FactoredGGN | str:
