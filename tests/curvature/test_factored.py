@@ -237,6 +237,7 @@ def assert_same_eigenpairs(ours: Eigenpairs, ref: Eigenpairs, val_tol=1e-8, vec_
 
 @pytest.mark.parametrize("name", ["mlp-regression", "cnn", "sequence-linear", "embedding"])
 @pytest.mark.parametrize("solver", ["dual", "factored", "auto"])
+@pytest.mark.usefixtures("without_jacobian")
 def test_solvers_match_lanczos_reference(name, solver):
     model, X, y, likelihood = problem(name)
     model, X, y = as64(model, X, y)

@@ -363,6 +363,7 @@ def test_over_budget_fit_records_both_reasons(monkeypatch):
     assert info.operator.startswith("curvlinops")
 
 
+@pytest.mark.usefixtures("without_jacobian")
 def test_update_and_subnetwork_on_the_linearised_operator_match_curvlinops():
     """fit(override=False) (stored curvature + new data) and a subnetwork posterior
     wrap the linearised operator; both equal the same fits on curvlinops' operator."""

@@ -111,7 +111,7 @@ class JacobianGGN(FactoredGGN):
     """
 
     def __init__(self, J: torch.Tensor):
-        N, R, D = J.shape
+        R, D = J.shape[1:]
         index = torch.arange(D, device=J.device)
         super().__init__([DenseFactor(index, J)], D, R)
 
