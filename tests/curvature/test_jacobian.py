@@ -15,6 +15,7 @@ from laplace_glas.curvature.operators.jacobian import (
     JacobianGGN,
     build_jacobian_ggn,
     estimate_jacobian_bytes,
+    reduced_rows,
 )
 from laplace_glas.curvature.planner import _jacobian, plan_solve
 from laplace_glas.curvature.problem import CurvatureProblem
@@ -86,6 +87,27 @@ def sequence_data(n=10, T=5, C=3, likelihood="classification"):
     return X, y
 
 
+@pytest.mark.parametrize("C", [2, 5])
+def test_reduced_rows_square_to_the_softmax_hessian(C):
+    """``C - 1`` rows per position whose Gram is ``scale^2 (diag p - p p^T)``, zero
+    for ignored targets."""
+    g = torch.Generator().manual_seed(C)
+    out = 3 * torch.randn(4, 3, C, generator=g, dtype=F64)  # 4 examples, 3 positions
+    y = torch.randint(0, C, (4, 3), generator=g)
+    y[1, 2] = -100
+    rows = reduced_rows(out, y, "classification", -100, 0.5)
+    assert rows.shape == (3 * (C - 1), 4, 3, C)
+    p = torch.softmax(out, -1)
+    Lam = torch.diag_embed(p) - p[..., :, None] * p[..., None, :]
+    for b in range(4):
+        for t in range(3):
+            block = rows[t * (C - 1) : (t + 1) * (C - 1), b, t]  # (C - 1, C)
+            expected = 0.25 * Lam[b, t] * float(y[b, t] != -100)
+            torch.testing.assert_close(block.T @ block, expected, rtol=0, atol=1e-15)
+            others = [u for u in range(3) if u != t]
+            assert not rows[t * (C - 1) : (t + 1) * (C - 1), b, others].any()
+
+
 @pytest.mark.parametrize("likelihood", ["regression", "classification"])
 def test_factor_route_matches_the_dense_ggn_and_curvlinops(likelihood):
     model = LoraSequence().to(F64).eval()
@@ -93,7 +115,8 @@ def test_factor_route_matches_the_dense_ggn_and_curvlinops(likelihood):
     data = loader(X, y, batch_size=4)  # batches of 4, 4, 2
     problem = problem_of(model, data, likelihood, (3,))
     op = build_jacobian_ggn(model, trainable(model), data, likelihood, problem.n_terms)
-    assert isinstance(op, JacobianGGN) and op.J.shape == (10, 3, op.shape[0])
+    rows = 3 if likelihood == "regression" else 2  # C - 1 rows of the softmax's Lambda
+    assert isinstance(op, JacobianGGN) and op.J.shape == (10, rows, op.shape[0])
     G = operator_matrix(op)
     reference = dense_ggn(model, X, y, likelihood)
     assert torch.allclose(G, reference, rtol=1e-10, atol=1e-12 * reference.abs().max())
@@ -141,7 +164,7 @@ def test_per_token_outputs_leave_ignored_targets_out():
     problem = problem_of(model, data, "classification", (8, 5))
     assert problem.n_terms == 46
     op = build_jacobian_ggn(model, trainable(model), data, "classification", 46)
-    assert isinstance(op, JacobianGGN) and op.n_rows == 40
+    assert isinstance(op, JacobianGGN) and op.n_rows == 8 * 4  # T (V - 1)
     reference = dense_ggn(model, X, y, "classification")
     G = operator_matrix(op)
     assert torch.allclose(G, reference, rtol=1e-10, atol=1e-12 * reference.abs().max())
