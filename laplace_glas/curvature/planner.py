@@ -2,7 +2,13 @@
 
 ``solver`` of :class:`~laplace_glas.ActiveSubspaceLaplace`:
 
-* ``'auto'`` (default): the factored operator
+* ``'auto'`` (default): first the explicit-Jacobian operator
+  (:mod:`~laplace_glas.curvature.operators.jacobian`: the ``N R D`` rows of
+  ``Lambda^{1/2} J_n`` stored, from the factors or ``torch.func``) where they fit the budget
+  and take less memory than the factors (adapters and heads over token sequences, a
+  subnetwork, a small model with parameters outside supported layers); it is a factored
+  operator of one dense block, so the same solvers and the same choice between them apply.
+  Then the factored operator
   (:mod:`~laplace_glas.curvature.operators.factored`) where the model and loss qualify, with
   the dual Gram solve (:mod:`~laplace_glas.curvature.solvers.gram`) when :func:`choose_solver`
   finds it fits the memory budget and costs fewer flops than Lanczos on the factored
@@ -11,7 +17,8 @@
   product), or on curvlinops' operator when the kept graphs exceed their budget. The
   choice is recorded in ``la.lanczos_info.solver`` and ``.operator`` (with the reasons
   for a fallback).
-* ``'dual'`` / ``'factored'``: the dual solve / Lanczos on the factored operator,
+* ``'dual'`` / ``'factored'``: the dual solve (on the Jacobian or factored operator) /
+  Lanczos on the factored operator (never the Jacobian one),
   falling back (with a warning) to Lanczos on the linearised or curvlinops operator
   where the model does not qualify.
 * ``'lanczos'``: curvlinops + ARPACK, the reference; ``'block'``: block Krylov on the
@@ -22,8 +29,10 @@
 :class:`Plan`; laplace-torch's empirical Fisher and Hessian backends
 (:mod:`~laplace_glas.curvature.backends`) get curvlinops' operators of those matrices.
 
-The budget rule: the factors (activations and ``R`` output-side gradients per
-weight layer), and the linearised operator's kept graphs, may each take
+The budget rule: the stored Jacobians (``N R D`` numbers, estimated before any pass by
+:func:`~laplace_glas.curvature.operators.jacobian.estimate_jacobian_bytes`), the factors
+(activations and ``R`` output-side gradients per weight layer), and the linearised
+operator's kept graphs, may each take
 ``max(2 GiB, 4 k D itemsize)`` bytes, the Gram matrix ``max(768 MiB, k D itemsize)``;
 beyond them the next option is used, so memory stays ``O(k D)`` plus the activations
 (for the linearised operator: plus its kept graphs, as far as its count of them goes).
