@@ -175,7 +175,8 @@ def test_solvers_on_the_jacobian_operator_find_the_top_eigenpairs(solver):
     model = LoraSequence().to(F64).eval()
     X, y = sequence_data(n=12)
     op = build_jacobian_ggn(model, trainable(model), loader(X, y, 5), "classification", 12)
-    pairs = compute_eigenpairs(op, 4, solver=solver, dtype=F64, operator_name="jacobian")
+    pairs = compute_eigenpairs(op, 4, solver=solver, dtype=F64)
+    assert pairs.operator == "jacobian" and pairs.solver == solver
     expected = torch.linalg.eigvalsh(dense_ggn(model, X, y, "classification")).flip(0)[:4]
     assert torch.allclose(pairs.values, expected, rtol=1e-8, atol=0)
     U = pairs.vectors
