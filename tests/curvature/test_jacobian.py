@@ -183,6 +183,31 @@ def test_solvers_on_the_jacobian_operator_find_the_top_eigenpairs(solver):
     assert torch.allclose(U.T @ U, torch.eye(4, dtype=F64), atol=1e-8)
 
 
+def test_torch_func_route_refuses_interacting_or_reshaped_examples():
+    """A batch statistic couples the examples (per-example vmap would miss it; the
+    forward-mode check of the first batch catches it); outputs with one row per token
+    are not one row per example."""
+
+    class Centred(Bilinear):
+        def forward(self, x):
+            out = super().forward(x)
+            return out - 0.5 * out.mean(0)
+
+    class Flattened(Bilinear):
+        def forward(self, x):
+            return super().forward(x).reshape(-1, 1)
+
+    g = torch.Generator().manual_seed(4)
+    X = torch.randn(8, 3, generator=g, dtype=F64)
+    y = torch.randn(8, 2, generator=g, dtype=F64)
+    model = Centred().to(F64).eval()
+    reason = build_jacobian_ggn(model, trainable(model), loader(X, y, 4), "regression", 8)
+    assert isinstance(reason, str) and "differs from forward mode" in reason
+    model = Flattened().to(F64).eval()
+    reason = build_jacobian_ggn(model, trainable(model), loader(X, y, 4), "regression", 8)
+    assert reason == "model outputs whose first axis (8) is not the batch (4)"
+
+
 def test_budget_and_unsupported_cases_return_reasons():
     model = LoraSequence().to(F64).eval()
     X, y = sequence_data()

@@ -47,7 +47,7 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 from tqdm.auto import tqdm
 
-from laplace_glas.curvature.batches import split_batch
+from laplace_glas.curvature.batches import batch_size, split_batch
 from laplace_glas.curvature.operators.factored import (
     FactoredGGN,
     _check_first_batch,
@@ -264,21 +264,29 @@ def _func_batches(model, params, loader, likelihood, n_terms, options):
         return check_model_output(out)[0]
 
     jacobian = vmap(jacrev(single), in_dims=(None, 0))
-    for data in loader:
+    for i, data in enumerate(loader):
         X, y = split_batch(data, options["dict_key_y"])
         X = X.to(options["device"]) if isinstance(X, torch.Tensor) else X
         y = y.to(options["device"])
         with torch.no_grad():
             out = check_model_output(model(X))
+        B = batch_size(X, options["dict_key_x"])
+        if out.shape[0] != B:
+            yield f"model outputs whose first axis ({out.shape[0]}) is not the batch ({B})"
+            return
         try:
             jac = jacobian(tuple(p.detach() for p in params), X)
         except Exception as err:  # vmap cannot batch this model's forward
             yield f"torch.func.vmap over the examples failed ({type(err).__name__})"
             return
-        B = out.shape[0]
         jac = torch.cat([j.reshape(B, out[0].numel(), -1) for j in jac], -1)  # (B, O, D)
         rows = reduced_rows(out, y, likelihood, options["ignore_index"], scale)
-        yield torch.einsum("rbo,bod->brd", rows.reshape(rows.shape[0], B, -1), jac)
+        J = torch.einsum("rbo,bod->brd", rows.reshape(rows.shape[0], B, -1), jac)
+        del jac
+        if i == 0:  # examples that interact (a batch statistic) break the per-example vmap
+            factor = DenseFactor(torch.arange(J.shape[-1], device=J.device), J)
+            _check_first_batch(model, params, keys, X, out, rows, [factor], J.shape[-1], J.dtype)
+        yield J
 
 
 # ---------------------------------------------------------------------- build
