@@ -21,6 +21,10 @@ from laplace_glas.curvature.planner import choose_solver
 
 F64 = torch.float64
 
+# the factored operator itself: the planner's explicit-Jacobian candidate, which would
+# serve several of these small models, is tested in test_jacobian.py
+pytestmark = pytest.mark.usefixtures("without_jacobian")
+
 
 class SequenceRegressor(nn.Module):
     """Linear + LayerNorm over (batch, T, F) inputs, pooled to (batch, C) outputs."""
@@ -237,7 +241,6 @@ def assert_same_eigenpairs(ours: Eigenpairs, ref: Eigenpairs, val_tol=1e-8, vec_
 
 @pytest.mark.parametrize("name", ["mlp-regression", "cnn", "sequence-linear", "embedding"])
 @pytest.mark.parametrize("solver", ["dual", "factored", "auto"])
-@pytest.mark.usefixtures("without_jacobian")
 def test_solvers_match_lanczos_reference(name, solver):
     model, X, y, likelihood = problem(name)
     model, X, y = as64(model, X, y)
