@@ -19,6 +19,30 @@ images for the residual check, ``(ncv + 5 k + 8) D s`` in all; the block solver 
 basis and its images of ``max_basis = max(2 k + p, 3 p)`` columns each plus a few
 blocks, ``(2 max_basis + 3 p + 3 k) D s``.
 
+Estimated peaks of the planner's strategies, in bytes, with ``s`` the itemsize, ``D``
+the parameters, ``k`` the pairs and the solver's storage ``B`` (:func:`solver_storage`:
+``(ncv + 5 k + 8) D s`` for Lanczos), each projected from the first batch over the
+loader's batches:
+
+* jacobian: the rows ``N R D s``
+  (:func:`~laplace_glas.curvature.operators.jacobian.estimate_jacobian_bytes`, before
+  any pass over the data) in the factored formulas below, with ``M = N R``;
+* factored + Lanczos: the factors ``F`` plus one layer's (joining the batches), one
+  column's GEMM temporaries ``2 W s`` (``W``: the widest layer's ``N T d_out``) and
+  ``2 D s``, plus ``B``; the products of many columns then take the chunks the rest
+  of the budget allows (at most ``2^25`` numbers), added to the recorded estimate;
+* dual: ``F`` plus the Gram matrix, one layer's block and its input-side Hadamard
+  factor ``3 M^2 s`` (``M = N R``), its eigen-solve's
+  ``(4 k + 40) M`` float64 numbers and ``3 k D s`` for the eigenvectors;
+* linearised: every batch's kept graphs plus one batch's for a product's temporaries
+  (:func:`~laplace_glas.curvature.operators.linearized.build_linearized_ggn`), ``2 D s``
+  and ``B``;
+* streaming: one batch's forward graph ``g``
+  (:func:`~laplace_glas.curvature.operators.linearized.forward_graph_bytes`) plus per
+  column ``4 g + 3 D s`` (tangents and gradients of the activations before and after
+  the nonlinearities, the column in and out; measured about ``3.5 g`` on an MLP),
+  plus ``B``.
+
 :class:`PeakMemory` measures the peak of a fit above the memory in use when it starts:
 on CUDA ``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats``
 (so a caller's own peak statistics restart there too); on the host the resident set's
@@ -237,7 +261,7 @@ def with_measured_peak(eig, peak: PeakMemory):
 class Estimates:
     """The budget of one planning and the estimated peaks made so far (bytes).
 
-    The formulas are those of :mod:`~laplace_glas.curvature.planner`'s docstring;
+    The formulas are those of the module's docstring;
     ``storage`` is the solver's (:func:`solver_storage`). A strategy records its
     estimate with :meth:`record` (``None``: unknown) and learns whether it fits.
     """

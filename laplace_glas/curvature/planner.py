@@ -6,6 +6,13 @@
   memory budget (``memory_budget``; :mod:`~laplace_glas.curvature.budget`), tried in
   this order (:data:`STRATEGIES`):
 
+  0. ``'jacobian'``: the explicit-Jacobian operator
+     (:mod:`~laplace_glas.curvature.operators.jacobian`: the ``N R D`` rows of
+     ``Lambda^{1/2} J_n`` stored, from the factors or ``torch.func``) where they fit and
+     take less memory than the factors (adapters and heads over token sequences, a
+     subnetwork, a small model with parameters outside supported layers); a factored
+     operator of one dense block, so the same solvers (dual or Lanczos) and the same
+     choice between them apply;
   1. ``'dual'`` / ``'factored'``: the factored operator
      (:mod:`~laplace_glas.curvature.operators.factored`) where the model and loss
      qualify, eigen-solved through the Gram matrix
@@ -21,41 +28,17 @@
   A budget below every estimate raises :class:`~laplace_glas.curvature.budget.MemoryBudgetError`
   naming the smallest that works. The choice is recorded in ``la.lanczos_info.plan``
   (strategy, estimates, budget) and ``.operator`` (with the reasons for a fallback).
-* ``'dual'`` / ``'factored'``: the dual solve / Lanczos on the factored operator,
-  falling back (with a warning) to the next strategy that fits where the model does
-  not qualify or the requested solve does not fit.
+* ``'dual'`` / ``'factored'``: the dual solve (Jacobian or factored operator) / Lanczos
+  on the factored operator, falling back (with a warning) to the next strategy that
+  fits where the model does not qualify or the requested solve does not fit.
 * ``'lanczos'``: curvlinops + ARPACK, the reference (streaming); ``'block'``: block
   Krylov on the factored, linearised or curvlinops operator (the first that fits).
 
 :func:`plan_solve` makes the choice for one
-:class:`~laplace_glas.curvature.problem.CurvatureProblem` and returns it as a
-:class:`Plan`; laplace-torch's empirical Fisher and Hessian backends
-(:mod:`~laplace_glas.curvature.backends`) get curvlinops' operators of those matrices
-(streaming).
-
-Estimated peaks, in bytes, with ``s`` the itemsize, ``D`` the parameters, ``k`` the
-pairs and the solver's storage ``B`` (:func:`~laplace_glas.curvature.budget.solver_storage`:
-``(ncv + 5 k + 8) D s`` for Lanczos), each projected from the first batch over the
-loader's batches:
-
-* factored + Lanczos: the factors ``F`` plus one layer's (joining the batches), one
-  column's GEMM temporaries ``2 W s`` (``W``: the widest layer's ``N T d_out``) and
-  ``2 D s``, plus ``B``; the products of many columns then take the chunks the rest
-  of the budget allows (at most ``2^25`` numbers), added to the recorded estimate;
-* dual: ``F`` plus the Gram matrix, one layer's block and its input-side Hadamard
-  factor ``3 M^2 s`` (``M = N R``), its eigen-solve's
-  ``(4 k + 40) M`` float64 numbers and ``3 k D s`` for the eigenvectors;
-* linearised: every batch's kept graphs plus one batch's for a product's temporaries
-  (:func:`~laplace_glas.curvature.operators.linearized.build_linearized_ggn`), ``2 D s``
-  and ``B``;
-* streaming: one batch's forward graph ``g``
-  (:func:`~laplace_glas.curvature.operators.linearized.forward_graph_bytes`) plus per
-  column ``4 g + 3 D s`` (tangents and gradients of the activations before and after
-  the nonlinearities, the column in and out; measured about ``3.5 g`` on an MLP),
-  plus ``B``.
-
-Another strategy plugs in as one more entry of :data:`STRATEGIES` and one more step of
-:func:`plan_solve` that returns its :class:`Plan` when its estimate fits.
+:class:`~laplace_glas.curvature.problem.CurvatureProblem` as a :class:`Plan`; the
+empirical Fisher and Hessian backends get curvlinops' operators (streaming). Estimated
+peaks: :mod:`~laplace_glas.curvature.budget`. Another strategy is one more entry of
+:data:`STRATEGIES` and one more step of :func:`plan_solve`.
 """
 
 from __future__ import annotations
@@ -86,6 +69,10 @@ from laplace_glas.curvature.operators.factored import (
     FactorSizes,
     build_factored_ggn,
 )
+from laplace_glas.curvature.operators.jacobian import (
+    build_jacobian_ggn,
+    estimate_jacobian_bytes,
+)
 from laplace_glas.curvature.operators.linearized import (
     build_linearized_ggn,
     forward_graph_bytes,
@@ -96,7 +83,7 @@ from laplace_glas.curvature.solvers.gram import gram_fits, gram_flops
 
 __all__ = ["SOLVERS", "STRATEGIES", "MemoryBudgetError", "Plan", "choose_solver", "plan_solve"]
 
-STRATEGIES = ("dual", "factored", "linearised", "streaming")
+STRATEGIES = ("jacobian", "dual", "factored", "linearised", "streaming")
 """The exact strategies, fastest first (the dual and factored ones ordered by flops)."""
 
 SOLVERS = ("auto", "dual", "factored", "lanczos", "block")
@@ -247,10 +234,13 @@ def plan_solve(
     if solver == "lanczos":
         reference = problem.reference_operator()
         return _streaming_plan(problem, reference, "curvlinops", (), budget, base)
+    jacobian = _jacobian(problem, solver, budget)
+    if isinstance(jacobian, Plan):
+        return jacobian
     built = _factored(problem, solver, budget)
     if isinstance(built, Plan):
         return built
-    reasons = [built]
+    reasons = [reason for reason in (jacobian, built) if reason]
     linearized = _linearized(problem, budget)
     if isinstance(linearized, str):
         reasons.append(linearized)
@@ -292,6 +282,61 @@ def _streaming_plan(problem, operator, name, reasons, budget: Estimates, solver:
     return Plan(
         operator, problem.scale, solver, name, problem.n_terms, "ggn", budget.total,
         tuple(reasons), "streaming", peak, budget.pairs(), columns, peak,
+    )  # fmt: skip
+
+
+def _jacobian(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan | str:
+    """The plan on stored Jacobians (dual or Lanczos) within the budget, or why not
+    (``''`` where ``solver='factored'`` asks for the factored operator).
+
+    Tried first: no pass over the data when the estimate from
+    :func:`estimate_jacobian_bytes` (``N R D s`` in the factored formulas) exceeds the
+    budget; the build stops after the first batch when the Jacobians take more memory
+    than the factored operator's factors would (its estimate is then dropped).
+    """
+    if solver == "factored":
+        return ""
+    s, wants_dual = budget.itemsize, solver in ("auto", "dual")
+    rows = estimate_jacobian_bytes(
+        problem.n_terms, problem.out_shape, problem.likelihood, problem.n_params, s
+    )
+    lanczos, dual = budget.factored_peaks(rows, 0, 1, rows // (problem.n_params * s))
+    best = min(lanczos, dual) if wants_dual and dual is not None else lanczos
+    if not budget.record("jacobian", best):
+        return (
+            f"explicit Jacobians' estimated peak {format_bytes(best)} exceeds the memory "
+            f"budget {format_bytes(budget.total)}"
+        )
+    built = build_jacobian_ggn(
+        problem.model,
+        problem.params,
+        problem.loader,
+        problem.likelihood,
+        problem.n_terms,
+        ignore_index=problem.ignore_index,
+        dict_key_x=problem.dict_key_x,
+        dict_key_y=problem.dict_key_y,
+        device=problem.device,
+        budget_bytes=max(1, budget.total - budget.storage),
+        loss_fn=problem.loss_fn,
+        progress_bar=problem.progress_bar,
+    )
+    if isinstance(built, str):
+        budget.estimates.pop("jacobian", None)  # not this model's strategy at any budget
+        return built
+    rows = built.J.numel() * built.J.element_size()
+    lanczos, dual = budget.factored_peaks(rows, 0, 1, built.n_examples * built.n_rows)
+    fits_lanczos = lanczos <= budget.total
+    fits_dual = wants_dual and dual is not None and dual <= budget.total
+    if not (fits_lanczos or fits_dual):
+        budget.record("jacobian", lanczos)
+        return f"explicit Jacobians exceed the memory budget {format_bytes(budget.total)}"
+    chosen = _factored_solver(built, solver, budget.k, fits_lanczos, fits_dual)
+    peak = dual if chosen == "dual" else lanczos
+    budget.record("jacobian", peak)
+    return Plan(
+        built, 1.0, chosen, "jacobian", problem.n_terms, "ggn", budget.total, (),
+        "jacobian", peak, budget.pairs(), *_distributed_fallback(problem, budget),
     )  # fmt: skip
 
 

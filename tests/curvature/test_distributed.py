@@ -157,8 +157,15 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         # a model the factored operator refuses: the linearised operator on every rank
         model, X, y, _, _ = _problem("regression")
         X, y = _shard((X, y), rank, "uneven")
+        jacobian, dispatch._jacobian = dispatch._jacobian, lambda *args: "not tried here"
         la = _fit(_OutputScale(model), "regression", "auto", loader(X, y, batch_size=16))
         results["linearised"] = {
+            "values": la.eigenvalues.clone(),
+            "operator": la.lanczos_info.operator,
+        }
+        dispatch._jacobian = jacobian  # the same model from stored Jacobians
+        la = _fit(_OutputScale(model), "regression", "auto", loader(X, y, batch_size=16))
+        results["jacobian"] = {
             "values": la.eigenvalues.clone(),
             "operator": la.lanczos_info.operator,
         }
@@ -288,13 +295,17 @@ def test_factored_on_one_rank_only_falls_back_everywhere(ranks):
         _close(rank["fallback"]["values"], one["values"])
 
 
-def test_linearised_operator_on_every_rank_equals_one_process(ranks):
+def test_linearised_and_jacobian_operators_on_every_rank_equal_one_process(ranks):
     model, X, y, _, _ = _problem("regression")
     one = _fit(_OutputScale(model), "regression", "lanczos", loader(X, y, 16))
     for rank in ranks:
         operator = rank["linearised"]["operator"]
         assert operator.startswith("linearised (not factored") and "all-reduced over 2" in operator
         _close(rank["linearised"]["values"], one.eigenvalues)
+        operator = rank["jacobian"]["operator"]
+        assert operator.startswith("jacobian (dual solve not distributed: Lanczos")
+        assert "all-reduced over 2" in operator
+        _close(rank["jacobian"]["values"], one.eigenvalues)
 
 
 def test_group_of_one_rank_fits_the_local_shard(ranks):

@@ -366,6 +366,7 @@ def test_over_budget_fit_records_both_reasons():
     assert info.operator.startswith("curvlinops") and info.plan["strategy"] == "streaming"
 
 
+@pytest.mark.usefixtures("without_jacobian")
 def test_update_and_subnetwork_on_the_linearised_operator_match_curvlinops():
     """fit(override=False) (stored curvature + new data) and a subnetwork posterior
     wrap the linearised operator; both equal the same fits on curvlinops' operator."""

@@ -267,7 +267,7 @@ def test_lora_posterior_lives_on_the_adapters(solver):
     la = fit(model, batches, 5, solver=solver)
     D = sum(p.numel() for p in adapters)
     assert la.n_params == D and la.mean.shape == (D,) and la.eigenvectors.shape == (D, 5)
-    assert la.lanczos_info.operator == ("factored" if solver == "auto" else "curvlinops")
+    assert la.lanczos_info.operator == ("jacobian" if solver == "auto" else "curvlinops")
     torch.testing.assert_close(la.eigenvalues, top(explicit_ggn(model, batches), 5))
     for n, p in model.named_parameters():
         assert p.grad is None

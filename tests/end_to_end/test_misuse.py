@@ -436,6 +436,7 @@ def test_irreproducible_products_warn_about_the_residuals(data, solver, match, m
 
 
 @pytest.mark.parametrize("solver", ["auto", "block"])
+@pytest.mark.usefixtures("without_jacobian")
 def test_the_linearised_operator_reads_an_augmenting_loader_once(data, solver):
     """Within its budget the linearised operator keeps one draw of the augmentation:
     its products are those of one fixed data set, so the residual check, which warns

@@ -295,8 +295,12 @@ class _Recorder:
             handle.remove()
 
 
-def _batch_factors(model, recorder, X, y, likelihood, ignore_index, scale, offsets, dict_key_x):
-    """Forward pass, batched backward over the rows, per-layer factors of one batch."""
+def _batch_factors(
+    model, recorder, X, y, likelihood, ignore_index, scale, offsets, dict_key_x, rows_fn=None
+):
+    """Forward pass, batched backward over the rows, per-layer factors of one batch
+    (``rows_fn``: the rows of ``Lambda^{1/2}``, default :func:`_row_vectors`).
+    """
     B = batch_size(X, dict_key_x)
     recorder.reset()
     with torch.enable_grad():
@@ -310,7 +314,7 @@ def _batch_factors(model, recorder, X, y, likelihood, ignore_index, scale, offse
                 f"{out[0].numel()} output rows per example (more than {_MAX_ROWS}) for "
                 "the factored operator"
             )
-        rows = _row_vectors(out, y, likelihood, ignore_index, scale)
+        rows = (rows_fn or _row_vectors)(out, y, likelihood, ignore_index, scale)
         R = rows.shape[0]
         calls = [(m, x, z) for m, cs in recorder.calls.items() for x, z in cs]
         for _, x, _ in calls:
