@@ -6,7 +6,8 @@ For each model, in one run:
   ``GGNLinearOperator`` and from GLAS's linearised operator (kept forward graphs),
   median of ``--repeats`` wall times, their ratio and the products' relative difference;
 * the GLAS fit (k = ``--k``) with the default ``solver='auto'`` (Lanczos on the
-  linearised operator), with ``solver='lanczos'`` (Lanczos on curvlinops' operator,
+  linearised operator, or on stored per-example Jacobians where they fit the budget:
+  the transformer encoder), with ``solver='lanczos'`` (Lanczos on curvlinops' operator,
   the reference) and laplace-torch's KronLaplace fit, with peak resident memory added
   by each fit (``PeakMemory``) and the largest relative eigenvalue difference;
 * the bytes the linearised operator keeps (``saved_bytes``).

@@ -488,6 +488,8 @@ def main(argv: list[str] | None = None) -> None:
     emit()
     emit(f"machine: {machine_description()}")
     emit()
+    emit(f"date: {time.strftime('%-d %B %Y, %H:%M UTC', time.gmtime())}")
+    emit()
     emit(f"command: `{shlex.join(['python', 'benchmarks/value.py', *argv_shown])}`")
     emit()
 

@@ -29,6 +29,7 @@ import argparse
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 from _cli import HelpFormatter
 
@@ -152,27 +153,33 @@ def seed_data(path: Path, seed: int) -> dict:
     }
 
 
-def plot_curves(results: dict, path: Path) -> None:
+def plot_curves(results: dict, path: Path | None) -> Any:
     from laplace_glas.plotting import _finish, _legend_below, _pyplot
 
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4.4))
+    n_seeds, lowest = 0, 0.9
     for strategy, curves in results.items():
         stacked = torch.tensor(curves, dtype=torch.float64)  # (seeds, rounds, 3)
-        n = stacked[0, :, 0].numpy()
+        n, n_seeds = stacked[0, :, 0].numpy(), stacked.shape[0]
         for ax, col in zip(axes, (1, 2)):
             mean, std = stacked[:, :, col].mean(0), stacked[:, :, col].std(0, correction=0)
             ax.plot(n, mean.numpy(), label=strategy)
-            ax.fill_between(n, (mean - std).numpy(), (mean + std).numpy(), alpha=0.2)
+            if n_seeds > 1:  # no band from one seed
+                ax.fill_between(n, (mean - std).numpy(), (mean + std).numpy(), alpha=0.2)
+            if col == 2:
+                lowest = min(lowest, float((mean - std).min()))
     axes[0].set_ylabel("test RMSE (standardised)")
     axes[1].set_ylabel("coverage of GLAS's 90% interval of y")
-    axes[1].axhline(0.9, color="k", ls="--", lw=1)
+    axes[1].axhline(0.9, color="k", ls="--", lw=1, label="nominal 90%")
+    axes[1].set_ylim(max(lowest - 0.05, 0.0), 1.02)  # the 90% line inside the frame
     for ax in axes:
         ax.set_xlabel("number of labels")
         ax.grid(True, alpha=0.3)
         _legend_below(ax)
-    fig.suptitle("Active learning on Concrete (mean +- sd over seeds)")
-    _finish(fig, path)
+    spread = "one seed" if n_seeds == 1 else f"mean +- sd over {n_seeds} seeds"
+    fig.suptitle(f"Active learning on Concrete ({spread})")
+    return _finish(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
             la.fit(loader(Xtr, ytr))
         info = la.lanczos_info
         print(
-            f"\n== GLAS, {scaling}-loss scaling: {info.k} eigenpairs, {info.n_products} GGN "
+            f"\n== GLAS, {scaling}-loss scaling: {info.k} eigenpairs ('{info.solver}' on the "
+            f"{info.operator} operator), {info.n_products} GGN "
             f"products, {info.wall_time:.1f} s; lambda_1..3 = "
             + ", ".join(f"{v:.4g}" for v in la.eigenvalues[:3].tolist())
         )

@@ -24,18 +24,25 @@ does not load it.
 import warnings
 
 # laplace-torch (through asdl) and curvlinops (through linear_operator) call the deprecated
-# `torch.jit.script` when they are imported: a warning that says nothing to a user of this
-# package. It is silenced for these imports only; later imports are cached.
+# `torch.jit.script` when they are imported, and so does torch itself when the first
+# forward-mode product (a JVP of the GGN or the 'glm' predictive) loads its
+# decompositions: a warning that says nothing to a user of this package. It is silenced
+# for these imports only; later imports are cached.
 with warnings.catch_warnings():
     warnings.filterwarnings(
         "ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning
     )
     import curvlinops  # noqa: F401
     import laplace  # noqa: F401
+    import torch.autograd.forward_ad as _forward_ad
+
+    getattr(_forward_ad, "_maybe_load_decompositions", lambda: None)()
+    del _forward_ad
 
 from laplace_glas.curvature import (
     Eigenpairs,
     LanczosConvergenceWarning,
+    MemoryBudgetError,
     NumericalRankWarning,
     compute_eigenpairs,
     mean_ggn_operator,
@@ -77,6 +84,7 @@ __all__ = [
     "FittedWeightsChangedWarning",
     "LanczosConvergenceWarning",
     "LastLayerActiveSubspaceLaplace",
+    "MemoryBudgetError",
     "NotFittedError",
     "NumericalRankWarning",
     "ReplicaCheck",

@@ -51,11 +51,9 @@ from laplace_glas.predictive.subspace_predictive import (
     SubspacePredictive,
 )
 from laplace_glas.validation import (
-    ArgumentTypeError,
     choice,
     finite_targets,
-    flag,
-    homoscedastic_noise,
+    laplace_arguments,
     solver_settings,
     trainable_size_and_dtype,
 )
@@ -128,17 +126,16 @@ class ActiveSubspaceLaplace(
         is served, else ``'diag'``, else ``'zero'`` (``la.complement`` and
         ``la.complement_reason`` record the choice).
     solver : {'auto', 'dual', 'factored', 'lanczos', 'block'}, default='auto'
-        Eigen-solver. ``'auto'``: where every trainable parameter sits in an
-        ``nn.Linear``, ``nn.Conv1d/2d``, ``nn.LayerNorm``, ``nn.BatchNorm1d/2d`` (eval)
-        or ``nn.Embedding`` and there is no ``loss_fn``, the GGN is factored from one
-        forward and one batched backward pass (:mod:`laplace_glas.curvature.operators.factored`)
-        and eigen-solved through the ``NR x NR`` Gram matrix (``'dual'``) when it fits
-        ``max(768 MiB, k D itemsize)`` and is cheaper, else by Lanczos on the
-        factored products (``'factored'``); any other model gets Lanczos on the
-        linearised GGN (:mod:`laplace_glas.curvature.operators.linearized`: each batch's forward
-        graph kept, no forward pass per product), or on curvlinops' operator where the
-        kept graphs would exceed their budget (recorded in ``lanczos_info.operator``).
-        The factors, and the kept graphs, take at most ``max(2 GiB, 4 k D itemsize)``.
+        Eigen-solver. ``'auto'``: the fastest exact strategy within ``memory_budget``
+        (:mod:`laplace_glas.curvature.planner`): where every trainable parameter sits in
+        an ``nn.Linear``, ``nn.Conv1d/2d``, ``nn.LayerNorm``, ``nn.BatchNorm1d/2d``
+        (eval) or ``nn.Embedding`` and there is no ``loss_fn``, the GGN factored from
+        one forward and one batched backward pass
+        (:mod:`laplace_glas.curvature.operators.factored`), eigen-solved through the
+        ``NR x NR`` Gram matrix (``'dual'``) when that is cheaper, else by Lanczos on the
+        factored products; then Lanczos on the linearised GGN
+        (:mod:`laplace_glas.curvature.operators.linearized`: each batch's graph kept), then
+        on curvlinops' operator (streaming: one batch's graph per product).
         ``'lanczos'``: ARPACK's Lanczos (``scipy.sparse.linalg.eigsh``) on curvlinops'
         operator, one GGN product per data pass, the reference. ``'block'``: block
         Krylov with Rayleigh-Ritz on the factored, linearised or curvlinops operator
@@ -190,6 +187,15 @@ class ActiveSubspaceLaplace(
         evidence and the predictives keep laplace-torch's likelihood.
     progress_bar : bool, default=False
         Show ``tqdm`` progress bars during ``fit``.
+    memory_budget : int, str or None, default=None
+        Bytes the eigen-solve may take (operator, products and the solver's ``O(k D)``
+        basis): an int, or a string such as ``'512MB'``, ``'1.5GiB'``, ``'64 MiB'``.
+        ``None``: half of the free memory of the model's device at ``fit``. The planner
+        (:mod:`laplace_glas.curvature.planner`) takes the fastest exact strategy whose
+        estimated peak fits, down to streaming (one batch's graph per product); a
+        budget below every estimate raises ``MemoryBudgetError`` naming the smallest
+        that works. ``lanczos_info.plan`` records the budget, the strategy, its
+        estimate and the measured peak.
 
     """
 
@@ -234,9 +240,13 @@ class ActiveSubspaceLaplace(
         ignore_index: int = -100,
         loss_fn: nn.Module | None = None,
         progress_bar: bool = False,
+        memory_budget: int | str | None = None,
     ) -> None:
         n_params, dtype = trainable_size_and_dtype(model)
-        likelihood = choice("likelihood", likelihood, _LIKELIHOODS)
+        likelihood, enable_backprop = laplace_arguments(
+            likelihood, _LIKELIHOODS, sigma_noise=sigma_noise, dtype=dtype,
+            enable_backprop=enable_backprop, dict_key_x=dict_key_x, dict_key_y=dict_key_y,
+        )  # fmt: skip
         self.loss_scaling = loss_scaling  # validated by the property
         # a subset class whose weights are not known yet checks k when they are
         bound = n_params if self._k_bound_known_at_init else math.inf
@@ -250,16 +260,8 @@ class ActiveSubspaceLaplace(
             generator=generator, subsample_size=subsample_size,
             rank_threshold=rank_threshold, jvp_chunk_size=jvp_chunk_size,
             sample_chunk_size=sample_chunk_size, ignore_index=ignore_index,
-            progress_bar=progress_bar,
+            progress_bar=progress_bar, memory_budget=memory_budget,
         )  # fmt: skip
-        enable_backprop = flag("enable_backprop", enable_backprop)
-        for name, key in (("dict_key_x", dict_key_x), ("dict_key_y", dict_key_y)):
-            if not isinstance(key, str):
-                raise ArgumentTypeError(f"{name} must be a str, got {key!r}.")
-        # laplace-torch compares sigma_noise with 1 before its setter runs (a crash for
-        # a tensor), so it is checked here; prior_precision and temperature are checked
-        # by this class's setters inside ParametricLaplace.__init__
-        homoscedastic_noise(sigma_noise, dtype, likelihood)
         validate_loss_fn(loss_fn, settings["ignore_index"] if likelihood != "regression" else None)
 
         super().__init__(
@@ -312,7 +314,8 @@ class ActiveSubspaceLaplace(
     @property
     def lanczos_info(self) -> Eigenpairs:
         """The eigen-solve record: products used, residuals, wall time (all ``k``
-        computed pairs, not only the active ones).
+        computed pairs, not only the active ones), the plan and its memory (budget,
+        strategy, estimated and measured peak).
         """
         self._check_H_init()
         return self._eigenpairs
@@ -462,11 +465,7 @@ class ActiveSubspaceLaplace(
         (:func:`laplace_glas.io.glas_state`).
         """
         self._check_H_init()
-        state = glas_state(self, super().state_dict())
-        if self._complement_setting == "auto":  # the fit's resolution, and why
-            state.update(complement=self._complement_fitted, complement_setting="auto")
-            state["complement_reason"] = self._complement_why or ""
-        return state
+        return {**glas_state(self, super().state_dict()), **self._complement_state()}
 
     @unchanged_on_failure
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -490,10 +489,7 @@ class ActiveSubspaceLaplace(
         self.H = (U.to(device, dtype), h.to(device, dtype))
         self.mean = self.mean.to(device, dtype)
         self.loss_scaling = state_dict["loss_scaling"]
-        self.complement = state_dict["complement"]
-        if state_dict.get("complement_setting") == "auto":  # states before 'auto': explicit
-            self._complement_setting, self._complement_fitted = "auto", state_dict["complement"]
-            self._complement_why = state_dict.get("complement_reason") or None
+        self._restore_complement(state_dict)
         self._eigenpairs = eigenpairs.to(device, dtype)
         self._n_components = int(state_dict["n_components"])
         self._ggn_diagonal, self._ggn_kron = restored_complement(state_dict, device, dtype)

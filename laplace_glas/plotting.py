@@ -78,7 +78,7 @@ def plot_cumulative_activity(
     ax.set_xlabel("number of weights (sorted by activity)")
     ax.set_ylabel("cumulative share of activity")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="lower right")
+    _legend_below(ax)
     _title(ax, title)
     return _finish(fig, path)
 

@@ -420,9 +420,9 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
     def _index_on_device(self) -> torch.Tensor:
         return self.subnetwork_indices.to(self._device)
 
-    def _plan(self, problem: CurvatureProblem, k: int) -> Plan:
+    def _plan(self, problem: CurvatureProblem, k: int, ncv: int | None = None) -> Plan:
         """The whole network's plan, its operator restricted to the subnetwork."""
-        plan = super()._plan(problem, k)
+        plan = super()._plan(problem, k, ncv)
         return replace(
             plan,
             operator=SubsetOperator(plan.operator, self.subnetwork_indices, self._dtype),

@@ -103,6 +103,15 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "examples"))
 torch.set_num_threads(1)
 
 
+@pytest.fixture
+def without_jacobian(monkeypatch):
+    """The planner without the explicit-Jacobian candidate, for the tests of the
+    operators it falls back to (the Jacobians would serve their small models)."""
+    from laplace_glas.curvature import planner
+
+    monkeypatch.setattr(planner, "_jacobian", lambda *args: "not tried in this test")
+
+
 def fit_glas(model, X, y, likelihood="regression", batch_size=32, **kwargs):
     """A fitted GLAS posterior (regression defaults: sigma 0.1, k = 10)."""
     from laplace import Laplace

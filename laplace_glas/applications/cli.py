@@ -11,7 +11,9 @@ __all__ = ["DataNotFoundError", "HelpFormatter", "run_example"]
 
 
 class DataNotFoundError(FileNotFoundError):
-    """A data set an example or benchmark reads is not where it was looked for."""
+    """A data set an example or benchmark reads is not where it was looked for, or is
+    in a format whose optional reader is not installed (the message says which).
+    """
 
 
 def run_example(main: Callable[[], Any]) -> None:

@@ -231,8 +231,32 @@ def _parse_number(field: str) -> float:
     return value
 
 
+def _read_concrete_excel(path: Path) -> list[tuple[int, str]]:
+    """The first sheet of UCI's ``Concrete_Data.xls`` as ``';'``-joined numbered lines,
+    read with pandas (and xlrd for ``.xls``, openpyxl for ``.xlsx``): the optional
+    ``xls`` extra.
+    """
+    try:
+        import pandas
+    except ImportError:
+        raise DataNotFoundError(
+            f"reading {path.name} needs pandas and xlrd (pip install -e '.[xls]'); or pass "
+            "--data PATH to a ';'-separated Concrete_Data.csv (the sheet saved as CSV)."
+        ) from None
+    try:
+        frame = pandas.read_excel(path, sheet_name=0, header=None)
+    except ImportError as err:  # pandas without the engine for this format
+        raise DataNotFoundError(
+            f"reading {path.name} needs pandas' Excel engine ({err}); pip install -e "
+            "'.[xls]', or pass --data PATH to a ';'-separated Concrete_Data.csv."
+        ) from None
+    rows = frame.astype(str).values.tolist()
+    return [(i, ";".join(row)) for i, row in enumerate(rows, start=1)]
+
+
 def load_concrete(path: str | os.PathLike) -> tuple[Tensor, Tensor]:
-    """Read the UCI Concrete Compressive Strength data from a CSV file.
+    """Read the UCI Concrete Compressive Strength data from a CSV file (or UCI's
+    ``Concrete_Data.xls`` with the optional ``xls`` extra: pandas and xlrd).
 
     The expected format is that of ``Concrete_Data.csv``: one header row, then one row
     per mix with 8 features (cement, blast furnace slag, fly ash, water,
@@ -245,7 +269,8 @@ def load_concrete(path: str | os.PathLike) -> tuple[Tensor, Tensor]:
     Parameters
     ----------
     path : str or os.PathLike
-        The CSV file.
+        The CSV file, or an ``.xls`` / ``.xlsx`` workbook whose first sheet holds the
+        same table (needs pandas and its Excel engine, ``pip install -e '.[xls]'``).
 
     Returns
     -------
@@ -257,7 +282,8 @@ def load_concrete(path: str | os.PathLike) -> tuple[Tensor, Tensor]:
     Raises
     ------
     FileNotFoundError
-        If ``path`` does not exist (the message says where to get the data).
+        If ``path`` does not exist (the message says where to get the data), or it
+        is a workbook and pandas or its Excel engine is not installed.
     ValueError
         If the file has no data rows, a row has the wrong number of fields, or a
         field is not a finite number (the message names the line).
@@ -266,12 +292,15 @@ def load_concrete(path: str | os.PathLike) -> tuple[Tensor, Tensor]:
     path = Path(path)
     if not path.is_file():
         raise DataNotFoundError(
-            f"Concrete data not found at {str(path)!r}: pass --data PATH to a "
-            f"';'-separated Concrete_Data.csv (the {_CONCRETE_SOURCE}; its download is "
-            "Concrete_Data.xls: save that sheet as a CSV)."
+            f"Concrete data not found at {str(path)!r}: pass --data PATH to the "
+            f"Concrete_Data.xls of the {_CONCRETE_SOURCE} (read with pip install -e "
+            "'.[xls]') or to that sheet saved as a ';'-separated CSV."
         )
-    with path.open(encoding="utf-8-sig", newline="") as handle:
-        lines = [(i, line.strip()) for i, line in enumerate(handle, start=1)]
+    if path.suffix.lower() in (".xls", ".xlsx"):
+        lines = _read_concrete_excel(path)
+    else:
+        with path.open(encoding="utf-8-sig", newline="") as handle:
+            lines = [(i, line.strip()) for i, line in enumerate(handle, start=1)]
     lines = [(i, line) for i, line in lines if line]
     if not lines:
         raise ValueError(f"{path}: the file is empty.")

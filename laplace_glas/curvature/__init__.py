@@ -22,13 +22,16 @@
 * :mod:`~laplace_glas.curvature.operators.torch_operator`: the SciPy / torch operator base of the
   factored, linearised and all-reduced operators.
 * :mod:`~laplace_glas.curvature.planner`: which operator and solver a fit uses (a
-  ``Plan`` for a ``CurvatureProblem``).
+  ``Plan`` for a ``CurvatureProblem``), within the memory budget.
+* :mod:`~laplace_glas.curvature.budget`: the memory budget's default, the solvers'
+  storage and the measured peak of a fit.
 * :mod:`~laplace_glas.curvature.backends`: laplace-torch's ``backend`` as curvlinops'
   GGN, empirical Fisher or Hessian operator.
 * :mod:`~laplace_glas.curvature.distributed`: data-parallel fits on ``torch.distributed``
   (products, loss and ``N`` summed with ``all_reduce``).
 """
 
+from laplace_glas.curvature.budget import MemoryBudgetError
 from laplace_glas.curvature.eigenpairs import (
     Eigenpairs,
     LanczosConvergenceWarning,
@@ -40,6 +43,7 @@ from laplace_glas.curvature.operators.curvlinops import mean_ggn_operator
 __all__ = [
     "Eigenpairs",
     "LanczosConvergenceWarning",
+    "MemoryBudgetError",
     "NumericalRankWarning",
     "compute_eigenpairs",
     "mean_ggn_operator",

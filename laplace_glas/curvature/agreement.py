@@ -26,12 +26,16 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from laplace_glas.curvature.distributed import Shards
+
 __all__ = [
+    "FitAgreement",
     "Setting",
     "agree_on_fit",
     "failed_ranks",
@@ -214,3 +218,70 @@ def agree_on_fit(
 def failed_ranks(flags: torch.Tensor) -> list[int]:
     """The ranks whose entry of an all-reduced one-hot failure vector is set."""
     return [int(r) for r in torch.nonzero(flags.detach().cpu() != 0).reshape(-1)]
+
+
+class FitAgreement:
+    """The ranks' agreement of a data-parallel fit, as a mixin of
+    :class:`~laplace_glas.curvature.fit.SubspaceFit` (its settings and weights).
+    """
+
+    def _agree(
+        self,
+        shards: Shards | None,
+        loader: Any,
+        *,
+        error: Exception | None = None,
+        **settings: Any,
+    ) -> None:
+        """The ranks' agreement before a data-parallel fit
+        (:func:`~laplace_glas.curvature.agreement.agree_on_fit`): nothing for one
+        process; ``error`` (a failed local check) is raised after the exchange.
+        """
+        if shards is None:
+            return
+        empty = False
+        try:
+            empty = shard_is_empty(loader)
+        except Exception as err:  # a loader that cannot start still agrees
+            error = error or err
+        weights = [*self.model.parameters(), *self.model.buffers()]
+        agree_on_fit(
+            shards,
+            self._shared_settings(**settings),
+            weights_checksum((w for w in weights if w.is_floating_point()), self._device),
+            self._device,
+            empty=empty,
+            error=error,
+        )
+
+    def _shared_settings(
+        self,
+        k: int | None = None,
+        update: bool = False,
+        generator: torch.Generator | None = None,
+        subsample_size: Any = None,
+        tol: Any = None,
+        maxiter: Any = None,
+        ncv: Any = None,
+    ) -> list[Setting]:
+        """The settings every rank of a data-parallel fit must share (``None``: the
+        constructor's).
+        """
+        pick = {"tol": tol, "maxiter": maxiter, "ncv": ncv, "subsample_size": subsample_size}
+        pick = {name: getattr(self, name) if v is None else v for name, v in pick.items()}
+        start = None if generator is None else generator_checksum(generator)
+        return [
+            Setting("n_components", k),
+            Setting("override=False (an update)", update),
+            Setting("solver", self.solver),
+            Setting("likelihood", self.likelihood),
+            Setting("loss_scaling", self.loss_scaling),
+            Setting("complement", self.complement),
+            Setting("dtype", self._dtype),
+            Setting("the number of parameters D", self.n_params),
+            *(Setting(name, value) for name, value in pick.items()),
+            Setting("block_size", self.block_size),
+            Setting("rank_threshold", self.rank_threshold),
+            Setting("ignore_index", self.ignore_index),
+            Setting("the random start (generator state checksum)", start),
+        ]

@@ -67,7 +67,11 @@ from laplace.utils.utils import validate
 from laplace_glas.curvature.agreement import failed_ranks
 from laplace_glas.curvature.fitting import MapLoss
 from laplace_glas.curvature.operators.factored import FactoredGGN
-from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES, TorchOperator
+from laplace_glas.curvature.operators.torch_operator import (
+    NUMPY_DTYPES,
+    ColumnChunks,
+    TorchOperator,
+)
 
 __all__ = [
     "AllReducedGGN",
@@ -331,9 +335,10 @@ def distribute_operator(plan: Any, problem: Any, error: Exception | None = None)
 
     ``plan`` (a :class:`~laplace_glas.curvature.planner.Plan`) is what
     :func:`~laplace_glas.curvature.planner.plan_solve` chose on this rank for
-    ``problem`` (a :class:`~laplace_glas.curvature.problem.CurvatureProblem`). Every
-    rank uses curvlinops' operator of the problem unless the factored operator was
-    built on all of them. The dual solve becomes Lanczos on the all-reduced factored
+    ``problem`` (a :class:`~laplace_glas.curvature.problem.CurvatureProblem`) within
+    this rank's memory budget. Every rank uses curvlinops' operator of the problem
+    (streaming, in the column chunks this rank's plan allows) unless the factored
+    operator was built on all of them. The dual solve becomes Lanczos on the all-reduced factored
     products (see the module docstring). ``error``: planning failed on this rank
     (``plan`` is ``None``); raised on every rank (:func:`agree_on_operator`).
     """
@@ -347,18 +352,24 @@ def distribute_operator(plan: Any, problem: Any, error: Exception | None = None)
     operator, scale, solver, name = plan.operator, plan.scale, plan.solver, plan.operator_name
     factored = isinstance(operator, FactoredGGN)
     # every rank calls this collective once, whatever its own outcome
+    changes = {}
     if not agree_on_operator(factored, shards, problem.device) and factored:
         operator = problem.reference_operator()
+        if plan.max_columns is not None:  # streaming within this rank's budget
+            operator = ColumnChunks(operator, plan.max_columns, problem.dtype, problem.device)
         scale = problem.scale
         name = "curvlinops (not factored: the factors exceed a budget on another rank)"
         factored = False
+        changes = {"strategy": "streaming", "estimated_peak": plan.streaming_peak}
     if factored and solver in ("auto", "dual"):
         name = f"{name} (dual solve not distributed: Lanczos on its products)"
     if solver in ("auto", "dual"):
         solver = "lanczos"
     name = f"{name}, all-reduced over {shards.world_size} ranks"
     operator = AllReducedGGN(operator, shards, problem.dtype, problem.device)
-    return replace(plan, operator=operator, scale=scale, solver=solver, operator_name=name)
+    return replace(
+        plan, operator=operator, scale=scale, solver=solver, operator_name=name, **changes
+    )
 
 
 def broadcast_eigenpairs(eig: Any, shards: Shards | None) -> Any:

@@ -86,8 +86,12 @@ class Eigenpairs:
     plan : dict or None
         The plan of a fit's solve (:meth:`~laplace_glas.curvature.planner.Plan.summary`
         with the solver that ran): the curvature, the operator, the solver, the scale,
-        ``n_data``, the memory budget (``-1``: none) and the reasons for a fallback.
-        ``None`` for a solve called on an operator directly.
+        ``n_data``, the memory budget ``budget_bytes`` (``-1``: none), the reasons for a
+        fallback, the ``strategy``, its ``estimated_peak_bytes``, every strategy's
+        ``estimates`` tried and the fit's ``measured_peak_bytes`` with its
+        ``peak_method`` (:mod:`~laplace_glas.curvature.budget`; ``-1``: unknown).
+        ``None`` for a solve called on an operator directly; records saved before
+        budgets lack the memory entries (the properties below read them as None).
 
     """
 
@@ -106,6 +110,32 @@ class Eigenpairs:
     n_passes: int = 0
     operator: str = "curvlinops"
     plan: dict[str, Any] | None = None
+
+    def _plan_bytes(self, key: str) -> int | None:
+        value = (self.plan or {}).get(key, -1)
+        return None if value is None or int(value) < 0 else int(value)
+
+    @property
+    def memory_budget(self) -> int | None:
+        """The fit's memory budget in bytes (None: not recorded)."""
+        return self._plan_bytes("budget_bytes")
+
+    @property
+    def strategy(self) -> str | None:
+        """The planner's strategy: ``'dual'``, ``'factored'``, ``'linearised'`` or
+        ``'streaming'`` (None: not recorded).
+        """
+        return (self.plan or {}).get("strategy") or None
+
+    @property
+    def estimated_peak_bytes(self) -> int | None:
+        """The chosen strategy's estimated peak in bytes (None: not recorded)."""
+        return self._plan_bytes("estimated_peak_bytes")
+
+    @property
+    def measured_peak_bytes(self) -> int | None:
+        """The fit's measured peak above its start in bytes (None: not measured)."""
+        return self._plan_bytes("measured_peak_bytes")
 
     @property
     def k(self) -> int:

@@ -266,9 +266,11 @@ def compute_eigenpairs(
     """
     solver = _checked_solver(operator, k, solver)
     if operator_name is None:
-        operator_name = {"FactoredGGN": "factored", "LinearizedGGN": "linearised"}.get(
-            type(operator).__name__, "curvlinops"
-        )
+        operator_name = {
+            "FactoredGGN": "factored",
+            "JacobianGGN": "jacobian",
+            "LinearizedGGN": "linearised",
+        }.get(type(operator).__name__, "curvlinops")
     if rank_threshold is None:
         rank_threshold = 100.0 * torch.finfo(dtype).eps
     pbar = tqdm(desc="[GLAS] GGN products", unit="prod", disable=not progress_bar)

@@ -29,13 +29,8 @@ from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, RandomSampler
 
 from laplace_glas.autodiff.context import autodiff_friendly
-from laplace_glas.curvature.agreement import (
-    Setting,
-    agree_on_fit,
-    generator_checksum,
-    shard_is_empty,
-    weights_checksum,
-)
+from laplace_glas.curvature.agreement import FitAgreement
+from laplace_glas.curvature.budget import PeakMemory, with_measured_peak
 from laplace_glas.curvature.diagonal import ggn_diagonal
 from laplace_glas.curvature.distributed import (
     Shards,
@@ -58,6 +53,9 @@ from laplace_glas.validation import (
     reiterable,
     tolerance,
 )
+from laplace_glas.validation import (
+    memory_budget as checked_budget,
+)
 
 __all__ = ["SubspaceFit"]
 
@@ -66,12 +64,29 @@ def _diagonal_or_kron(complement: str, curvature: Any) -> tuple[Any, Any]:
     return (curvature, None) if complement == "diag" else (None, curvature)
 
 
-class SubspaceFit:
+class SubspaceFit(FitAgreement):
     """``fit`` and ``compute_eigenpairs`` of a subspace Laplace posterior (a mixin; see
     the module).
     """
 
     def fit(
+        self,
+        train_loader: DataLoader,
+        override: bool = True,
+        progress_bar: bool | None = None,
+        *,
+        process_group: Any = None,
+    ) -> None:
+        """Compute the top-k eigenpairs of the mean-loss GGN and the loss at the MAP
+        (see :meth:`_fit` for the arguments); the fit's peak memory, measured by
+        :class:`~laplace_glas.curvature.budget.PeakMemory`, is recorded in
+        ``lanczos_info.plan['measured_peak_bytes']`` (``-1``: not measurable here).
+        """
+        with PeakMemory(self._device) as peak:
+            self._fit(train_loader, override, progress_bar, process_group=process_group)
+        self._eigenpairs = with_measured_peak(self._eigenpairs, peak)
+
+    def _fit(
         self,
         train_loader: DataLoader,
         override: bool = True,
@@ -186,67 +201,6 @@ class SubspaceFit:
         )
         return update, show, k
 
-    def _agree(
-        self,
-        shards: Shards | None,
-        loader: Any,
-        *,
-        error: Exception | None = None,
-        **settings: Any,
-    ) -> None:
-        """The ranks' agreement before a data-parallel fit
-        (:func:`~laplace_glas.curvature.agreement.agree_on_fit`): nothing for one
-        process; ``error`` (a failed local check) is raised after the exchange.
-        """
-        if shards is None:
-            return
-        empty = False
-        try:
-            empty = shard_is_empty(loader)
-        except Exception as err:  # a loader that cannot start still agrees
-            error = error or err
-        weights = [*self.model.parameters(), *self.model.buffers()]
-        agree_on_fit(
-            shards,
-            self._shared_settings(**settings),
-            weights_checksum((w for w in weights if w.is_floating_point()), self._device),
-            self._device,
-            empty=empty,
-            error=error,
-        )
-
-    def _shared_settings(
-        self,
-        k: int | None = None,
-        update: bool = False,
-        generator: torch.Generator | None = None,
-        subsample_size: Any = None,
-        tol: Any = None,
-        maxiter: Any = None,
-        ncv: Any = None,
-    ) -> list[Setting]:
-        """The settings every rank of a data-parallel fit must share (``None``: the
-        constructor's).
-        """
-        pick = {"tol": tol, "maxiter": maxiter, "ncv": ncv, "subsample_size": subsample_size}
-        pick = {name: getattr(self, name) if v is None else v for name, v in pick.items()}
-        start = None if generator is None else generator_checksum(generator)
-        return [
-            Setting("n_components", k),
-            Setting("override=False (an update)", update),
-            Setting("solver", self.solver),
-            Setting("likelihood", self.likelihood),
-            Setting("loss_scaling", self.loss_scaling),
-            Setting("complement", self.complement),
-            Setting("dtype", self._dtype),
-            Setting("the number of parameters D", self.n_params),
-            *(Setting(name, value) for name, value in pick.items()),
-            Setting("block_size", self.block_size),
-            Setting("rank_threshold", self.rank_threshold),
-            Setting("ignore_index", self.ignore_index),
-            Setting("the random start (generator state checksum)", start),
-        ]
-
     def _complement_refusal(
         self, complement: str, shards: Shards | None, update: bool
     ) -> str | None:
@@ -344,6 +298,28 @@ class SubspaceFit:
         return reduce_map_loss(local, shards, error=error, device=self._device)
 
     def compute_eigenpairs(
+        self,
+        train_loader: DataLoader,
+        n_components: int | None = None,
+        generator: torch.Generator | None = None,
+        subsample_size: int | None = None,
+        progress_bar: bool = False,
+        tol: float | None = None,
+        maxiter: int | None = None,
+        ncv: int | None = None,
+        process_group: Any = None,
+    ) -> Eigenpairs:
+        """Top eigenpairs of the unit-noise mean-loss GGN at the model's weights (see
+        :meth:`_compute_eigenpairs`), with the measured peak memory in ``plan``.
+        """
+        with PeakMemory(self._device) as peak:
+            eig = self._compute_eigenpairs(
+                train_loader, n_components, generator, subsample_size, progress_bar,
+                tol, maxiter, ncv, process_group,
+            )  # fmt: skip
+        return with_measured_peak(eig, peak)
+
+    def _compute_eigenpairs(
         self,
         train_loader: DataLoader,
         n_components: int | None = None,
@@ -465,7 +441,7 @@ class SubspaceFit:
         with autodiff_friendly(self.model):
             plan, error = None, None
             try:  # a rank whose planning fails still takes part in the agreement
-                plan = self._plan(problem, k)
+                plan = self._plan(problem, k, ncv)
             except Exception as err:
                 error = err
             plan = distribute_operator(plan, problem, error)
@@ -491,8 +467,17 @@ class SubspaceFit:
         eig = replace(eig, plan={**plan.summary(), "solver": eig.solver})
         return broadcast_eigenpairs(eig, problem.shards)
 
-    def _plan(self, problem: CurvatureProblem, k: int) -> Plan:
-        """The operator and solver for ``problem`` with this posterior's ``solver`` and
-        ``curvature`` (:func:`laplace_glas.curvature.planner.plan_solve`).
+    def _plan(self, problem: CurvatureProblem, k: int, ncv: int | None = None) -> Plan:
+        """The operator and solver for ``problem`` with this posterior's ``solver``,
+        ``curvature`` and ``memory_budget`` (:func:`laplace_glas.curvature.planner.plan_solve`).
         """
-        return plan_solve(problem, k, self.solver, self.curvature)
+        return plan_solve(
+            problem,
+            k,
+            self.solver,
+            self.curvature,
+            # checked again: the attribute may have been set after the constructor
+            memory_budget=checked_budget(getattr(self, "memory_budget", None)),
+            ncv=ncv,
+            block_size=self.block_size,
+        )

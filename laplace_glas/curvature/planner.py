@@ -1,38 +1,50 @@
-"""Which operator and which eigen-solver a fit uses.
+"""Which operator and which eigen-solver a fit uses, within its memory budget.
 
 ``solver`` of :class:`~laplace_glas.ActiveSubspaceLaplace`:
 
-* ``'auto'`` (default): the factored operator
-  (:mod:`~laplace_glas.curvature.operators.factored`) where the model and loss qualify, with
-  the dual Gram solve (:mod:`~laplace_glas.curvature.solvers.gram`) when :func:`choose_solver`
-  finds it fits the memory budget and costs fewer flops than Lanczos on the factored
-  products; otherwise Lanczos on the linearised operator
-  (:mod:`~laplace_glas.curvature.operators.linearized`: kept forward graphs, no forward pass per
-  product), or on curvlinops' operator when the kept graphs exceed their budget. The
-  choice is recorded in ``la.lanczos_info.solver`` and ``.operator`` (with the reasons
-  for a fallback).
-* ``'dual'`` / ``'factored'``: the dual solve / Lanczos on the factored operator,
-  falling back (with a warning) to Lanczos on the linearised or curvlinops operator
-  where the model does not qualify.
-* ``'lanczos'``: curvlinops + ARPACK, the reference; ``'block'``: block Krylov on the
-  factored, linearised or curvlinops operator (the first that applies).
+* ``'auto'`` (default): the fastest exact strategy whose estimated peak fits the
+  memory budget (``memory_budget``; :mod:`~laplace_glas.curvature.budget`), tried in
+  this order (:data:`STRATEGIES`):
+
+  0. ``'jacobian'``: the explicit-Jacobian operator
+     (:mod:`~laplace_glas.curvature.operators.jacobian`: the ``N R D`` rows of
+     ``Lambda^{1/2} J_n`` stored, from the factors or ``torch.func``) where they fit and
+     take less memory than the factors (adapters and heads over token sequences, a
+     subnetwork, a small model with parameters outside supported layers); a factored
+     operator of one dense block, so the same solvers (dual or Lanczos) and the same
+     choice between them apply;
+  1. ``'dual'`` / ``'factored'``: the factored operator
+     (:mod:`~laplace_glas.curvature.operators.factored`) where the model and loss
+     qualify, eigen-solved through the Gram matrix
+     (:mod:`~laplace_glas.curvature.solvers.gram`) or by Lanczos on the factored
+     products, whichever fits and, when both do, is cheaper (:func:`choose_solver`:
+     fewer flops and ``K`` within the rule of :func:`~.gram.gram_fits`);
+  2. ``'linearised'``: Lanczos on the linearised operator
+     (:mod:`~laplace_glas.curvature.operators.linearized`: every batch's graph kept, no
+     forward pass per product);
+  3. ``'streaming'``: Lanczos on curvlinops' operator, which recomputes one batch's
+     graph per product (products of many columns in chunks that fit).
+
+  A budget below every estimate raises :class:`~laplace_glas.curvature.budget.MemoryBudgetError`
+  naming the smallest that works. The choice is recorded in ``la.lanczos_info.plan``
+  (strategy, estimates, budget) and ``.operator`` (with the reasons for a fallback).
+* ``'dual'`` / ``'factored'``: the dual solve (Jacobian or factored operator) / Lanczos
+  on the factored operator, falling back (with a warning) to the next strategy that
+  fits where the model does not qualify or the requested solve does not fit.
+* ``'lanczos'``: curvlinops + ARPACK, the reference (streaming); ``'block'``: block
+  Krylov on the factored, linearised or curvlinops operator (the first that fits).
 
 :func:`plan_solve` makes the choice for one
-:class:`~laplace_glas.curvature.problem.CurvatureProblem` and returns it as a
-:class:`Plan`; laplace-torch's empirical Fisher and Hessian backends
-(:mod:`~laplace_glas.curvature.backends`) get curvlinops' operators of those matrices.
-
-The budget rule: the factors (activations and ``R`` output-side gradients per
-weight layer), and the linearised operator's kept graphs, may each take
-``max(2 GiB, 4 k D itemsize)`` bytes, the Gram matrix ``max(768 MiB, k D itemsize)``;
-beyond them the next option is used, so memory stays ``O(k D)`` plus the activations
-(for the linearised operator: plus its kept graphs, as far as its count of them goes).
+:class:`~laplace_glas.curvature.problem.CurvatureProblem` as a :class:`Plan`; the
+empirical Fisher and Hessian backends get curvlinops' operators (streaming). Estimated
+peaks: :mod:`~laplace_glas.curvature.budget`. Another strategy is one more entry of
+:data:`STRATEGIES` and one more step of :func:`plan_solve`.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -42,17 +54,37 @@ from laplace_glas.curvature.backends import (
     CurvatureChoice,
     _ef_loss,
 )
+from laplace_glas.curvature.budget import (
+    Estimates,
+    MemoryBudgetError,
+    OverBudget,
+    format_bytes,
+    resolve_budget,
+    solver_storage,
+)
 from laplace_glas.curvature.operators.curvlinops import curvlinops_operator
 from laplace_glas.curvature.operators.factored import (
+    _CHUNK_ELEMENTS,
     FactoredGGN,
+    FactorSizes,
     build_factored_ggn,
-    default_factor_budget,
 )
-from laplace_glas.curvature.operators.linearized import build_linearized_ggn
+from laplace_glas.curvature.operators.jacobian import (
+    build_jacobian_ggn,
+    estimate_jacobian_bytes,
+)
+from laplace_glas.curvature.operators.linearized import (
+    build_linearized_ggn,
+    forward_graph_bytes,
+)
+from laplace_glas.curvature.operators.torch_operator import ColumnChunks
 from laplace_glas.curvature.problem import CurvatureProblem
 from laplace_glas.curvature.solvers.gram import gram_fits, gram_flops
 
-__all__ = ["SOLVERS", "Plan", "choose_solver", "plan_solve"]
+__all__ = ["SOLVERS", "STRATEGIES", "MemoryBudgetError", "Plan", "choose_solver", "plan_solve"]
+
+STRATEGIES = ("jacobian", "dual", "factored", "linearised", "streaming")
+"""The exact strategies, fastest first (the dual and factored ones ordered by flops)."""
 
 SOLVERS = ("auto", "dual", "factored", "lanczos", "block")
 """The ``solver`` values :class:`~laplace_glas.ActiveSubspaceLaplace` accepts."""
@@ -80,10 +112,20 @@ class Plan:
     curvature : {'ggn', 'ef', 'hessian'}
         The matrix (laplace-torch's backend).
     budget_bytes : int or None
-        The memory budget of the factors and of the kept graphs (None where no fast
-        path was tried).
+        The memory budget of the solve (None: none was applied).
     reasons : tuple of str
-        Why the factored (and the linearised) operator was not used.
+        Why the faster strategies were not used.
+    strategy : str
+        One of :data:`STRATEGIES` (``''`` where no budget was applied).
+    estimated_peak : int or None
+        The chosen strategy's estimated peak bytes (None: unknown).
+    estimates : tuple of (str, int)
+        Every strategy's estimate that was made (``-1``: unknown), fastest first.
+    max_columns : int or None
+        Columns a streaming product may take at once within the budget (set for
+        streaming plans, and for data-parallel plans, whose fallback streams).
+    streaming_peak : int or None
+        The streaming estimate (with ``max_columns``).
 
     """
 
@@ -95,6 +137,11 @@ class Plan:
     curvature: str = "ggn"
     budget_bytes: int | None = None
     reasons: tuple[str, ...] = ()
+    strategy: str = ""
+    estimated_peak: int | None = None
+    estimates: tuple[tuple[str, int], ...] = ()
+    max_columns: int | None = None
+    streaming_peak: int | None = None
 
     def summary(self) -> dict[str, Any]:
         """The plan without its operator (plain values, for ``Eigenpairs.plan``)."""
@@ -106,6 +153,9 @@ class Plan:
             "n_data": int(self.n_data),
             "budget_bytes": -1 if self.budget_bytes is None else int(self.budget_bytes),
             "reasons": tuple(self.reasons),
+            "strategy": self.strategy,
+            "estimated_peak_bytes": -1 if self.estimated_peak is None else self.estimated_peak,
+            "estimates": tuple(self.estimates),
         }
 
 
@@ -114,14 +164,14 @@ def lanczos_products(k: int) -> int:
     return 3 * max(2 * k + 1, 20) + k
 
 
-def choose_solver(operator, k: int) -> str:
+def choose_solver(operator, k: int, gram_budget: int | None = None) -> str:
     """``'dual'`` or ``'lanczos'`` for ``solver='auto'``.
 
-    Dual when the operator is factored, ``K`` fits :func:`~.gram.gram_fits` and
-    building and solving it (``gram_flops + k`` columns of ``S^T`` ) costs less than
-    :func:`lanczos_products` factored products.
+    Dual when the operator is factored, ``K`` fits :func:`~.gram.gram_fits` (within
+    ``gram_budget`` bytes where given) and building and solving it (``gram_flops + k``
+    columns of ``S^T``) costs less than :func:`lanczos_products` factored products.
     """
-    if not isinstance(operator, FactoredGGN) or not gram_fits(operator, k):
+    if not isinstance(operator, FactoredGGN) or not gram_fits(operator, k, gram_budget):
         return "lanczos"
     M = operator.n_examples * operator.n_rows
     dual = gram_flops(operator) + 6 * M * M * max(2 * k + 1, 20) + k * operator.column_cost // 2
@@ -129,70 +179,135 @@ def choose_solver(operator, k: int) -> str:
     return "dual" if dual <= primal else "lanczos"
 
 
+def _streaming(budget: Estimates, problem: CurvatureProblem) -> tuple[int | None, int]:
+    """The streaming estimate and the columns a product may take at once (one forward
+    pass of the first batch, made once per planning).
+    """
+    if budget.streaming is None:
+        graph = forward_graph_bytes(problem.model, problem.data, problem.device)
+        budget.streaming = budget.streaming_peak(graph)
+    return budget.streaming
+
+
 def plan_solve(
     problem: CurvatureProblem,
     k: int,
     solver: str = "auto",
     curvature: CurvatureChoice | None = None,
+    *,
+    memory_budget: int | None = None,
+    ncv: int | None = None,
+    block_size: int | None = None,
 ) -> Plan:
     """The operator and the solver for the top-``k`` eigenpairs of ``problem``.
 
     The GGN: curvlinops' operator (with ``problem.scale``) for ``solver='lanczos'`` (the
-    reference); the other solvers get the factored operator where the model qualifies
-    (``'block'`` then multiplies its blocks with two GEMMs per layer instead of a pass
-    over the data), else the linearised operator of ``problem.loss_func`` on
-    ``problem.data`` within the budget, else curvlinops' operator; a request for the
-    factored or dual solver that cannot be met is answered with a warning.
+    reference); the other solvers get the fastest strategy whose estimated peak fits
+    ``memory_budget`` bytes (None: the default share of the device's free memory,
+    :func:`~laplace_glas.curvature.budget.resolve_budget`): the factored operator where
+    the model qualifies (dual or Lanczos; ``'block'`` then multiplies its blocks with
+    two GEMMs per layer instead of a pass over the data), else the linearised operator
+    of ``problem.loss_func`` on ``problem.data``, else curvlinops' operator streaming;
+    a request for the factored or dual solver that cannot be met is answered with a
+    warning. ``ncv`` and ``block_size`` size the solver's storage.
 
     The empirical Fisher and the Hessian (``curvature``, from
     :func:`~laplace_glas.curvature.backends.resolve_backend`) are curvlinops'
     ``EFLinearOperator`` / ``HessianLinearOperator`` of the same loss with the same
-    scale, solved by Lanczos unless ``solver='block'``.
+    scale, solved by Lanczos unless ``solver='block'`` (streaming).
+
+    Raises
+    ------
+    MemoryBudgetError
+        If no strategy's estimated peak fits the budget; it names the smallest budget
+        that one fits.
+
     """
     curvature = _GGN if curvature is None else curvature
-    if curvature.kind != "ggn":
-        return _curvlinops_plan(problem, solver, curvature)
-    reference = problem.reference_operator()
-    if solver == "lanczos":
-        return Plan(reference, problem.scale, solver, "curvlinops", problem.n_terms)
+    base = "block" if solver == "block" else "lanczos"
     itemsize = torch.finfo(problem.dtype).bits // 8
-    budget = default_factor_budget(k, problem.n_params, itemsize)
-    built = _factored(problem, budget)
-    if not isinstance(built, str):
-        solver = {"factored": "lanczos"}.get(solver, solver)
-        return Plan(built, 1.0, solver, "factored", problem.n_terms, budget_bytes=budget)
-    linearized = build_linearized_ggn(
-        problem.model,
-        problem.loss_func,
-        problem.params,
-        problem.data,
-        num_data=problem.num_data,
-        batch_size_fn=problem.batch_size_fn,
-        device=problem.device,
-        budget_bytes=budget,
-        progress_bar=problem.progress_bar,
-    )
+    total = resolve_budget(memory_budget, problem.device)
+    storage = solver_storage(base, problem.n_params, k, itemsize, ncv=ncv, block_size=block_size)
+    budget = Estimates(total, storage, itemsize, problem.n_params, k)
+    if curvature.kind != "ggn":
+        return _curvlinops_plan(problem, solver, curvature, budget)
+    if solver == "lanczos":
+        reference = problem.reference_operator()
+        return _streaming_plan(problem, reference, "curvlinops", (), budget, base)
+    jacobian = _jacobian(problem, solver, budget)
+    if isinstance(jacobian, Plan):
+        return jacobian
+    built = _factored(problem, solver, budget)
+    if isinstance(built, Plan):
+        return built
+    reasons = [reason for reason in (jacobian, built) if reason]
+    linearized = _linearized(problem, budget)
     if isinstance(linearized, str):
-        operator, reasons = reference, (built, linearized)
+        reasons.append(linearized)
         name = f"curvlinops (not factored: {built}; not linearised: {linearized})"
-    else:
-        operator, reasons = linearized, (built,)
-        name = f"linearised (not factored: {built})"
     if solver in ("dual", "factored"):
+        fallback = "curvlinops" if isinstance(linearized, str) else "linearised"
         warnings.warn(
             f"solver={solver!r} needs the factored GGN, which this fit cannot use "
-            f"({built}); using Lanczos on the {name.split(' (')[0]} operator.",
+            f"({built}); using Lanczos on the {fallback} operator.",
             UserWarning,
             stacklevel=3,
         )
-    # the block solver works on any operator
-    solver = "block" if solver == "block" else "lanczos"
-    return Plan(operator, problem.scale, solver, name, problem.n_terms, "ggn", budget, reasons)
+    if not isinstance(linearized, str):
+        return Plan(
+            linearized, problem.scale, base, f"linearised (not factored: {built})",
+            problem.n_terms, "ggn", total, tuple(reasons), "linearised",
+            budget.estimates["linearised"], budget.pairs(),
+            *_distributed_fallback(problem, budget),
+        )  # fmt: skip
+    return _streaming_plan(problem, problem.reference_operator(), name, reasons, budget, base)
 
 
-def _factored(problem: CurvatureProblem, budget: int) -> FactoredGGN | str:
-    """The factored GGN of ``problem`` within ``budget`` bytes, or why not."""
-    return build_factored_ggn(
+def _distributed_fallback(problem: CurvatureProblem, budget: Estimates) -> tuple:
+    """``(max_columns, streaming_peak)`` for a data-parallel plan (whose ranks fall back
+    to streaming when one of them cannot factor), ``(None, None)`` otherwise.
+    """
+    if problem.shards is None:
+        return None, None
+    peak, columns = _streaming(budget, problem)
+    return columns, peak
+
+
+def _streaming_plan(problem, operator, name, reasons, budget: Estimates, solver: str) -> Plan:
+    """Curvlinops' ``operator`` in column chunks that fit, or the budget error."""
+    peak, columns = _streaming(budget, problem)
+    if not budget.record("streaming", peak):
+        raise budget.refuse("this fit")
+    operator = ColumnChunks(operator, columns, problem.dtype, problem.device)
+    return Plan(
+        operator, problem.scale, solver, name, problem.n_terms, "ggn", budget.total,
+        tuple(reasons), "streaming", peak, budget.pairs(), columns, peak,
+    )  # fmt: skip
+
+
+def _jacobian(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan | str:
+    """The plan on stored Jacobians (dual or Lanczos) within the budget, or why not
+    (``''`` where ``solver='factored'`` asks for the factored operator).
+
+    Tried first: no pass over the data when the estimate from
+    :func:`estimate_jacobian_bytes` (``N R D s`` in the factored formulas) exceeds the
+    budget; the build stops after the first batch when the Jacobians take more memory
+    than the factored operator's factors would (its estimate is then dropped).
+    """
+    if solver == "factored":
+        return ""
+    s, wants_dual = budget.itemsize, solver in ("auto", "dual")
+    rows = estimate_jacobian_bytes(
+        problem.n_terms, problem.out_shape, problem.likelihood, problem.n_params, s
+    )
+    lanczos, dual = budget.factored_peaks(rows, 0, 1, rows // (problem.n_params * s))
+    best = min(lanczos, dual) if wants_dual and dual is not None else lanczos
+    if not budget.record("jacobian", best):
+        return (
+            f"explicit Jacobians' estimated peak {format_bytes(best)} exceeds the memory "
+            f"budget {format_bytes(budget.total)}"
+        )
+    built = build_jacobian_ggn(
         problem.model,
         problem.params,
         problem.loader,
@@ -202,14 +317,163 @@ def _factored(problem: CurvatureProblem, budget: int) -> FactoredGGN | str:
         dict_key_x=problem.dict_key_x,
         dict_key_y=problem.dict_key_y,
         device=problem.device,
-        budget_bytes=budget,
+        budget_bytes=max(1, budget.total - budget.storage),
         loss_fn=problem.loss_fn,
         progress_bar=problem.progress_bar,
     )
+    if isinstance(built, str):
+        budget.estimates.pop("jacobian", None)  # not this model's strategy at any budget
+        return built
+    rows = built.J.numel() * built.J.element_size()
+    lanczos, dual = budget.factored_peaks(rows, 0, 1, built.n_examples * built.n_rows)
+    fits_lanczos = lanczos <= budget.total
+    fits_dual = wants_dual and dual is not None and dual <= budget.total
+    if not (fits_lanczos or fits_dual):
+        budget.record("jacobian", lanczos)
+        return f"explicit Jacobians exceed the memory budget {format_bytes(budget.total)}"
+    chosen = _factored_solver(built, solver, budget.k, fits_lanczos, fits_dual)
+    peak = dual if chosen == "dual" else lanczos
+    budget.record("jacobian", peak)
+    return Plan(
+        built, 1.0, chosen, "jacobian", problem.n_terms, "ggn", budget.total, (),
+        "jacobian", peak, budget.pairs(), *_distributed_fallback(problem, budget),
+    )  # fmt: skip
 
 
-def _curvlinops_plan(problem: CurvatureProblem, solver: str, curvature: CurvatureChoice) -> Plan:
-    """The plan of curvlinops' empirical Fisher or Hessian operator of ``problem``'s loss."""
+def _factored(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan | str:
+    """The factored plan (dual or Lanczos) of ``problem`` within the budget, or why not."""
+    s = budget.itemsize
+    wants_dual = solver in ("auto", "dual")
+
+    def check(sizes: FactorSizes) -> str | None:
+        if sizes.n_batches is None:
+            return None  # the cumulative cap below applies
+        n = sizes.n_batches
+        lanczos, dual = budget.factored_peaks(
+            sizes.batch_bytes * n, sizes.layer_bytes * n, sizes.widest * n, sizes.rows * n
+        )
+        fits = budget.record("factored", lanczos)
+        if wants_dual and dual is not None:
+            fits = budget.record("dual", dual) or fits
+        if fits:
+            return None
+        best = lanczos if dual is None or not wants_dual else min(lanczos, dual)
+        return OverBudget(
+            f"the factored operator's estimated peak {format_bytes(best)} exceeds the memory "
+            f"budget {format_bytes(budget.total)}",
+            needed=best,
+        )
+
+    built = build_factored_ggn(
+        problem.model,
+        problem.params,
+        problem.loader,
+        problem.likelihood,
+        problem.n_terms,
+        ignore_index=problem.ignore_index,
+        dict_key_x=problem.dict_key_x,
+        dict_key_y=problem.dict_key_y,
+        device=problem.device,
+        budget_bytes=max(1, budget.total - budget.storage),
+        loss_fn=problem.loss_fn,
+        progress_bar=problem.progress_bar,
+        first_batch_check=check,
+    )
+    if isinstance(built, str):
+        return built
+    F = sum(
+        t.numel() * t.element_size()
+        for f in built.factors
+        for t in vars(f).values()
+        if isinstance(t, torch.Tensor)
+    )
+    M = built.n_examples * built.n_rows
+    widest = max([f.a.shape[0] * f.a.shape[1] * f.shape[0] for f in _outer(built)], default=1)
+    lanczos, dual = budget.factored_peaks(F, 0, widest, M)
+    # the first batch's projection (with the join's layer) where one was made, so that
+    # the estimate reported is the one decided on
+    lanczos = budget.estimates.get("factored", lanczos)
+    dual = budget.estimates.get("dual", dual) if dual is not None else None
+    fits_lanczos = budget.record("factored", lanczos)
+    fits_dual = wants_dual and dual is not None and budget.record("dual", dual)
+    if not (fits_lanczos or fits_dual):
+        return OverBudget("the factored operator exceeds the memory budget", needed=lanczos)
+    chosen = _factored_solver(built, solver, budget.k, fits_lanczos, fits_dual)
+    strategy = "dual" if chosen == "dual" else "factored"
+    # a product's temporaries: what the budget leaves beyond the estimate (which
+    # counts one column's), up to the default chunk; the estimate grows with them
+    spare = (budget.total - budget.estimates[strategy]) // (2 * s)
+    chunk = int(min(_CHUNK_ELEMENTS, widest + max(0, spare)))
+    built.chunk_elements = max(chunk, widest)
+    peak = budget.estimates[strategy] + 2 * s * (built.chunk_elements - widest)
+    return Plan(
+        built, 1.0, chosen, "factored", problem.n_terms, "ggn", budget.total, (),
+        strategy, peak, budget.pairs(), *_distributed_fallback(problem, budget),
+    )  # fmt: skip
+
+
+def _outer(op: FactoredGGN) -> list:
+    return [f for f in op.factors if hasattr(f, "a")]
+
+
+def _factored_solver(op: FactoredGGN, solver: str, k: int, lanczos: bool, dual: bool) -> str:
+    """The solver on the factored operator: the requested one where it fits, else the
+    one that fits (a warning where a requested dual solve does not); ``'auto'``: the
+    cheaper of those that fit.
+    """
+    if solver == "block":
+        return "block"
+    if solver == "dual" and not dual:
+        warnings.warn(
+            "solver='dual': the Gram matrix does not fit the memory budget; using Lanczos "
+            "on the factored operator.",
+            UserWarning,
+            stacklevel=4,
+        )
+        return "lanczos"
+    if solver == "dual" or not lanczos:
+        return "dual"
+    if solver == "factored" or not dual:
+        return "lanczos"
+    # the rule of a direct solve caps K too: beyond it, reading K for each of ARPACK's
+    # products is bound by memory bandwidth, which the flop count does not see
+    return choose_solver(op, k)
+
+
+def _linearized(problem: CurvatureProblem, budget: Estimates):
+    """The linearised operator within the budget (its estimate recorded), or why not."""
+    s = budget.itemsize
+    room = budget.total - budget.storage - 2 * budget.D * s
+    built = build_linearized_ggn(
+        problem.model,
+        problem.loss_func,
+        problem.params,
+        problem.data,
+        num_data=problem.num_data,
+        batch_size_fn=problem.batch_size_fn,
+        device=problem.device,
+        budget_bytes=max(1, room),
+        progress_bar=problem.progress_bar,
+    )
+    if isinstance(built, OverBudget):
+        needed = None if built.needed is None else built.needed + budget.total - room
+        budget.record("linearised", needed)
+        return built
+    if isinstance(built, str):
+        return built
+    per_batch = built.saved_bytes // max(1, len(built.linearizations))
+    peak = built.saved_bytes + per_batch + budget.total - room
+    budget.record("linearised", peak)
+    built.column_chunk = max(1, min(built.column_chunk, (room - built.saved_bytes) // per_batch))
+    return built
+
+
+def _curvlinops_plan(
+    problem: CurvatureProblem, solver: str, curvature: CurvatureChoice, budget: Estimates
+) -> Plan:
+    """The plan of curvlinops' empirical Fisher or Hessian operator of ``problem``'s loss
+    (streaming, within the budget).
+    """
     if solver in ("dual", "factored"):
         warnings.warn(
             f"solver={solver!r} needs the factored GGN; the {_NAMES[curvature.kind]} "
@@ -231,4 +495,5 @@ def _curvlinops_plan(problem: CurvatureProblem, solver: str, curvature: Curvatur
     )
     name = "curvlinops EF" if curvature.kind == "ef" else "curvlinops Hessian"
     solver = "block" if solver == "block" else "lanczos"
-    return Plan(operator, problem.scale, solver, name, problem.n_terms, curvature.kind)
+    plan = _streaming_plan(problem, operator, name, (), budget, solver)
+    return replace(plan, curvature=curvature.kind)

@@ -178,6 +178,27 @@ class PosteriorHyperparameters:
             )
         return self._complement_why
 
+    def _complement_state(self) -> dict[str, str]:
+        """The state dict's entries for ``complement='auto'``: what ``fit`` resolved it to
+        and why (none for an explicit complement).
+        """
+        if self._complement_setting != "auto":
+            return {}
+        return {
+            "complement": self._complement_fitted,
+            "complement_setting": "auto",
+            "complement_reason": self._complement_why or "",
+        }
+
+    def _restore_complement(self, state: dict[str, Any]) -> None:
+        """The complement of a checked state (a state without ``complement_setting``,
+        saved before ``'auto'`` existed, is explicit).
+        """
+        self.complement = state["complement"]
+        if state.get("complement_setting") == "auto":
+            self._complement_setting, self._complement_fitted = "auto", state["complement"]
+            self._complement_why = state.get("complement_reason") or None
+
     def _scalar_prior(self) -> bool:
         """Whether the prior precision is one scalar ``tau`` (what 'diag' / 'kron' take)."""
         prior_precision = getattr(self, "_prior_precision", None)
@@ -201,7 +222,8 @@ class PosteriorHyperparameters:
         if k >= n_params:
             raise ValueError(
                 f"n_components={k} must be smaller than the number of parameters "
-                f"D={n_params}: Lanczos (scipy eigsh) finds at most D - 1 eigenpairs. "
+                f"D={n_params} (at least one direction stays outside the subspace; "
+                f"leave n_components out for the default min(20, D - 1)). "
                 f"For a model this small, laplace-torch's FullLaplace "
                 f"(hessian_structure='full') is exact and cheap."
             )

@@ -248,3 +248,60 @@ def test_concrete_splits_equal_load_split_standardize():
     for (Xp, yp), Xe, ye in zip(parts, expected_X, expected_y):
         assert torch.equal(Xp, Xe) and torch.equal(yp, ye)
     assert abs(float(parts[0][0].mean())) < 1e-5 and abs(float(parts[0][1].std()) - 1) < 1e-5
+
+
+def test_load_concrete_reads_ucis_xls_through_pandas(tmp_path, monkeypatch):
+    """UCI ships Concrete_Data.xls: its first sheet (a header row of long names, then
+    1030 rows of numbers) goes through pandas.read_excel (the 'xls' extra); here a
+    stand-in pandas returns such a sheet."""
+    import sys
+    import types
+
+    header = ["Cement (component 1)(kg in a m^3 mixture)"] + [f"c{j}" for j in range(8)]
+    sheet = [header, [540.0, 0.0, 0.0, 162.0, 2.5, 1040.0, 676.0, 28, 79.99]]
+    sheet.append([332.5, 142.5, 0.0, 228.0, 0.0, 932.0, 594.0, 270, 40.27])
+
+    class Frame:
+        def astype(self, kind):
+            assert kind is str
+            return types.SimpleNamespace(
+                values=types.SimpleNamespace(tolist=lambda: [[str(v) for v in r] for r in sheet])
+            )
+
+    calls = []
+    fake = types.SimpleNamespace(
+        read_excel=lambda path, sheet_name, header: calls.append(path) or Frame()
+    )
+    monkeypatch.setitem(sys.modules, "pandas", fake)
+    path = tmp_path / "Concrete_Data.xls"
+    path.write_bytes(b"\xd0\xcf\x11\xe0")  # an OLE2 header; the stand-in does not read it
+    X, y = load_concrete(path)
+    assert calls == [path]
+    assert (
+        X.shape == (2, 8)
+        and X[1, 7] == 270
+        and torch.allclose(y[:, 0], torch.tensor([79.99, 40.27]))
+    )
+
+
+def test_load_concrete_xls_without_pandas_says_what_to_install(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "pandas", None)  # import pandas raises ImportError
+    path = tmp_path / "Concrete_Data.xls"
+    path.write_bytes(b"\xd0\xcf\x11\xe0")
+    with pytest.raises(
+        FileNotFoundError, match=r"needs pandas and xlrd \(pip install -e '\.\[xls\]'\)"
+    ):
+        load_concrete(path)
+
+
+def test_a_missing_data_set_ends_an_example_with_one_line(tmp_path, capsys):
+    from laplace_glas.applications.cli import run_example
+
+    with pytest.raises(SystemExit) as info:
+        run_example(lambda: load_concrete(tmp_path / "Concrete_Data.csv"))
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: Concrete data not found") and err.count("\n") == 1
+    assert "Traceback" not in err and "Concrete_Data.xls" in err

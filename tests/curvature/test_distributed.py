@@ -159,16 +159,24 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         # a model the factored operator refuses: the linearised operator on every rank
         model, X, y, _, _ = _problem("regression")
         X, y = _shard((X, y), rank, "uneven")
+        jacobian, dispatch._jacobian = dispatch._jacobian, lambda *args: "not tried here"
         la = _fit(_OutputScale(model), "regression", "auto", loader(X, y, batch_size=16))
         results["linearised"] = {
+            "values": la.eigenvalues.clone(),
+            "operator": la.lanczos_info.operator,
+        }
+        dispatch._jacobian = jacobian  # the same model from stored Jacobians
+        la = _fit(_OutputScale(model), "regression", "auto", loader(X, y, batch_size=16))
+        results["jacobian"] = {
             "values": la.eigenvalues.clone(),
             "operator": la.lanczos_info.operator,
         }
         # the factored operator built on rank 0 only: every rank falls back to curvlinops
         model, X, y, _, _ = _problem("regression")
         X, y = _shard((X, y), rank, "uneven")
-        if rank == 1:  # no factor fits a zero budget on this rank
-            dispatch.default_factor_budget = lambda *args: 0
+        if rank == 1:  # the factored and linearised operators are refused on this rank
+            dispatch.build_factored_ggn = lambda *args, **kwargs: "refused on rank 1"
+            dispatch.build_linearized_ggn = lambda *args, **kwargs: "refused on rank 1"
         la = _fit(model, "regression", "auto", loader(X, y, batch_size=16))
         results["fallback"] = {
             "values": la.eigenvalues.clone(),
@@ -275,8 +283,9 @@ def test_two_ranks_equal_one_process(ranks, likelihood, solver, split):
             _close(got["tau_grid"], one["tau_grid"])
         assert got["solver"] == ("block" if solver == "block" else "lanczos")
         assert "all-reduced over 2 ranks" in got["operator"]
-    if solver == "auto":  # the MLP is factored; the dual solve is replaced by Lanczos
-        assert ranks[0][case]["operator"].startswith("factored (dual solve not distributed")
+    if solver == "auto":  # the MLP is factored; a planned dual solve becomes Lanczos
+        name = ranks[0][case]["operator"]
+        assert name.startswith(("factored (dual solve not distributed", "factored, all-reduced"))
     a, b = ranks[0][case], ranks[1][case]
     assert torch.equal(a["values"], b["values"]) and torch.equal(a["vectors"], b["vectors"])
 
@@ -288,13 +297,17 @@ def test_factored_on_one_rank_only_falls_back_everywhere(ranks):
         _close(rank["fallback"]["values"], one["values"])
 
 
-def test_linearised_operator_on_every_rank_equals_one_process(ranks):
+def test_linearised_and_jacobian_operators_on_every_rank_equal_one_process(ranks):
     model, X, y, _, _ = _problem("regression")
     one = _fit(_OutputScale(model), "regression", "lanczos", loader(X, y, 16))
     for rank in ranks:
         operator = rank["linearised"]["operator"]
         assert operator.startswith("linearised (not factored") and "all-reduced over 2" in operator
         _close(rank["linearised"]["values"], one.eigenvalues)
+        operator = rank["jacobian"]["operator"]
+        assert operator.startswith("jacobian (dual solve not distributed: Lanczos")
+        assert "all-reduced over 2" in operator
+        _close(rank["jacobian"]["values"], one.eigenvalues)
 
 
 def test_group_of_one_rank_fits_the_local_shard(ranks):
@@ -391,7 +404,8 @@ def _fault_worker(rank: int, init_file: str, out_dir: str, fault: str, subset: s
         )
         train = loader(X, y, 16)
         if fault == "product":  # curvlinops' operator: one loader pass per product
-            dispatch.default_factor_budget = lambda *args: 0
+            dispatch.build_factored_ggn = lambda *args, **kwargs: "refused here"
+            dispatch.build_linearized_ggn = lambda *args, **kwargs: "refused here"
             train = _BreakingLoader(train, 8 if rank == 1 else 10**9)
         if fault.startswith("pass"):  # the fit's n-th pass fails on rank 1
             train = _BreakingLoader(train, int(fault[4:]) if rank == 1 else 10**9)

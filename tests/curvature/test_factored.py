@@ -21,6 +21,10 @@ from laplace_glas.curvature.planner import choose_solver
 
 F64 = torch.float64
 
+# the factored operator itself: the planner's explicit-Jacobian candidate, which would
+# serve several of these small models, is tested in test_jacobian.py
+pytestmark = pytest.mark.usefixtures("without_jacobian")
+
 
 class SequenceRegressor(nn.Module):
     """Linear + LayerNorm over (batch, T, F) inputs, pooled to (batch, C) outputs."""

@@ -12,9 +12,9 @@ from conftest import output_jacobian, softmax_ggn
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-import laplace_glas.curvature.planner as dispatch
 from laplace_glas import ActiveSubspaceLaplace
 from laplace_glas.autodiff.context import autodiff_friendly
+from laplace_glas.curvature.budget import MemoryBudgetError
 from laplace_glas.curvature.losses import TokenCrossEntropy
 from laplace_glas.curvature.operators.linearized import LinearizedGGN, build_linearized_ggn
 
@@ -355,14 +355,18 @@ def test_fit_on_the_linearised_operator_matches_the_reference(solver):
     torch.testing.assert_close(overlap, torch.ones(4, dtype=F64), rtol=0, atol=1e-6)
 
 
-def test_over_budget_fit_records_both_reasons(monkeypatch):
-    monkeypatch.setattr(dispatch, "default_factor_budget", lambda k, n, itemsize: 1)
+def test_over_budget_fit_records_both_reasons():
     model, batches, _, _ = problem("mlp-mse")
-    info = fit(model, batches)
+    with pytest.raises(MemoryBudgetError) as refused:
+        fit(model, batches, memory_budget=1)
+    # the smallest budget is the streaming one: it streams, the kept graphs do not fit
+    assert refused.value.smallest == refused.value.estimates["streaming"]
+    info = fit(model, batches, memory_budget=refused.value.smallest)
     assert "not factored" in info.operator and "not linearised: the kept graphs" in info.operator
-    assert info.operator.startswith("curvlinops")
+    assert info.operator.startswith("curvlinops") and info.plan["strategy"] == "streaming"
 
 
+@pytest.mark.usefixtures("without_jacobian")
 def test_update_and_subnetwork_on_the_linearised_operator_match_curvlinops():
     """fit(override=False) (stored curvature + new data) and a subnetwork posterior
     wrap the linearised operator; both equal the same fits on curvlinops' operator."""

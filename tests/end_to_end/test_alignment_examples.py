@@ -78,3 +78,39 @@ def test_active_learning_refuses_inconsistent_sizes(monkeypatch):
     module = load("active_learning", monkeypatch)
     with pytest.raises(SystemExit):
         module.parse_args(["--start", "60", "--max-labels", "50"])
+
+
+@pytest.mark.parametrize("seeds", [1, 3])
+def test_active_learning_figure_names_its_seeds_and_frames_the_nominal_line(monkeypatch, seeds):
+    """Curves that stay below 90%: the 90% line sits inside the frame, not on it; one
+    seed draws no sd band and the title says 'one seed'."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.collections import PolyCollection
+
+    module = load("active_learning", monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    rounds = torch.arange(50, 110, 10, dtype=torch.float64)
+    results = {
+        strategy: [
+            torch.stack(
+                [
+                    rounds,
+                    0.5 + 0.1 * torch.rand(6, generator=g),
+                    0.7 + 0.1 * torch.rand(6, generator=g),
+                ],
+                dim=1,
+            ).tolist()
+            for _ in range(seeds)
+        ]
+        for strategy in ("glas", "kron", "random")
+    }
+    fig = module.plot_curves(results, None)
+    title = fig._suptitle.get_text()
+    coverage = fig.axes[1]
+    low, high = coverage.get_ylim()
+    assert low < 0.7 and high > 0.95  # the data and the nominal line with room
+    bands = [c for c in coverage.collections if isinstance(c, PolyCollection)]
+    if seeds == 1:
+        assert "one seed" in title and "sd" not in title and not bands
+    else:
+        assert "mean +- sd over 3 seeds" in title and len(bands) == 3

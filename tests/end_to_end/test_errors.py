@@ -60,8 +60,8 @@ def test_n_components_below_one(k):
 
 
 @pytest.mark.parametrize("k", [D_SMALL, D_SMALL + 1, 10_000])
-def test_n_components_not_below_d_points_to_eigsh_and_full_laplace(k):
-    with pytest.raises(ValueError, match=r"eigsh") as info:
+def test_n_components_not_below_d_points_to_the_default_and_full_laplace(k):
+    with pytest.raises(ValueError, match=r"the default min\(20, D - 1\)") as info:
         glas(n_components=k)
     message = str(info.value)
     assert f"D={D_SMALL}" in message
@@ -394,7 +394,7 @@ def test_n_components_setter_beyond_computed_pairs(fitted):
     "k, error, match",
     [
         (0, ValueError, r">= 1"),
-        (D_SMALL, ValueError, r"eigsh"),
+        (D_SMALL, ValueError, r"must be smaller than the number of parameters"),
         (1.5, TypeError, r"must be an int"),
     ],
 )
@@ -450,3 +450,31 @@ def test_the_default_k_works_on_a_model_smaller_than_it():
         Laplace(
             model, "regression", hessian_structure="glas", subset_of_weights="all", n_components=11
         )
+
+
+def test_the_default_works_on_a_tiny_classification_head_where_kron_does():
+    """``Laplace(model, 'classification', hessian_structure='glas')`` on a 4 -> 2 last
+    layer (D_L = 10): k defaults to 9 and the predictive runs, as 'kron''s does."""
+    import warnings
+
+    from laplace import Laplace
+
+    from laplace_glas.curvature.eigenpairs import NumericalRankWarning
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    X = torch.randn(40, 4)
+    train = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(X, (X[:, 0] > 0).long()), batch_size=20
+    )
+    probs = {}
+    for structure in ("kron", "glas"):
+        la = Laplace(net, "classification", hessian_structure=structure)
+        with warnings.catch_warnings():
+            # a 2-class softmax GGN of a 5-input layer has rank <= 5 of the 9 eigenpairs
+            warnings.simplefilter("ignore", NumericalRankWarning)
+            la.fit(train)
+        probs[structure] = la(X[:5])
+    assert la.n_components == 9
+    assert torch.allclose(probs["glas"].sum(-1), torch.ones(5))
+    assert torch.allclose(probs["glas"], probs["kron"], atol=0.05)

@@ -267,7 +267,7 @@ def test_lora_posterior_lives_on_the_adapters(solver):
     la = fit(model, batches, 5, solver=solver)
     D = sum(p.numel() for p in adapters)
     assert la.n_params == D and la.mean.shape == (D,) and la.eigenvectors.shape == (D, 5)
-    assert la.lanczos_info.operator == ("factored" if solver == "auto" else "curvlinops")
+    assert la.lanczos_info.operator == ("jacobian" if solver == "auto" else "curvlinops")
     torch.testing.assert_close(la.eigenvalues, top(explicit_ggn(model, batches), 5))
     for n, p in model.named_parameters():
         assert p.grad is None
@@ -275,3 +275,45 @@ def test_lora_posterior_lives_on_the_adapters(solver):
             assert torch.equal(p, frozen[n])
     probs = la(batches[0], pred_type="glm")
     assert probs.shape == (4, 5, VOCAB)
+
+
+@needs_peft
+def test_the_readmes_hugging_face_snippet_runs_quietly_with_the_stated_shape():
+    """The README's snippet, run as written in a fresh interpreter on a right-padded
+    batch: nothing on stderr (no warning, e.g. transformers' about special-token ids
+    outside the vocabulary) and probabilities of the shape its comment states,
+    (batch, seq_len - 1, vocab)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    (snippet,) = [
+        block
+        for block in re.findall(r"```python\n(.*?)```", (root / "README.md").read_text(), re.DOTALL)
+        if "causal_lm_batch(" in block
+    ]
+    assert "(batch, seq_len - 1, vocab)" in snippet
+    data = (
+        "import torch\n"
+        "torch.manual_seed(0)\n"
+        "input_ids = torch.randint(1, 40, (3, 7))\n"
+        "attention_mask = torch.ones(3, 7, dtype=torch.long)\n"
+        "attention_mask[1, 5:] = 0\n"
+    )
+    check = "\nprint(tuple(probs.shape))\n"
+    result = subprocess.run(
+        [sys.executable, "-c", data + snippet + check],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    # peft's get_peft_model calls transformers' deprecated is_gradient_checkpointing
+    # (between those two libraries; nothing the snippet can set)
+    foreign = re.compile(r"is_gradient_checkpointing. is deprecated|^\s+warnings\.warn\(")
+    printed = [line for line in result.stderr.splitlines() if not foreign.search(line)]
+    assert not printed, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "(3, 6, 40)"

@@ -359,3 +359,48 @@ def test_two_dimensional_prior_means_are_refused_by_name(shape):
     prior_mean = torch.zeros(*(D if s == "D" else s for s in shape), dtype=torch.float64)
     with pytest.raises(ValueError, match=r"prior_mean must be a scalar or a vector"):
         glas(model, prior_mean=prior_mean)
+
+
+@pytest.mark.parametrize("likelihood", ["regression", "classification"])
+def test_last_layer_functionality_as_laplace_torchs_lllaplace_suite(likelihood):
+    """laplace-torch's ``test_lllaplace.py::test_laplace_functionality`` for the GLAS
+    last-layer variant (``complement='prior'``, ``'sum'``), against ``FullLLLaplace`` on
+    4 points, where the last layer's GGN (rank <= 8 of D_L = 12) lies inside k = 8: the
+    log-likelihood, the evidence assembled by hand from the posterior precision's logdet,
+    and the functional variance ``J Sigma J^T`` with Sigma the covariance operator."""
+    from laplace import FullLLLaplace
+    from torch.distributions import Categorical, Normal
+
+    from laplace_glas import LastLayerActiveSubspaceLaplace
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)
+    ).double()
+    X = torch.randn(4, 3, dtype=torch.float64)
+    y = torch.tensor([0, 1, 1, 0]) if likelihood == "classification" else torch.randn(4, 2)
+    y = y if likelihood == "classification" else y.double()
+    sigma = 1.0 if likelihood == "classification" else 0.3
+    kwargs = {"sigma_noise": sigma, "prior_precision": 0.7}
+    glas = LastLayerActiveSubspaceLaplace(
+        model, likelihood, n_components=8, complement="prior", loss_scaling="sum", **kwargs
+    )
+    full = FullLLLaplace(model, likelihood, **kwargs)
+    for la in (glas, full):
+        la.fit(loader(X, y, batch_size=3))
+    f = model(X).detach()
+    if likelihood == "classification":
+        log_lik = Categorical(logits=f).log_prob(y).sum()
+    else:
+        log_lik = Normal(loc=f, scale=sigma).log_prob(y).sum()
+    torch.testing.assert_close(glas.log_likelihood, log_lik)
+    theta = glas.mean
+    prior = torch.diag(glas.prior_precision_diag)
+    by_hand = log_lik - 0.5 * theta @ prior @ theta
+    by_hand = by_hand + 0.5 * (prior.logdet() - glas.posterior_precision.logdet())
+    torch.testing.assert_close(glas.log_marginal_likelihood(), by_hand)
+    torch.testing.assert_close(glas.log_marginal_likelihood(), full.log_marginal_likelihood())
+    Js, _ = glas.backend.last_layer_jacobians(X)
+    true_f_var = torch.einsum("mkp,pq,mcq->mkc", Js, glas.posterior_covariance, Js)
+    torch.testing.assert_close(glas.functional_variance(Js), true_f_var)
+    torch.testing.assert_close(glas.functional_variance(Js), full.functional_variance(Js))

@@ -201,3 +201,13 @@ def test_import_prints_no_deprecation_warning_of_the_dependencies():
     subprocess.run(
         [sys.executable, "-W", "error::FutureWarning", "-c", "import laplace_glas"], check=True
     )
+
+
+def test_the_first_forward_mode_product_prints_no_deprecation_warning():
+    """torch loads its forward-AD decompositions through ``torch.jit.script`` at the first
+    JVP (curvlinops' GGN products, the 'glm' predictive): the import does it quietly."""
+    code = (
+        "import laplace_glas, torch\n"
+        "torch.func.jvp(torch.sin, (torch.ones(2),), (torch.ones(2),))\n"
+    )
+    subprocess.run([sys.executable, "-W", "error::FutureWarning", "-c", code], check=True)

@@ -424,9 +424,9 @@ def test_irreproducible_products_warn_about_the_residuals(data, solver, match, m
     """The curvlinops operator passes over the data once per product. (The factored and
     linearised operators, which solver='auto' and 'block' use within their memory
     budget, read the data once, so their products are consistent: a model with a
-    free-standing parameter and no budget keep curvlinops here.)
+    free-standing parameter and the linearised operator refused keep curvlinops here.)
     """
-    monkeypatch.setattr(dispatch, "default_factor_budget", lambda k, n, itemsize: 1)
+    monkeypatch.setattr(dispatch, "build_linearized_ggn", lambda *a, **kw: "refused here")
     torch.manual_seed(0)
     model = OutputScale(mlp([1, 8, 1]))
     la = ActiveSubspaceLaplace(model, "regression", n_components=K, solver=solver)
@@ -436,6 +436,7 @@ def test_irreproducible_products_warn_about_the_residuals(data, solver, match, m
 
 
 @pytest.mark.parametrize("solver", ["auto", "block"])
+@pytest.mark.usefixtures("without_jacobian")
 def test_the_linearised_operator_reads_an_augmenting_loader_once(data, solver):
     """Within its budget the linearised operator keeps one draw of the augmentation:
     its products are those of one fixed data set, so the residual check, which warns

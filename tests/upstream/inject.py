@@ -9,7 +9,14 @@ lists, so the upstream contract runs unchanged against ``ActiveSubspaceLaplace``
 Usage (needs a laplace-torch source tree, e.g. a clone of aleximmer/Laplace)::
 
     python tests/upstream/inject.py /path/to/Laplace /tmp/upstream
-    cd /tmp/upstream && python -m pytest -q -k GLAS tests/test_baselaplace.py
+    cd /tmp/upstream && python -m pytest -q -k "GLAS or ActiveSubspace" tests/test_baselaplace.py \
+        tests/test_lllaplace.py tests/test_subnetlaplace.py tests/test_serialization.py
+
+The last-layer and subnetwork suites run with ``LastLayerActiveSubspaceLaplace`` and
+``SubnetActiveSubspaceLaplace`` variants. Their tests that assert on laplace-torch's own
+structures (``H`` before ``fit``, KFAC factors) are marked xfail for the GLAS variants
+by a written ``conftest.py`` (``STRUCTURE_SPECIFIC`` below, with the reasons), and the
+last-layer functional-variance check gets a generic branch (GLAS's covariance operator).
 
 CI has no internet, so the project's own suite carries the same behaviours in
 ``tests/test_laplace_torch_contract.py``.
@@ -121,6 +128,51 @@ def _after_imports(source: str) -> str:
     return len("".join(lines[: last + 1]))
 
 
+# laplace-torch's tests that assert on its own structures' internals, by test name; the
+# GLAS variants are marked xfail there (strict=False: a pass is reported, not an error)
+STRUCTURE_SPECIFIC = {
+    "test_laplace_init": "H before fit: GLAS holds eigenpairs after fit, no H matrix",
+    "test_laplace_large_init": "H before fit: GLAS holds eigenpairs after fit, no H matrix",
+    "test_laplace_init_precision": "H / KFAC factors before fit (a Kron-style structure)",
+}
+ZERO_COMPLEMENT = {
+    "test_laplace_functionality": "complement='zero' has no finite posterior precision "
+    "outside span(U), so its logdet (the test's evidence by hand) is refused by design",
+}
+
+CONFTEST = f"""
+# --- written by laplace-glas tests/upstream/inject.py ---------------------------------
+import pytest
+
+STRUCTURE_SPECIFIC = {STRUCTURE_SPECIFIC!r}
+ZERO_COMPLEMENT = {ZERO_COMPLEMENT!r}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "ActiveSubspace" not in item.nodeid:
+            continue
+        name = item.originalname
+        reason = STRUCTURE_SPECIFIC.get(name)
+        if reason is None and "_zero" in item.nodeid:
+            reason = ZERO_COMPLEMENT.get(name)
+        if reason is not None:
+            item.add_marker(pytest.mark.xfail(reason=reason, strict=False))
+"""
+
+# laplace-torch's functional-variance checks pick the covariance by class; GLAS's
+# covariance operator (einsum uses its dense matrix) is the generic branch
+_SIGMA_BRANCH = """    elif laplace == DiagLLLaplace:
+        Sigma = torch.diag(lap.posterior_variance)
+"""
+_SIGMA_GENERIC = (
+    _SIGMA_BRANCH
+    + """    else:  # injected: GLAS variants
+        Sigma = lap.posterior_covariance
+"""
+)
+
+
 def main(checkout: str, target: str) -> None:
     src, dst = Path(checkout), Path(target)
     if dst.exists():
@@ -134,7 +186,10 @@ def main(checkout: str, target: str) -> None:
     ):
         path = dst / "tests" / name
         if path.exists():
-            path.write_text(inject(path.read_text()))
+            path.write_text(inject(path.read_text()).replace(_SIGMA_BRANCH, _SIGMA_GENERIC))
+    conftest = dst / "tests" / "conftest.py"
+    existing = conftest.read_text() if conftest.exists() else ""
+    conftest.write_text(existing + CONFTEST)
     print(f"upstream tests with GLAS variants written to {dst / 'tests'}")
 
 

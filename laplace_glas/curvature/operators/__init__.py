@@ -7,6 +7,9 @@
   factors (one forward and one batched backward pass), products without network passes.
 * :mod:`~laplace_glas.curvature.operators.factors`: the per-layer factors and the hooks
   that record them.
+* :mod:`~laplace_glas.curvature.operators.jacobian`: the GGN from stored per-example
+  Jacobians (``N R D`` numbers; adapters, heads, subnetworks, small models), products as
+  two GEMMs.
 * :mod:`~laplace_glas.curvature.operators.linearized`: products from kept forward graphs
   (no forward pass per product), for the models the factored operator does not cover.
 * :mod:`~laplace_glas.curvature.operators.updated`: a stored low-rank curvature plus a

@@ -39,15 +39,19 @@ falls back to curvlinops. A forward-mode check on the first batch (``S v`` again
 
 Memory: the factors hold ``N * sum_l T_l (d_in,l + R d_out,l)`` numbers for the weight
 layers plus ``N R d`` for the explicit parameters, i.e. the activations times ``R``; they
-are built only while they stay below ``budget_bytes`` (default
-:func:`default_factor_budget`: ``max(2 GiB, 4 k D itemsize)``). A product with ``m``
-columns needs ``m N T d_out`` more per layer, in column chunks of at most
-``_CHUNK_ELEMENTS`` numbers.
+are built only while they stay below ``budget_bytes`` (a fit's planner derives it from
+``memory_budget`` and refuses the factors after the first batch when their projection
+does not fit, :mod:`~laplace_glas.curvature.planner`; a direct call defaults to
+:func:`default_factor_budget`). A product with ``m`` columns needs ``m N T d_out`` more
+per layer, in column chunks of at most ``FactoredGGN.chunk_elements`` numbers (the
+planner sets it from the budget; ``_CHUNK_ELEMENTS`` by default). Joining the batches'
+factors holds one layer's twice, not all of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -64,17 +68,20 @@ from laplace_glas.curvature.operators.factors import (
     _assemble,
     _batch_factors,
     _concatenate,
+    _layer_nbytes,
     _nbytes,
     _owners,
     _parameter_offsets,
     _Recorder,
     _Unsupported,
+    _widest,
 )
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES, TorchOperator
 
 __all__ = [
     "EmbeddingFactor",
     "ExplicitFactor",
+    "FactorSizes",
     "FactoredGGN",
     "OuterFactor",
     "build_factored_ggn",
@@ -88,8 +95,37 @@ _PREDICTIVE_BUDGET = 2**29  # factors of one prediction batch: 512 MiB
 
 
 def default_factor_budget(k: int, n_params: int, itemsize: int) -> int:
-    """Bytes the factors may take: ``max(2 GiB, 4 k D itemsize)``."""
+    """Bytes the factors may take where no budget is given (a direct call of
+    :func:`build_factored_ggn`): ``max(2 GiB, 4 k D itemsize)``. A fit takes its budget
+    from ``memory_budget`` instead (:mod:`~laplace_glas.curvature.planner`).
+    """
     return max(2 * 2**30, 4 * k * n_params * itemsize)
+
+
+@dataclass(frozen=True)
+class FactorSizes:
+    """The factors of the first batch, for the planner's projection to the loader.
+
+    Attributes
+    ----------
+    batch_bytes : int
+        Bytes of the first batch's factors.
+    layer_bytes : int
+        Bytes of its largest layer's factors.
+    widest : int
+        Its largest ``B T d_out`` (numbers per column of a product's GEMM).
+    rows : int
+        ``B R``, its rows of ``S``.
+    n_batches : int or None
+        Batches in the loader (``None`` without a length).
+
+    """
+
+    batch_bytes: int
+    layer_bytes: int
+    widest: int
+    rows: int
+    n_batches: int | None
 
 
 # ---------------------------------------------------------------------- operator
@@ -123,6 +159,7 @@ class FactoredGGN(TorchOperator):
         self.torch_dtype = ref.dtype
         self.device = ref.device
         self.n_products = 0
+        self.chunk_elements = _CHUNK_ELEMENTS  # temporaries of one product chunk
 
     # -- torch
     @property
@@ -139,7 +176,7 @@ class FactoredGGN(TorchOperator):
             ),
             default=1,
         )
-        return max(1, min(m, _CHUNK_ELEMENTS // max(widest, 1)))
+        return max(1, min(m, self.chunk_elements // max(widest, 1)))
 
     def apply_S(self, X: torch.Tensor) -> torch.Tensor:
         """``(m, N, R)``: row ``i`` is ``S x_i`` for ``X (m, D)``."""
@@ -262,6 +299,7 @@ def build_factored_ggn(
     budget_bytes: int | None = None,
     loss_fn: nn.Module | None = None,
     progress_bar: bool = False,
+    first_batch_check: Callable[[FactorSizes], str | None] | None = None,
 ) -> FactoredGGN | str:
     """One pass over ``loader``: the factored unit-noise mean-loss GGN, or why not.
 
@@ -290,6 +328,9 @@ def build_factored_ggn(
         A custom loss is not factored (the reason is returned).
     progress_bar : bool
         Show a ``tqdm`` bar over the batches.
+    first_batch_check : callable, optional
+        Called with the first batch's :class:`FactorSizes`; a returned reason stops
+        the pass and is returned (the planner's projection to its budget).
 
     Returns
     -------
@@ -335,6 +376,10 @@ def build_factored_ggn(
                 finally:
                     recorder = _Recorder(offsets)
             used += _nbytes(layers, explicit)
+            if i == 0 and first_batch_check is not None:
+                reason = first_batch_check(_sizes(loader, layers, explicit, out, R))
+                if reason is not None:
+                    return reason
             if used > budget:
                 return (
                     f"factors above the memory budget ({budget / 2**20:.0f} MiB) for the "
@@ -350,6 +395,18 @@ def build_factored_ggn(
     if R is None:
         return "an empty loader"
     return FactoredGGN(_concatenate(all_layers, all_explicit), n_params, R)
+
+
+def _sizes(loader: Iterable, layers: dict, explicit: list, out: torch.Tensor, R: int):
+    """The first batch's :class:`FactorSizes`."""
+    try:
+        n_batches = len(loader)
+    except TypeError:
+        n_batches = None
+    largest = max([_layer_nbytes(calls) for calls in layers.values()], default=0)
+    largest = max([largest, *(J.numel() * J.element_size() for _, J in explicit)])
+    rows = out.shape[0] * R
+    return FactorSizes(_nbytes(layers, explicit), largest, _widest(layers), rows, n_batches)
 
 
 def factored_jacobian_directions(

@@ -295,8 +295,12 @@ class _Recorder:
             handle.remove()
 
 
-def _batch_factors(model, recorder, X, y, likelihood, ignore_index, scale, offsets, dict_key_x):
-    """Forward pass, batched backward over the rows, per-layer factors of one batch."""
+def _batch_factors(
+    model, recorder, X, y, likelihood, ignore_index, scale, offsets, dict_key_x, rows_fn=None
+):
+    """Forward pass, batched backward over the rows, per-layer factors of one batch
+    (``rows_fn``: the rows of ``Lambda^{1/2}``, default :func:`_row_vectors`).
+    """
     B = batch_size(X, dict_key_x)
     recorder.reset()
     with torch.enable_grad():
@@ -310,7 +314,7 @@ def _batch_factors(model, recorder, X, y, likelihood, ignore_index, scale, offse
                 f"{out[0].numel()} output rows per example (more than {_MAX_ROWS}) for "
                 "the factored operator"
             )
-        rows = _row_vectors(out, y, likelihood, ignore_index, scale)
+        rows = (rows_fn or _row_vectors)(out, y, likelihood, ignore_index, scale)
         R = rows.shape[0]
         calls = [(m, x, z) for m, cs in recorder.calls.items() for x, z in cs]
         for _, x, _ in calls:
@@ -381,10 +385,24 @@ def _assemble(layers: dict, explicit: list) -> list:
 
 def _nbytes(layers: dict, explicit: list) -> int:
     total = sum(J.numel() * J.element_size() for _, J in explicit)
+    return total + sum(_layer_nbytes(calls) for calls in layers.values())
+
+
+def _layer_nbytes(calls: list) -> int:
+    """Bytes of one layer's factors (all its calls)."""
+    return sum(
+        t.numel() * t.element_size() for c in calls for t in c if isinstance(t, torch.Tensor)
+    )
+
+
+def _widest(layers: dict) -> int:
+    """Largest ``B T d_out`` of a weight layer: numbers per column of a product's GEMM."""
+    widest = 1
     for calls in layers.values():
         for c in calls:
-            total += sum(t.numel() * t.element_size() for t in c if isinstance(t, torch.Tensor))
-    return total
+            if c[0] == "outer":
+                widest = max(widest, c[2].shape[0] * c[2].shape[1] * c[3].shape[-1])
+    return widest
 
 
 def _parameter_offsets(
@@ -417,10 +435,12 @@ def _pad_positions(tensors: list[torch.Tensor], axis: int) -> list[torch.Tensor]
 
 
 def _concatenate(all_layers: dict, all_explicit: list) -> list:
-    """Join the batches' factors along the example axis."""
+    """Join the batches' factors along the example axis (emptying ``all_layers``, so
+    that the peak is the factors plus one layer's, not twice the factors).
+    """
     layers = {}
-    for module, per_batch in all_layers.items():
-        merged = [_merge_calls(calls) for calls in per_batch]
+    for module in list(all_layers):  # popped: each layer's batches are freed once joined
+        merged = [_merge_calls(calls) for calls in all_layers.pop(module)]
         kind, off = merged[0][:2]
         if kind == "outer":
             a = torch.cat(_pad_positions([m[2] for m in merged], 1))

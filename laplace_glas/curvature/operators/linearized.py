@@ -57,9 +57,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from laplace_glas.curvature.batches import batch_to_device
+from laplace_glas.curvature.budget import OverBudget
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES, TorchOperator
 
-__all__ = ["LinearizedGGN", "build_linearized_ggn"]
+__all__ = ["LinearizedGGN", "build_linearized_ggn", "forward_graph_bytes"]
 
 _COLUMN_BYTES = 2**29  # batched backward passes: temporaries of about 512 MiB per batch
 
@@ -119,6 +120,7 @@ class LinearizedGGN(TorchOperator):
         linearizations: Sequence[_Linearization],
         params: Sequence[torch.Tensor],
         saved_bytes: int,
+        column_bytes: int = _COLUMN_BYTES,
     ):
         ref = params[0]
         n_params = sum(p.numel() for p in params)
@@ -135,7 +137,7 @@ class LinearizedGGN(TorchOperator):
         self.batched = True  # is_grads_batched until vmap refuses the backward pass
         # a batched backward pass needs about one batch's kept bytes per column
         per_batch = max(1, self.saved_bytes // max(1, len(self.linearizations)))
-        self.column_chunk = max(1, _COLUMN_BYTES // per_batch)
+        self.column_chunk = max(1, min(column_bytes, _COLUMN_BYTES) // per_batch)
 
     # -- torch
     def _product(self, lin: _Linearization, V: torch.Tensor, batched: bool) -> torch.Tensor:
@@ -208,6 +210,7 @@ def build_linearized_ggn(
     batch_size_fn: Callable | None = None,
     device: torch.device | str = "cpu",
     budget_bytes: int,
+    column_bytes: int = _COLUMN_BYTES,
     progress_bar: bool = False,
 ) -> LinearizedGGN | str:
     """One forward pass per batch of ``data``: the linearised GGN operator, or why not.
@@ -229,7 +232,14 @@ def build_linearized_ggn(
     device : torch.device or str
         Where the batches go (the model's device).
     budget_bytes : int
-        Largest memory the kept graphs may hold; above it the reason is returned.
+        Largest memory the kept graphs may hold, with one batch's more for a product's
+        temporaries; above it the reason is returned, an
+        :class:`~laplace_glas.curvature.budget.OverBudget` with the projected bytes
+        (``needed``, ``None`` for a loader without a length) and the first batch's.
+    column_bytes : int
+        Temporaries a batched product may take (at most 512 MiB): columns go through
+        the backward passes in chunks of ``column_bytes`` over one batch's kept bytes
+        (at least one column).
     progress_bar : bool
         A tqdm bar over the batches.
 
@@ -285,19 +295,25 @@ def build_linearized_ggn(
         for tensor in (outputs, leaf, loss_gradient, *kept.pullback):  # held, not saved
             counter.pack(tensor)
         linearizations.append(kept)
+        if len(linearizations) == 1:
+            first_batch = counter.bytes
         projected = counter.bytes
         if len(linearizations) == 1 and n_batches is not None:
             projected = counter.bytes * n_batches  # give up before the pass, not after
-        if projected > budget_bytes:
-            return (
+        if projected + first_batch > budget_bytes:  # and one product's temporaries
+            known = n_batches is not None
+            return OverBudget(
                 f"the kept graphs exceed the memory budget ({projected / 2**20:.0f} MiB "
                 f"{'after' if projected == counter.bytes else 'projected from'} "
-                f"{len(linearizations)} of {n_batches or '?'} batches, budget "
-                f"{budget_bytes / 2**20:.0f} MiB)"
+                f"{len(linearizations)} of {n_batches or '?'} batches and "
+                f"{first_batch / 2**20:.0f} MiB for a product, budget "
+                f"{budget_bytes / 2**20:.0f} MiB)",
+                needed=first_batch * (n_batches + 1) if known else None,
+                batch_bytes=first_batch,
             )
     if not linearizations:
         return "the loader is empty"
-    operator = LinearizedGGN(linearizations, params, counter.bytes)
+    operator = LinearizedGGN(linearizations, params, counter.bytes, column_bytes)
     reason = _adjoint_check(operator, linearizations[0])
     if reason is not None:
         return reason
@@ -342,4 +358,31 @@ def _adjoint_check(operator: LinearizedGGN, lin: _Linearization) -> str | None:
             f"<u, J v> = <J^T u, v> ({float(left):.6g} against {float(right):.6g}): a "
             "backward pass without a graph of its own (e.g. @once_differentiable)?"
         )
+    return None
+
+
+def forward_graph_bytes(
+    model: nn.Module, data: Iterable, device: torch.device | str = "cpu"
+) -> int | None:
+    """Bytes of one forward pass of the first batch of ``data`` with its graph to the
+    parameters that require grad: the tensors autograd saves (each storage once, the model's own
+    parameters and buffers not counted), the outputs and the inputs. ``None`` for an
+    empty loader or a model that returns no tensor.
+
+    The streaming (curvlinops) products hold about this graph plus per column a
+    tangent and a gradient of each activation (the planner's estimate).
+    """
+    owned = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    counter = _SavedBytes(owned)
+    for X, y in data:
+        X = batch_to_device(X, device)
+        inputs = X.values() if isinstance(X, dict) else [X]
+        with counter.hooks(), torch.enable_grad():
+            outputs = model(X)
+        if not isinstance(outputs, torch.Tensor):
+            return None
+        for tensor in (outputs, y, *inputs):
+            if isinstance(tensor, torch.Tensor):
+                counter.pack(tensor)
+        return counter.bytes
     return None

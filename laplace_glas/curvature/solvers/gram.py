@@ -23,7 +23,8 @@ The residual of each pair needs no product in ``D`` dimensions:
 
 Memory: ``K`` in float64 plus one layer's block in the factors' precision, ``12 M^2``
 bytes at most (float32 factors), and the ``(D, k)`` eigenvectors;
-:func:`gram_fits` states the budget the automatic choice applies.
+the planner counts them in the dual strategy's estimate (:func:`gram_fits` is the rule
+for a solve called on an operator directly).
 """
 
 from __future__ import annotations
@@ -111,10 +112,16 @@ def gram_bytes(op: FactoredGGN) -> int:
     return 2 * M * M * _itemsize(op)
 
 
-def gram_fits(op: FactoredGGN, k: int) -> bool:
-    """The budget rule: ``gram_bytes <= max(768 MiB, k D itemsize)`` and ``k < M``."""
+def gram_fits(op: FactoredGGN, k: int, budget: int | None = None) -> bool:
+    """``k < M`` and ``gram_bytes <= budget``; without a budget (a direct call of
+    :func:`~laplace_glas.curvature.eigensolve.compute_eigenpairs`) the rule
+    ``gram_bytes <= max(768 MiB, k D itemsize)``. A fit's planner passes what its
+    memory budget leaves (:mod:`~laplace_glas.curvature.planner`).
+    """
     M = op.n_examples * op.n_rows
-    return k < M and gram_bytes(op) <= max(GRAM_MIN_BUDGET, k * op.shape[0] * _itemsize(op))
+    if budget is None:
+        budget = max(GRAM_MIN_BUDGET, k * op.shape[0] * _itemsize(op))
+    return k < M and gram_bytes(op) <= budget
 
 
 def gram_flops(op: FactoredGGN) -> int:

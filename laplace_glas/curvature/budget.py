@@ -1,0 +1,323 @@
+"""The memory budget of an eigen-solve: its default, the solvers' storage, the measured peak.
+
+``memory_budget`` of :class:`~laplace_glas.ActiveSubspaceLaplace` bounds what the
+planner (:func:`~laplace_glas.curvature.planner.plan_solve`) may spend on the operator,
+its products and the solver's ``O(k D)`` storage. The default, :func:`resolve_budget`
+with ``None``, is :data:`DEFAULT_SHARE` (half) of the memory free on the model's device
+when the fit starts:
+
+* CUDA: ``torch.cuda.mem_get_info``'s free bytes plus what torch's caching allocator
+  holds without using it (``memory_reserved - memory_allocated``);
+* the host: ``MemAvailable`` of ``/proc/meminfo``, capped by the cgroup limit
+  (``memory.max - memory.current``) where one is set, else
+  ``os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')``, else 4 GiB.
+
+Storage of the solvers in ``D``-vectors of the model's itemsize ``s``
+(:func:`solver_storage`): ARPACK's Lanczos keeps its ``ncv`` basis vectors and three
+work vectors, and the fit holds the ``k`` eigenvectors, their sorted copy and their
+images for the residual check, ``(ncv + 5 k + 8) D s`` in all; the block solver keeps a
+basis and its images of ``max_basis = max(2 k + p, 3 p)`` columns each plus a few
+blocks, ``(2 max_basis + 3 p + 3 k) D s``.
+
+Estimated peaks of the planner's strategies, in bytes, with ``s`` the itemsize, ``D``
+the parameters, ``k`` the pairs and the solver's storage ``B`` (:func:`solver_storage`:
+``(ncv + 5 k + 8) D s`` for Lanczos), each projected from the first batch over the
+loader's batches:
+
+* jacobian: the rows ``N R D s``
+  (:func:`~laplace_glas.curvature.operators.jacobian.estimate_jacobian_bytes`, before
+  any pass over the data) in the factored formulas below, with ``M = N R``;
+* factored + Lanczos: the factors ``F`` plus one layer's (joining the batches), one
+  column's GEMM temporaries ``2 W s`` (``W``: the widest layer's ``N T d_out``) and
+  ``2 D s``, plus ``B``; the products of many columns then take the chunks the rest
+  of the budget allows (at most ``2^25`` numbers), added to the recorded estimate;
+* dual: ``F`` plus the Gram matrix, one layer's block and its input-side Hadamard
+  factor ``3 M^2 s`` (``M = N R``), its eigen-solve's
+  ``(4 k + 40) M`` float64 numbers and ``3 k D s`` for the eigenvectors;
+* linearised: every batch's kept graphs plus one batch's for a product's temporaries
+  (:func:`~laplace_glas.curvature.operators.linearized.build_linearized_ggn`), ``2 D s``
+  and ``B``;
+* streaming: one batch's forward graph ``g``
+  (:func:`~laplace_glas.curvature.operators.linearized.forward_graph_bytes`) plus per
+  column ``4 g + 3 D s`` (tangents and gradients of the activations before and after
+  the nonlinearities, the column in and out; measured about ``3.5 g`` on an MLP),
+  plus ``B``.
+
+:class:`PeakMemory` measures the peak of a fit above the memory in use when it starts:
+on CUDA ``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats``
+(so a caller's own peak statistics restart there too); on the host the resident set's
+high-water mark ``VmHWM`` of ``/proc/self/status``, reset by writing ``5`` to
+``/proc/self/clear_refs`` (Linux). Where the reset is not permitted the peak is known
+only when it exceeds the process's earlier high-water mark; otherwise, and off Linux,
+it is ``None`` (recorded as ``-1``). ``tracemalloc`` is no substitute: it sees neither
+torch's nor BLAS's allocations. The host figure counts the whole process (other
+threads, libraries loaded during the fit), so it can exceed the estimate.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from dataclasses import replace
+
+import torch
+
+__all__ = [
+    "DEFAULT_SHARE",
+    "Estimates",
+    "MemoryBudgetError",
+    "OverBudget",
+    "PeakMemory",
+    "format_bytes",
+    "free_memory",
+    "resolve_budget",
+    "solver_storage",
+    "with_measured_peak",
+]
+
+DEFAULT_SHARE = 0.5
+"""Share of the device's free memory that ``memory_budget=None`` grants a fit."""
+
+_FALLBACK_FREE = 4 * 2**30  # bytes assumed free where the system does not say
+
+
+class MemoryBudgetError(ValueError):
+    """No exact strategy fits ``memory_budget``; ``smallest`` is the smallest budget
+    (bytes) that one of them fits (``None`` where none could be estimated), and
+    ``estimates`` maps each strategy tried to its estimated peak.
+    """
+
+    def __init__(self, message: str, budget: int, smallest: int | None, estimates: dict):
+        super().__init__(message)
+        self.budget = budget
+        self.smallest = smallest
+        self.estimates = dict(estimates)
+
+
+def format_bytes(n: int | float) -> str:
+    """``n`` bytes in KiB (below 1 MiB), MiB or GiB (above 10 GiB), for messages."""
+    if n >= 10 * 2**30:
+        return f"{n / 2**30:.1f} GiB"
+    if n < 2**20:
+        return f"{n / 2**10:.1f} KiB"
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_free() -> int | None:
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else max(0, int(limit) - current)
+
+
+def _host_free() -> int:
+    free = _meminfo_available()
+    if free is None:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            free = _FALLBACK_FREE
+    cgroup = _cgroup_free()
+    return free if cgroup is None else min(free, cgroup)
+
+
+def free_memory(device: torch.device | str) -> int:
+    """Bytes free on ``device`` (see the module)."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free + max(0, cached))
+    return int(_host_free())
+
+
+def resolve_budget(budget: int | None, device: torch.device | str) -> int:
+    """``budget`` (checked bytes), or :data:`DEFAULT_SHARE` of :func:`free_memory`."""
+    if budget is not None:
+        return int(budget)
+    return max(1, int(DEFAULT_SHARE * free_memory(device)))
+
+
+def lanczos_ncv(k: int, n_params: int, ncv: int | None = None) -> int:
+    """ARPACK's basis size: ``ncv``, or its default ``min(D, max(2 k + 1, 20))``."""
+    return ncv if ncv is not None else min(n_params, max(2 * k + 1, 20))
+
+
+def solver_storage(
+    solver: str,
+    n_params: int,
+    k: int,
+    itemsize: int,
+    *,
+    ncv: int | None = None,
+    block_size: int | None = None,
+) -> int:
+    """Bytes the eigen-solver keeps in ``D``-vectors (see the module): Lanczos
+    ``(ncv + 5 k + 8) D s``, block ``(2 max_basis + 3 p + 3 k) D s``.
+    """
+    if solver == "block":
+        p = block_size or max(k, 8)
+        max_basis = min(n_params, max(2 * k + p, 3 * p))
+        return (2 * max_basis + 3 * p + 3 * k) * n_params * itemsize
+    return (lanczos_ncv(k, n_params, ncv) + 5 * k + 8) * n_params * itemsize
+
+
+def _status(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class PeakMemory:
+    """Context manager: the peak bytes in use above the start (see the module).
+
+    After the block, ``bytes`` is the measured peak (``None`` where it cannot be
+    measured) and ``method`` says how: ``'cuda'``, ``'VmHWM'`` or ``'none'``.
+    """
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.bytes: int | None = None
+        self.method = "none"
+
+    def __enter__(self) -> PeakMemory:
+        self._cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+            return self
+        self._high_before = _status("VmHWM")
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self._reset = True
+        except OSError:
+            self._reset = False
+        self._start = _status("VmRSS")
+        return self
+
+    def __exit__(self, kind: type | None, error: BaseException | None, tb: types.TracebackType):
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.bytes, self.method = max(0, int(peak - self._start)), "cuda"
+            return
+        high = _status("VmHWM")
+        if high is None or self._start is None:
+            return
+        if self._reset or (self._high_before is not None and high > self._high_before):
+            self.bytes, self.method = max(0, high - self._start), "VmHWM"
+
+
+class OverBudget(str):
+    """A builder's refusal (a reason, as a ``str``) that says what it would need:
+    ``needed`` bytes for the operator (``None`` if unknown) and ``batch_bytes``, one
+    batch's share.
+    """
+
+    needed: int | None
+    batch_bytes: int | None
+
+    def __new__(cls, reason: str, needed: int | None = None, batch_bytes: int | None = None):
+        """The reason with its sizes."""
+        self = super().__new__(cls, reason)
+        self.needed, self.batch_bytes = needed, batch_bytes
+        return self
+
+
+def with_measured_peak(eig, peak: PeakMemory):
+    """``eig`` (an :class:`~laplace_glas.curvature.eigenpairs.Eigenpairs`) with the
+    measured peak in its plan: ``measured_peak_bytes`` (``-1``: not measurable) and
+    ``peak_method`` (``'cuda'``, ``'VmHWM'`` or ``'none'``).
+    """
+    measured = {
+        "measured_peak_bytes": -1 if peak.bytes is None else int(peak.bytes),
+        "peak_method": peak.method,
+    }
+    return replace(eig, plan={**(eig.plan or {}), **measured})
+
+
+class Estimates:
+    """The budget of one planning and the estimated peaks made so far (bytes).
+
+    The formulas are those of the module's docstring;
+    ``storage`` is the solver's (:func:`solver_storage`). A strategy records its
+    estimate with :meth:`record` (``None``: unknown) and learns whether it fits.
+    """
+
+    def __init__(self, total: int, storage: int, itemsize: int, n_params: int, k: int):
+        self.total, self.storage, self.itemsize = total, storage, itemsize
+        self.D, self.k = n_params, k
+        self.estimates: dict[str, int | None] = {}
+        self.streaming: tuple[int | None, int] | None = None  # the planner's cache
+
+    def record(self, strategy: str, peak: int | None) -> bool:
+        """Record ``peak`` for ``strategy``; True when it fits (or is unknown)."""
+        self.estimates[strategy] = peak
+        return peak is None or peak <= self.total
+
+    def pairs(self) -> tuple[tuple[str, int], ...]:
+        """The estimates as ``(strategy, bytes)`` pairs (``-1``: unknown)."""
+        return tuple((name, -1 if b is None else int(b)) for name, b in self.estimates.items())
+
+    def factored_peaks(self, F: int, layer: int, widest: int, M: int) -> tuple[int, int | None]:
+        """Peaks of factored + Lanczos and of the dual solve (None where ``k >= M``)
+        for factors of ``F`` bytes, ``layer`` more while they are joined, the widest
+        layer's ``widest`` numbers per column and ``M`` rows.
+        """
+        s, D, k = self.itemsize, self.D, self.k
+        lanczos = F + layer + 2 * widest * s + 2 * D * s + self.storage
+        if k >= M:
+            return lanczos, None
+        gram = 3 * M * M * s + (4 * k + 40) * M * 8
+        return lanczos, F + max(layer, gram) + 3 * k * D * s
+
+    def streaming_peak(self, graph: int | None) -> tuple[int | None, int]:
+        """The streaming peak for one batch's forward graph of ``graph`` bytes, and the
+        columns a product may take at once (``(None, 1)`` for an unknown graph).
+        """
+        if graph is None:
+            return None, 1
+        column = 4 * graph + 3 * self.D * self.itemsize
+        free = self.total - self.storage - graph
+        return self.storage + graph + column, max(1, free // column)
+
+    def refuse(self, what: str) -> MemoryBudgetError:
+        """The error for a budget below every estimate (naming the smallest)."""
+        known = {name: b for name, b in self.estimates.items() if b is not None}
+        smallest = min(known.values()) if known else None
+        listed = ", ".join(f"{name} {format_bytes(b)}" for name, b in known.items())
+        need = (
+            f"the smallest that works is memory_budget={smallest} ({format_bytes(smallest)})"
+            if smallest is not None
+            else "no estimate could be made"
+        )
+        return MemoryBudgetError(
+            f"memory_budget={self.total} ({format_bytes(self.total)}) is below the estimated "
+            f"peak of every exact strategy for {what} ({listed}): {need}. Fewer components "
+            "or smaller batches need less.",
+            self.total,
+            smallest,
+            self.estimates,
+        )

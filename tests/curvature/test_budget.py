@@ -1,0 +1,301 @@
+"""The memory budget: parsing, the planner's choice under budgets, exactness, records."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import loader, mlp, output_jacobian
+from laplace import Laplace
+from torch import nn
+
+import laplace_glas
+from laplace_glas import ActiveSubspaceLaplace, MemoryBudgetError
+from laplace_glas.autodiff.context import autodiff_friendly
+from laplace_glas.curvature import budget as budget_module
+from laplace_glas.curvature.budget import PeakMemory, resolve_budget, solver_storage
+from laplace_glas.curvature.operators.torch_operator import ColumnChunks
+from laplace_glas.curvature.planner import STRATEGIES, plan_solve
+from laplace_glas.curvature.problem import CurvatureProblem
+from laplace_glas.validation import ArgumentTypeError, memory_budget
+
+F64 = torch.float64
+
+
+# ---------------------------------------------------------------------- parsing
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, None),
+        (4096, 4096),
+        (2.5e3, 2500),
+        ("512MB", 512 * 10**6),
+        ("1.5GiB", 3 * 2**29),
+        ("64 MiB", 64 * 2**20),
+        (" 2 kib ", 2048),
+        ("1000000", 10**6),
+        ("1e3 kB", 10**6),
+        ("3b", 3),
+    ],
+)
+def test_memory_budget_parses_bytes_and_unit_strings(value, expected):
+    assert memory_budget(value) == expected
+
+
+@pytest.mark.parametrize("value", [0, -5, "0.5", "", "MB", "-3MB", "5 XB", "12 MiBs", "inf"])
+def test_memory_budget_refuses_bad_values_naming_the_accepted_forms(value):
+    with pytest.raises(ValueError, match=r"memory_budget must be .*'512MB', '1\.5GiB'"):
+        memory_budget(value)
+
+
+@pytest.mark.parametrize("value", [True, [64], b"64MB"])
+def test_memory_budget_refuses_other_types(value):
+    with pytest.raises(ArgumentTypeError, match="memory_budget must be a positive int"):
+        memory_budget(value)
+
+
+def test_the_constructor_and_the_factory_take_the_budget():
+    model = mlp([2, 4, 1])
+    assert ActiveSubspaceLaplace(model, "regression", memory_budget="1GiB").memory_budget == 2**30
+    la = Laplace(model, "regression", hessian_structure="glas", memory_budget=1234)
+    assert la.memory_budget == 1234
+    assert ActiveSubspaceLaplace(model, "regression").memory_budget is None
+    with pytest.raises(ValueError, match="memory_budget must be"):
+        ActiveSubspaceLaplace(model, "regression", memory_budget="lots")
+    assert issubclass(MemoryBudgetError, ValueError) and laplace_glas.MemoryBudgetError
+
+
+def test_the_default_budget_is_half_the_free_memory(monkeypatch):
+    monkeypatch.setattr(budget_module, "_meminfo_available", lambda: 10_000)
+    monkeypatch.setattr(budget_module, "_cgroup_free", lambda: None)
+    assert budget_module.free_memory("cpu") == 10_000
+    assert resolve_budget(None, "cpu") == 5_000 and resolve_budget(77, "cpu") == 77
+    monkeypatch.setattr(budget_module, "_cgroup_free", lambda: 4_000)  # a container's limit
+    assert resolve_budget(None, "cpu") == 2_000
+
+
+def test_solver_storage_counts_the_basis():
+    D, k, s = 1000, 10, 4
+    assert solver_storage("lanczos", D, k, s) == (21 + 5 * k + 8) * D * s
+    assert solver_storage("lanczos", D, k, s, ncv=30) == (30 + 5 * k + 8) * D * s
+    p, basis = 10, 30  # block_size max(k, 8); max_basis max(2k + p, 3p)
+    assert solver_storage("block", D, k, s) == (2 * basis + 3 * p + 3 * k) * D * s
+
+
+def test_column_chunks_equal_the_whole_product():
+    A = torch.randn(7, 7, dtype=F64)
+    A = A @ A.T
+
+    class Dense:
+        shape = (7, 7)
+
+        def __init__(self):
+            self.calls = []
+
+        def __matmul__(self, V):
+            self.calls.append(V.shape[1])
+            return A @ V
+
+    inner = Dense()
+    op = ColumnChunks(inner, 2, F64, "cpu")
+    V = torch.randn(7, 5, dtype=F64)
+    torch.testing.assert_close(op @ V, A @ V, rtol=1e-14, atol=1e-14)
+    assert inner.calls == [2, 2, 1]
+    torch.testing.assert_close(torch.from_numpy(op.matvec(V[:, 0].numpy())), A @ V[:, 0])
+
+
+def test_peak_memory_measures_an_allocation():
+    with PeakMemory("cpu") as peak:
+        block = torch.ones(64 * 2**20 // 8, dtype=F64)  # 64 MiB, touched
+        del block
+    if peak.method == "none":
+        pytest.skip("no VmHWM on this system")
+    assert peak.method == "VmHWM" and peak.bytes >= 60 * 2**20
+
+
+# ---------------------------------------------------------------------- planner
+def _mlp_problem(n=48, batch=16):
+    g = torch.Generator().manual_seed(0)
+    model = mlp([3, 16, 16, 2], dtype=F64).eval()
+    X = torch.randn(n, 3, generator=g, dtype=F64)
+    y = torch.randn(n, 2, generator=g, dtype=F64)
+    data = loader(X, y, batch_size=batch)
+    problem = CurvatureProblem.build(
+        model, list(model.parameters()), data, "regression", torch.Size([2]), dtype=F64
+    )
+    return model, data, problem
+
+
+class _Recurrent(nn.Module):
+    """Not factored: the linearised operator or streaming."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(3, 6, batch_first=True)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+def _plan(problem, budget, k=3, solver="auto"):
+    with warnings.catch_warnings(), autodiff_friendly(problem.model):
+        warnings.simplefilter("ignore")
+        return plan_solve(problem, k, solver, memory_budget=budget)
+
+
+def _estimates(problem, k=3):
+    with pytest.raises(MemoryBudgetError) as refused:
+        _plan(problem, 1, k)
+    return refused.value
+
+
+def test_the_planner_takes_the_fastest_strategy_that_fits_each_budget():
+    _, _, problem = _mlp_problem()
+    refused = _estimates(problem)
+    est = refused.estimates
+    assert set(est) == set(STRATEGIES) and all(b > 0 for b in est.values())
+    # streaming holds one batch's graph: the smallest; the factors all N examples
+    assert refused.smallest == est["streaming"] == min(est.values())
+    large = _plan(problem, max(est.values()))
+    assert large.strategy in ("dual", "factored") and large.solver == large.strategy.replace(
+        "factored", "lanczos"
+    )
+    fast = min(est["dual"], est["factored"])
+    below = _plan(problem, fast - 1)  # no factored solve fits: the next strategy that does
+    expected = "linearised" if est["linearised"] <= fast - 1 else "streaming"
+    assert below.strategy == expected
+    if est["linearised"] < fast:
+        assert _plan(problem, est["linearised"]).strategy == "linearised"
+    tight = _plan(problem, refused.smallest)  # the named budget works
+    assert tight.strategy == "streaming" and tight.operator_name.startswith("curvlinops")
+    assert tight.estimated_peak == refused.smallest <= tight.budget_bytes
+    for plan in (large, below, tight):
+        assert plan.estimated_peak <= plan.budget_bytes
+        assert dict(plan.estimates)[plan.strategy] <= plan.estimated_peak
+
+
+def test_a_budget_below_every_strategy_names_the_smallest_that_works():
+    _, _, problem = _mlp_problem()
+    smallest = _estimates(problem).smallest
+    with pytest.raises(MemoryBudgetError, match=rf"memory_budget={smallest} ") as refused:
+        _plan(problem, smallest - 1)
+    assert refused.value.smallest == smallest and refused.value.budget == smallest - 1
+    assert "streaming" in str(refused.value)
+
+
+def test_a_model_that_is_not_factored_linearises_then_streams():
+    torch.manual_seed(0)
+    model = _Recurrent().to(F64).eval()
+    g = torch.Generator().manual_seed(1)
+    X, y = torch.randn(40, 5, 3, generator=g, dtype=F64), torch.randn(40, 2, generator=g, dtype=F64)
+    problem = CurvatureProblem.build(
+        model, list(model.parameters()), loader(X, y, 10), "regression", torch.Size([2]), dtype=F64
+    )
+    refused = _estimates(problem)
+    est = refused.estimates
+    assert set(est) == {"linearised", "streaming"} and est["streaming"] < est["linearised"]
+    assert _plan(problem, est["linearised"]).strategy == "linearised"
+    assert _plan(problem, est["linearised"] - 1).strategy == "streaming"
+    assert _plan(problem, est["streaming"]).strategy == "streaming"
+
+
+def test_a_requested_dual_solve_beyond_the_budget_becomes_lanczos():
+    _, _, problem = _mlp_problem()
+    est = _estimates(problem).estimates
+    if est["dual"] <= est["factored"]:
+        pytest.skip("the Gram matrix is the smaller here")
+    with warnings.catch_warnings(), autodiff_friendly(problem.model):
+        warnings.simplefilter("ignore")
+        with pytest.warns(UserWarning, match="Gram matrix does not fit"):
+            plan = plan_solve(problem, 3, "dual", memory_budget=est["factored"])
+    assert (plan.strategy, plan.solver) == ("factored", "lanczos")
+
+
+# ---------------------------------------------------------------------- fits
+def _fit(model, data, **kwargs):
+    la = ActiveSubspaceLaplace(model, "regression", n_components=3, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la.fit(data)
+    return la
+
+
+def test_a_tight_budget_costs_time_not_exactness():
+    model, data, problem = _mlp_problem()
+    smallest = _estimates(problem).smallest
+    free = _fit(model, data)
+    tight = _fit(model, data, memory_budget=smallest)
+    assert free.lanczos_info.strategy in ("dual", "factored")
+    assert tight.lanczos_info.strategy == "streaming"
+    torch.testing.assert_close(tight.eigenvalues, free.eigenvalues, rtol=1e-6, atol=0)
+    X = torch.cat([X for X, _ in data])
+    _, J = output_jacobian(model, X)  # unit-noise mean-loss GGN: (1/N) sum J^T J
+    dense = torch.einsum("ncd,nce->de", J, J) / X.shape[0]
+    reference = torch.linalg.eigvalsh(dense).flip(0)[:3]
+    torch.testing.assert_close(tight.eigenvalues, reference, rtol=1e-6, atol=0)
+    overlap = (tight.eigenvectors.T @ free.eigenvectors).abs().diagonal()
+    torch.testing.assert_close(overlap, torch.ones(3, dtype=F64), rtol=0, atol=1e-6)
+
+
+def test_the_record_holds_the_budget_the_strategy_and_the_peaks():
+    model, data, _ = _mlp_problem()
+    la = _fit(model, data, memory_budget="256 MiB")
+    info = la.lanczos_info
+    assert info.memory_budget == 256 * 2**20 and info.plan["budget_bytes"] == 256 * 2**20
+    assert info.strategy in STRATEGIES and info.strategy == info.plan["strategy"]
+    assert 0 < info.estimated_peak_bytes <= info.memory_budget
+    assert info.plan["peak_method"] in ("VmHWM", "cuda", "none")
+    if info.plan["peak_method"] == "none":
+        assert info.measured_peak_bytes is None and info.plan["measured_peak_bytes"] == -1
+    else:
+        assert 0 <= info.measured_peak_bytes < 2**31
+    again = la.compute_eigenpairs(data)
+    assert again.strategy == info.strategy and again.plan["peak_method"] == info.plan["peak_method"]
+    default = _fit(model, data).lanczos_info  # half the free memory: positive, recorded
+    assert default.memory_budget > 0 and default.estimated_peak_bytes <= default.memory_budget
+
+
+def test_a_state_saved_before_budgets_still_loads():
+    model, data, _ = _mlp_problem()
+    la = _fit(model, data, memory_budget="256 MiB")
+    state = la.state_dict()
+    la2 = ActiveSubspaceLaplace(model, "regression", n_components=3)
+    la2.load_state_dict(state)
+    assert la2.lanczos_info.plan == la.lanczos_info.plan
+    old_keys = ("strategy", "estimated_peak_bytes", "estimates", "measured_peak_bytes")
+    record = []
+    for key, value in state["eigenpairs"]:
+        if key == "plan":
+            value = tuple((k, v) for k, v in value if k not in (*old_keys, "peak_method"))
+        record.append((key, value))
+    state["eigenpairs"] = tuple(record)
+    la3 = ActiveSubspaceLaplace(model, "regression", n_components=3)
+    la3.load_state_dict(state)
+    info = la3.lanczos_info
+    assert (info.strategy, info.estimated_peak_bytes, info.measured_peak_bytes) == (None,) * 3
+    assert info.memory_budget == 256 * 2**20
+    torch.testing.assert_close(la3.eigenvalues, la.eigenvalues)
+
+
+def test_a_fit_refused_by_its_budget_leaves_the_posterior_as_it_was():
+    model, data, problem = _mlp_problem()
+    smallest = _estimates(problem).smallest
+    la = ActiveSubspaceLaplace(model, "regression", n_components=3, memory_budget=smallest - 1)
+    with pytest.raises(MemoryBudgetError, match=f"memory_budget={smallest} "):
+        la.fit(data)
+    assert not hasattr(la, "eigenvalues")  # still unfitted
+    fitted = _fit(model, data)
+    before = fitted.eigenvalues.clone()
+    fitted.memory_budget = smallest - 1
+    with pytest.raises(MemoryBudgetError):
+        fitted.fit(data)
+    assert torch.equal(fitted.eigenvalues, before)
+    assert fitted.lanczos_info.strategy in ("dual", "factored")
+    fitted.memory_budget = "a lot"  # set after the constructor: checked at the fit
+    with pytest.raises(ValueError, match="memory_budget must be"):
+        fitted.fit(data)
+    fitted.memory_budget = "256 MiB"
+    fitted.fit(data)
+    assert fitted.lanczos_info.memory_budget == 256 * 2**20
