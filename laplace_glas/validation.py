@@ -413,3 +413,12 @@ def finite_targets(loader: Iterable, dict_key_y: str, what: str) -> None:
                 f"The targets of {what} data contain NaN or inf: every prior precision "
                 "would score alike."
             )
+
+
+def grid_validation_data(loader: Iterable, dict_key_y: str) -> None:
+    """The grid search's validation ``loader`` is not empty and its floating targets are
+    finite; a ``ValueError`` naming the problem otherwise.
+    """
+    if next(iter(loader), None) is None:
+        raise ValueError("val_loader is empty: there is nothing to score the grid on.")
+    finite_targets(loader, dict_key_y, "the grid search's validation")

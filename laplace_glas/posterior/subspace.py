@@ -50,6 +50,7 @@ from laplace_glas.posterior.diagonal_prior import (
 from laplace_glas.posterior.hyperparameters import unchanged_on_failure
 from laplace_glas.posterior.prior import Prior
 from laplace_glas.validation import (
+    ArgumentTypeError,
     choice,
     finite_number,
     positive_int,
@@ -386,12 +387,21 @@ class SubspacePosterior:
             choice("link_approx", str(getattr(link_approx, "value", link_approx)), _LINKS)
             if val_loader is not None:
                 reiterable("val_loader", val_loader)
-                if next(iter(val_loader), None) is None:
+                # data checks of a data-parallel posterior run in its grid search, where
+                # a rank that fails them still meets the others' all-reduce
+                if not torch.distributed.is_initialized() and next(iter(val_loader), None) is None:
                     raise ValueError("val_loader is empty: there is nothing to score the grid on.")
             grid_size = positive_int("grid_size", grid_size, allow_none=False)
             base = finite_number("log_prior_prec_base", log_prior_prec_base, 0.0)
             if base in (0.0, 1.0):
                 raise ValueError(f"log_prior_prec_base must be > 0 and != 1, got {base}.")
+            log_prior_prec_min = finite_number("log_prior_prec_min", log_prior_prec_min)
+            log_prior_prec_max = finite_number("log_prior_prec_max", log_prior_prec_max)
+            if loss is not None and not callable(loss):
+                raise ArgumentTypeError(
+                    "loss must be a torchmetrics.Metric or a callable (preds, targets) -> "
+                    f"float, got {type(loss).__name__} ({loss!r})."
+                )
             if not log_prior_prec_min < log_prior_prec_max:
                 raise ValueError(
                     "log_prior_prec_min must be below log_prior_prec_max, got "
