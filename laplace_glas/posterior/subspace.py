@@ -50,9 +50,9 @@ from laplace_glas.posterior.diagonal_prior import (
 from laplace_glas.posterior.hyperparameters import unchanged_on_failure
 from laplace_glas.posterior.prior import Prior
 from laplace_glas.validation import (
-    ArgumentTypeError,
     choice,
     finite_number,
+    grid_bounds_and_loss,
     positive_int,
     reiterable,
     scalar_prior_precision,
@@ -395,18 +395,7 @@ class SubspacePosterior:
             base = finite_number("log_prior_prec_base", log_prior_prec_base, 0.0)
             if base in (0.0, 1.0):
                 raise ValueError(f"log_prior_prec_base must be > 0 and != 1, got {base}.")
-            log_prior_prec_min = finite_number("log_prior_prec_min", log_prior_prec_min)
-            log_prior_prec_max = finite_number("log_prior_prec_max", log_prior_prec_max)
-            if loss is not None and not callable(loss):
-                raise ArgumentTypeError(
-                    "loss must be a torchmetrics.Metric or a callable (preds, targets) -> "
-                    f"float, got {type(loss).__name__} ({loss!r})."
-                )
-            if not log_prior_prec_min < log_prior_prec_max:
-                raise ValueError(
-                    "log_prior_prec_min must be below log_prior_prec_max, got "
-                    f"{log_prior_prec_min} and {log_prior_prec_max}."
-                )
+            grid_bounds_and_loss(log_prior_prec_min, log_prior_prec_max, loss)
         if method == TuningMethod.MARGLIK and structured:
             n_steps = positive_int("n_steps", n_steps, allow_none=False)
             lr = finite_number("lr", lr, 0.0)
