@@ -416,6 +416,18 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
         """
         check_subnetwork_indices(self.subnetwork_indices, state_dict)
         super().load_state_dict(state_dict)
+        self._theta_map = None  # rebuilt from the state's subnetwork MAP when needed
+
+    def optimize_prior_precision(self, *args: Any, **kwargs: Any) -> None:
+        """:meth:`ActiveSubspaceLaplace.optimize_prior_precision`; only a scalar prior."""
+        structure = kwargs.get("prior_structure", args[5] if len(args) > 5 else "scalar")
+        if str(getattr(structure, "value", structure)) != "scalar":
+            raise ValueError(
+                f"prior_structure={str(getattr(structure, 'value', structure))!r} is not "
+                "implemented for SubnetActiveSubspaceLaplace (its directions are embedded "
+                "in the network): use prior_structure='scalar'."
+            )
+        return super().optimize_prior_precision(*args, **kwargs)
 
     def _index_on_device(self) -> torch.Tensor:
         return self.subnetwork_indices.to(self._device)
@@ -431,8 +443,11 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
         )
 
     def _network_weights(self) -> torch.Tensor:
-        if self._theta_map is None:  # restored by load_state_dict: the model's weights
-            self._theta_map = parameters_to_vector(self.params).detach()
+        if self._theta_map is None:  # after load_state_dict: the state's subnetwork MAP
+            # in the model's other weights (a state holds only the subnetwork's)
+            theta = parameters_to_vector(self.params).detach().clone()
+            theta[self._index_on_device()] = self.mean.detach().to(theta)
+            self._theta_map = theta
         return self._theta_map
 
     def _network_directions(self) -> torch.Tensor:
