@@ -53,6 +53,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
+from laplace_glas.curvature.batches import check_input_dtype, split_batch
 from laplace_glas.curvature.distributed import data_parallel
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES
 from laplace_glas.curvature.planner import Plan
@@ -226,6 +227,8 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
         if first is None and self.model.last_layer is None and data_parallel() is None:
             raise ValueError("The training loader is empty: there is no data to fit.")
         if first is not None:  # an empty shard is refused on every rank by the fit
+            inputs = split_batch(first, self.dict_key_y)[0]
+            check_input_dtype("The training inputs", inputs, self._dtype, 0)
             self.data = first
             self._find_last_layer(self.data)
             self._use_last_layer()
@@ -443,8 +446,7 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
         )
 
     def _network_weights(self) -> torch.Tensor:
-        if self._theta_map is None:  # after load_state_dict: the state's subnetwork MAP
-            # in the model's other weights (a state holds only the subnetwork's)
+        if self._theta_map is None:  # loaded: the state's subnetwork MAP in the others
             theta = parameters_to_vector(self.params).detach().clone()
             theta[self._index_on_device()] = self.mean.detach().to(theta)
             self._theta_map = theta

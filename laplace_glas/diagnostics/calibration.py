@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from laplace_glas.curvature.batches import batch_size as batch_rows
-from laplace_glas.curvature.batches import concatenate_inputs, split_batch
+from laplace_glas.curvature.batches import check_input_dtype, concatenate_inputs, split_batch
 from laplace_glas.curvature.collectives import reduce_coverage_rows
 from laplace_glas.curvature.distributed import data_parallel
 from laplace_glas.diagnostics.coverage import CoverageRow, check_sweep_arguments, coverage_table
@@ -180,6 +180,7 @@ def _gather(la: Any, loader: Iterable) -> tuple[torch.Tensor, torch.Tensor, int]
                 "Calibration needs (X, y) batches with tensor inputs or mapping batches "
                 f"(e.g. input_ids, attention_mask, labels), got inputs of type {type(X).__name__}."
             )
+        check_input_dtype("The calibration inputs", X, posterior.dtype, len(Xs))
         Xs.append(X)
         ys.append(y)
     if not Xs:
@@ -341,6 +342,7 @@ def select_dimension(
         candidate reaches the level; the best coverage achieved is then selected.
 
     """
+    fitted_posterior(la, "select_dimension")
     if la.likelihood not in ("regression", "classification"):
         raise ValueError(
             f"calibrate / select_dimension need regression or classification targets; "
@@ -401,6 +403,7 @@ def _current_row(
     generator: torch.Generator | None,
     include_noise: bool,
 ) -> CoverageRow:
+    fitted_posterior(la, "coverage / interval_width")
     level, n_samples = check_sweep_arguments(level, pred_type, n_samples, include_noise)
     pairs = [(la.n_components, la.posterior.tau, False)]
     return _all_ranks(la, loader, pairs, level, pred_type, n_samples, generator, include_noise)[0]
