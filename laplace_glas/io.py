@@ -27,6 +27,7 @@ from laplace_glas.validation import (
     positive_scalar,
     prior_precision_values,
     scalar_prior_precision,
+    scalar_value,
 )
 
 __all__ = [
@@ -211,8 +212,7 @@ def check_state(
     _check_ggn_kron(state, n_params, param_shapes)
     _count("n_data", state["n_data"])
     _count("n_outputs", state["n_outputs"])
-    loss = state["loss"]
-    if not math.isfinite(float(torch.as_tensor(loss).reshape(-1)[0])):
+    if not math.isfinite(scalar_value("state_dict['loss']", state["loss"])):
         raise ValueError("state_dict['loss'] is not finite.")
     # the checks the setters run when the state is assigned, in the model's dtype, so
     # that no setter can refuse a value halfway through the load

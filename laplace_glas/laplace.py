@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,7 +30,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from laplace_glas.curvature.backends import resolve_backend
-from laplace_glas.curvature.distributed import data_parallel, gridsearch
+from laplace_glas.curvature.collectives import gridsearch
+from laplace_glas.curvature.distributed import data_parallel
 from laplace_glas.curvature.eigenpairs import Eigenpairs
 from laplace_glas.curvature.fit import SubspaceFit
 from laplace_glas.curvature.fitting import validate_loss_fn
@@ -52,7 +54,7 @@ from laplace_glas.predictive.subspace_predictive import (
 )
 from laplace_glas.validation import (
     choice,
-    finite_targets,
+    grid_validation_data,
     laplace_arguments,
     solver_settings,
     trainable_size_and_dtype,
@@ -409,17 +411,17 @@ class ActiveSubspaceLaplace(
         progress_bar: bool = False,
     ) -> torch.Tensor:
         """laplace-torch's grid search; after a data-parallel fit the validation losses of
-        all ranks' shards are averaged (:func:`laplace_glas.curvature.distributed.gridsearch`).
+        all ranks' shards are averaged (:func:`laplace_glas.curvature.collectives.gridsearch`).
         """
-        finite_targets(val_loader, self.dict_key_y, "the grid search's validation")
         shards = data_parallel(getattr(self, "_process_group", None))
+        check = partial(grid_validation_data, val_loader, self.dict_key_y)
         if shards is None:
+            check()
             return super()._gridsearch(
                 loss, interval, val_loader, pred_type, link_approx, n_samples, progress_bar
             )
-        return gridsearch(
-            self, shards, loss, interval, val_loader, pred_type, link_approx, n_samples
-        )
+        args = (loss, interval, val_loader, pred_type, link_approx, n_samples, check)
+        return gridsearch(self, shards, *args)
 
     # ------------------------------------------------------------------ calibration
     @unchanged_on_failure

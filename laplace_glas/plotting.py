@@ -45,6 +45,22 @@ def _title(ax: Any, title: str | None, width: int = 48) -> None:
         ax.set_title(textwrap.fill(title, width), fontsize="medium")
 
 
+def _curves(value: Any, name: str, kind: str, label: str, fits: Any) -> dict[str, Any]:
+    """``value`` (one item or a mapping ``label -> item``) as a non-empty mapping whose
+    items pass ``fits``; a named error otherwise (before a figure is made).
+    """
+    items = dict(value) if isinstance(value, Mapping) else {label: value}
+    if not items:
+        raise ValueError(f"{name} is empty: give one {kind} or a mapping label -> {kind}.")
+    for key, item in items.items():
+        if not fits(item):
+            raise TypeError(
+                f"{name} must be a {kind} or a mapping label -> {kind}; the entry "
+                f"{key!r} is {type(item).__name__}."
+            )
+    return items
+
+
 def _legend_below(ax: Any) -> None:
     """Legend under the axes (x label included), where it cannot hide data."""
     handles, _ = ax.get_legend_handles_labels()
@@ -69,8 +85,8 @@ def plot_cumulative_activity(
     """
     from laplace_glas.diagnostics.activity import cumulative_activity
 
+    curves = _curves(scores, "scores", "(D,) tensor", "activity", torch.is_tensor)
     plt = _pyplot()
-    curves = scores if isinstance(scores, Mapping) else {"activity": scores}
     fig, ax = plt.subplots(figsize=(5, 4))
     for label, s in curves.items():
         n, share = cumulative_activity(s.detach().cpu())
@@ -95,7 +111,9 @@ def plot_coverage_vs_k(
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
 
-    items = selections if isinstance(selections, Mapping) else {"GLAS": selections}
+    items = _curves(
+        selections, "selections", "DimensionSelection", "GLAS", lambda s: hasattr(s, "best_per_k")
+    )
     fig, ax = plt.subplots(figsize=(5, 4))
     level = None
     for label, selection in items.items():
@@ -132,6 +150,19 @@ def plot_predictive_band(
     so in the legend (which sits below the axes, off the data); ``title`` names the
     data set.
     """
+    tensors = {"x": x, "mean": mean, "lower": lower, "upper": upper}
+    sizes = {k: v.numel() if torch.is_tensor(v) else None for k, v in tensors.items()}
+    if None in sizes.values() or len(set(sizes.values())) != 1:
+        raise ValueError(
+            "x, mean, lower and upper must be tensors of the same number of points; got "
+            + ", ".join(
+                f"{k}: {tuple(v.shape) if torch.is_tensor(v) else type(v).__name__}"
+                for k, v in tensors.items()
+            )
+            + "."
+        )
+    if not isinstance(level, (int, float)) or not 0 < level < 1:
+        raise ValueError(f"level must be a number in (0, 1), got {level!r}.")
     plt = _pyplot()
     x, mean, lower, upper = (t.detach().cpu().reshape(-1).numpy() for t in (x, mean, lower, upper))
     order = x.argsort()
@@ -175,6 +206,8 @@ def plot_alignment(
     """
     if complement not in ("zero", "prior"):
         raise ValueError(f"complement must be 'zero' or 'prior', got {complement!r}.")
+    fits = lambda a: hasattr(a, "captured") and hasattr(a, "combined")  # noqa: E731
+    alignments = _curves(alignments, "alignments", "Alignment", "GLAS", fits)
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5, 4.4))
     for label, result in alignments.items():

@@ -53,6 +53,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
+from laplace_glas.curvature.batches import check_input_dtype, split_batch
 from laplace_glas.curvature.distributed import data_parallel
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES
 from laplace_glas.curvature.planner import Plan
@@ -226,6 +227,8 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
         if first is None and self.model.last_layer is None and data_parallel() is None:
             raise ValueError("The training loader is empty: there is no data to fit.")
         if first is not None:  # an empty shard is refused on every rank by the fit
+            inputs = split_batch(first, self.dict_key_y)[0]
+            check_input_dtype("The training inputs", inputs, self._dtype, 0)
             self.data = first
             self._find_last_layer(self.data)
             self._use_last_layer()
@@ -416,6 +419,18 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
         """
         check_subnetwork_indices(self.subnetwork_indices, state_dict)
         super().load_state_dict(state_dict)
+        self._theta_map = None  # rebuilt from the state's subnetwork MAP when needed
+
+    def optimize_prior_precision(self, *args: Any, **kwargs: Any) -> None:
+        """:meth:`ActiveSubspaceLaplace.optimize_prior_precision`; only a scalar prior."""
+        structure = kwargs.get("prior_structure", args[5] if len(args) > 5 else "scalar")
+        if str(getattr(structure, "value", structure)) != "scalar":
+            raise ValueError(
+                f"prior_structure={str(getattr(structure, 'value', structure))!r} is not "
+                "implemented for SubnetActiveSubspaceLaplace (its directions are embedded "
+                "in the network): use prior_structure='scalar'."
+            )
+        return super().optimize_prior_precision(*args, **kwargs)
 
     def _index_on_device(self) -> torch.Tensor:
         return self.subnetwork_indices.to(self._device)
@@ -431,8 +446,10 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
         )
 
     def _network_weights(self) -> torch.Tensor:
-        if self._theta_map is None:  # restored by load_state_dict: the model's weights
-            self._theta_map = parameters_to_vector(self.params).detach()
+        if self._theta_map is None:  # loaded: the state's subnetwork MAP in the others
+            theta = parameters_to_vector(self.params).detach().clone()
+            theta[self._index_on_device()] = self.mean.detach().to(theta)
+            self._theta_map = theta
         return self._theta_map
 
     def _network_directions(self) -> torch.Tensor:

@@ -494,3 +494,30 @@ def finite_targets(loader: Iterable, dict_key_y: str, what: str) -> None:
                 f"The targets of {what} data contain NaN or inf: every prior precision "
                 "would score alike."
             )
+
+
+def grid_validation_data(loader: Iterable, dict_key_y: str) -> None:
+    """The grid search's validation ``loader`` is not empty and its floating targets are
+    finite; a ``ValueError`` naming the problem otherwise.
+    """
+    if next(iter(loader), None) is None:
+        raise ValueError("val_loader is empty: there is nothing to score the grid on.")
+    finite_targets(loader, dict_key_y, "the grid search's validation")
+
+
+def grid_bounds_and_loss(log_min: Any, log_max: Any, loss: Any) -> None:
+    """The grid search's exponent bounds are finite reals with ``log_min < log_max`` and
+    its ``loss`` is ``None`` or a callable (a torchmetrics ``Metric`` is one); a named
+    error otherwise.
+    """
+    log_min = finite_number("log_prior_prec_min", log_min)
+    log_max = finite_number("log_prior_prec_max", log_max)
+    if loss is not None and not callable(loss):
+        raise ArgumentTypeError(
+            "loss must be a torchmetrics.Metric or a callable (preds, targets) -> float, "
+            f"got {type(loss).__name__} ({loss!r})."
+        )
+    if not log_min < log_max:
+        raise ValueError(
+            f"log_prior_prec_min must be below log_prior_prec_max, got {log_min} and {log_max}."
+        )

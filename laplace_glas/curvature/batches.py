@@ -20,6 +20,7 @@ __all__ = [
     "batch_size",
     "batch_to_device",
     "check_finite",
+    "check_input_dtype",
     "concatenate_inputs",
     "dataset_size",
     "split_batch",
@@ -126,6 +127,19 @@ def check_finite(what: str, tensor: Any, batch_index: int) -> None:
     if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
         if not torch.isfinite(tensor).all():
             raise ValueError(f"{what} of batch {batch_index} contains NaN or inf.")
+
+
+def check_input_dtype(what: str, X: Any, dtype: torch.dtype, batch_index: int) -> None:
+    """Raise a ``TypeError`` naming the conversion if a floating input tensor is not in
+    the model's ``dtype`` (a float64 batch for a float32 model fails inside the first
+    layer otherwise).
+    """
+    if isinstance(X, torch.Tensor) and X.is_floating_point() and X.dtype != dtype:
+        have, want = (str(t).replace("torch.", "") for t in (X.dtype, dtype))
+        raise TypeError(
+            f"{what} of batch {batch_index} are {have} but the model's parameters are "
+            f"{want}: convert the data (x.to(torch.{want})) or the model (model.to(torch.{have}))."
+        )
 
 
 def batch_to_device(X: Any, device: torch.device | str) -> Any:

@@ -28,7 +28,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from laplace_glas.curvature.batches import split_batch
-from laplace_glas.curvature.distributed import Shards, all_reduce_sum
+from laplace_glas.curvature.distributed import Shards, all_reduce_sum, flag_failure
 
 __all__ = ["ggn_diagonal"]
 
@@ -81,17 +81,28 @@ def ggn_diagonal(
         else nn.CrossEntropyLoss(reduction="sum")
     )
     factor = 0.5 if likelihood == "regression" else 1.0
-    total = None
-    for batch in tqdm(loader, disable=not progress_bar, desc="GGN diagonal"):
-        X, y = _batch_for_diagonal(batch, likelihood, ignore_index, dict_key_y, device)
-        if X is None:
-            continue
-        diagonal = _batch_diagonal(network, params, loss_fn, X, y) * factor
-        total = diagonal if total is None else total + diagonal
+    total, error = None, None
+    try:  # a rank whose pass fails still takes part in the all-reduce (flagged)
+        for batch in tqdm(loader, disable=not progress_bar, desc="GGN diagonal"):
+            X, y = _batch_for_diagonal(batch, likelihood, ignore_index, dict_key_y, device)
+            if X is None:
+                continue
+            diagonal = _batch_diagonal(network, params, loss_fn, X, y) * factor
+            total = diagonal if total is None else total + diagonal
+    except Exception as err:
+        if shards is None:
+            raise
+        total, error = None, err
     if total is None:
         total = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
         if shards is None:
             raise ValueError("The loader has no scored targets: there is no GGN diagonal.")
+    if shards is None:
+        return total.to(device)
+    # the status first, in the layout of the fit's other once-per-fit collectives: a
+    # rank that failed in an earlier step of the fit meets the others here
+    step = "computing the GGN diagonal of complement='diag'"
+    flag_failure(shards, device, error, step, "no rank fits")
     return all_reduce_sum(total.to(device), shards)
 
 

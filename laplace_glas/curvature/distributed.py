@@ -15,14 +15,26 @@ result. Likewise the loss at the MAP and ``N`` are summed once per fit, and the
 calibration's coverage, width and NLL are weighted means whose numerators and counts
 are summed once per sweep.
 
-Communication per data pass: one all-reduce of ``D * m + W`` numbers in the model's
-dtype (``m = 1`` for Lanczos, ``block_size`` for the block solver; ``W`` failure flags),
-i.e. ``D m itemsize`` bytes of payload; a ring all-reduce sends and receives
-``2 (W - 1) / W`` times that per rank. Once per fit: the agreement on settings and
-weights (an all-gather of ``1 + 5 S + 6`` float64 for ``S`` settings), the loss and
-``N`` with one failure flag per rank (``2 + W`` float64), the factored-operator
-agreement (``1 + W`` int64) and the broadcast of the eigenpairs from rank 0 (``(D + 4) k``
-numbers).
+Communication per data pass: the ranks' status (one all-reduce of ``W`` int64 failure
+flags), then one all-reduce of ``D * m`` numbers in the model's dtype (``m = 1`` for
+Lanczos, ``block_size`` for the block solver), i.e. ``D m itemsize`` bytes of payload; a
+ring all-reduce sends and receives ``2 (W - 1) / W`` times that per rank. Once per fit:
+the agreement on settings and weights (an all-gather of ``1 + 5 S + 6`` float64 for
+``S`` settings), the loss and ``N`` with one failure flag per rank (``2 + W`` float64),
+the factored-operator agreement (``1 + W`` int64), the closing status of the solve
+(``W`` int64) and the broadcast of the eigenpairs from rank 0 (``(D + 4) k`` numbers).
+
+Faults: every collective carries one failure flag per rank, so that a rank whose data
+pass or solve fails (its loader raises, ARPACK or the block solver fails between
+products, its ``complement='diag'`` pass fails) raises its error and every other rank a
+``RuntimeError`` naming it, at the next collective, while the failed process lives on;
+the status sent before each product has the same size whatever the product's width, so
+a rank that fails between products meets the others in it (or in the closing status).
+A rank that exits or is killed closes its connections: the others' next collective
+fails at once (gloo's "Connection closed by peer"), re-raised as a ``RuntimeError``
+that says so. A rank that lives on but never reaches the next collective (a hung
+loader) is only caught by the process group's ``timeout`` (``init_process_group(...,
+timeout=datetime.timedelta(seconds=...))``; 30 minutes by default for gloo).
 
 Identical eigenpairs: every rank runs the *same* dense steps (ARPACK's or the block
 solver's Rayleigh-Ritz and restarts) on the *same* all-reduced products from the same
@@ -55,14 +67,11 @@ on every rank.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from laplace.utils.utils import validate
 
 from laplace_glas.curvature.agreement import failed_ranks
 from laplace_glas.curvature.fitting import MapLoss
@@ -81,8 +90,8 @@ __all__ = [
     "broadcast_eigenpairs",
     "data_parallel",
     "distribute_operator",
-    "gridsearch",
-    "reduce_coverage_rows",
+    "flag_failure",
+    "flagged_sum",
     "reduce_map_loss",
     "sum_count",
 ]
@@ -144,9 +153,57 @@ def data_parallel(process_group: Any = None) -> Shards | None:
     return Shards(process_group, world_size, dist.get_rank(process_group))
 
 
+def _collective(call: Any, name: str) -> None:
+    """``call()``, a ``torch.distributed`` collective; a backend failure (a rank that
+    exited or lost its connection: gloo's "Connection closed by peer") is re-raised as a
+    ``RuntimeError`` that says so. A rank that lives on but never arrives is only caught
+    by the process group's ``timeout`` (``init_process_group(timeout=...)``).
+    """
+    try:
+        call()
+    except Exception as err:
+        head = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        raise RuntimeError(
+            f"torch.distributed's {name} failed ({type(err).__name__}: {head}): another "
+            "rank has probably exited or lost its connection (see its output); no rank "
+            "returns a result."
+        ) from err
+
+
 def _all_reduce(tensor: torch.Tensor, shards: Shards, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    dist.all_reduce(tensor, op=op, group=shards.group)
+    _collective(lambda: dist.all_reduce(tensor, op=op, group=shards.group), "all-reduce")
     return tensor
+
+
+def flagged_sum(
+    values: torch.Tensor,
+    shards: Shards,
+    *,
+    error: Exception | None = None,
+    step: str,
+    result: str = "no rank returns a result",
+) -> torch.Tensor:
+    """``sum_r values_r`` with one failure flag per rank in the same all-reduce.
+
+    A rank that failed (``error``; its ``values`` are zeros of the agreed shape) sets
+    its flag and raises ``error`` after the all-reduce; the other ranks raise a
+    ``RuntimeError`` naming it (``step``: what they were doing), so that no rank waits
+    for a collective the failed one never joins.
+    """
+    n = values.numel()
+    packed = torch.cat([values.reshape(-1), values.new_zeros(shards.world_size)])
+    if error is not None:
+        packed[n + shards.rank] = 1
+    _all_reduce(packed, shards)
+    if error is not None:
+        raise error
+    failed = failed_ranks(packed[n:])
+    if failed:
+        raise RuntimeError(
+            f"Rank(s) {', '.join(map(str, failed))} failed (see the error there) while this "
+            f"rank was {step}: {result}."
+        )
+    return packed[:n].reshape(values.shape)
 
 
 def all_reduce_sum(tensor: torch.Tensor, shards: Shards | None) -> torch.Tensor:
@@ -157,7 +214,12 @@ def all_reduce_sum(tensor: torch.Tensor, shards: Shards | None) -> torch.Tensor:
 
 
 def _flagged_sum(
-    value: int, shards: Shards, device: Any, error: Exception | None, step: str
+    value: int,
+    shards: Shards,
+    device: Any,
+    error: Exception | None,
+    step: str,
+    result: str = "no rank returns eigenpairs",
 ) -> int:
     """``sum_r value_r`` from one all-reduce of ``1 + W`` int64 with a failure flag per
     rank: a rank that failed (``error``) sets its flag and raises ``error`` after the
@@ -169,16 +231,27 @@ def _flagged_sum(
     flags[0] = int(value)
     if error is not None:
         flags[1 + shards.rank] = 1
-    dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=shards.group)
+    _all_reduce(flags, shards)
     if error is not None:
         raise error
     failed = failed_ranks(flags[1:])
     if failed:
         raise RuntimeError(
             f"Rank(s) {', '.join(map(str, failed))} failed (see the error there) while this "
-            f"rank was {step}: no rank returns eigenpairs."
+            f"rank was {step}: {result}."
         )
     return int(flags[0])
+
+
+def flag_failure(
+    shards: Shards, device: Any, error: Exception | None, step: str, result: str
+) -> None:
+    """The once-per-fit status of the ranks (one all-reduce of ``1 + W`` int64, the
+    layout of :func:`sum_count` and :func:`agree_on_operator`): ``error`` is raised on
+    this rank and a ``RuntimeError`` naming it on the others (``step``: what they were
+    doing; ``result``: what no rank returns).
+    """
+    _flagged_sum(0, shards, device, error, step, result)
 
 
 def sum_count(
@@ -272,8 +345,9 @@ class AllReducedGGN(TorchOperator):
 
     Notes
     -----
-    Each call moves one ``(D, m)`` all-reduce: ``D m itemsize`` bytes of payload, counted
-    in ``bytes_reduced``; ``n_reductions`` counts the calls (data passes).
+    Each call moves the ranks' status (``W`` flags) and one ``(D, m)`` all-reduce:
+    ``D m itemsize`` bytes of payload, counted in ``bytes_reduced``; ``n_reductions``
+    counts the calls (data passes). :meth:`close` ends the solve on every rank.
     ``to_scipy`` returns the operator itself so that the block solver keeps torch
     tensors and Lanczos gets NumPy arrays.
 
@@ -287,18 +361,38 @@ class AllReducedGGN(TorchOperator):
         self.device = torch.device(device)
         self.n_reductions = 0
         self.bytes_reduced = 0
+        self.reported = False
 
     def to_scipy(self, dtype: Any = None) -> AllReducedGGN:
         """The operator itself (it already speaks NumPy and torch)."""
         return self
 
-    def matmat_torch(self, V: torch.Tensor) -> torch.Tensor:
-        """``sum_r G_r V`` for ``V (D, m)`` (one all-reduce).
+    def _status(self, error: Exception | None, where: str) -> None:
+        """One all-reduce of ``W`` int64 failure flags: raises ``error`` on the rank that
+        failed and a ``RuntimeError`` naming it on the others (after which every rank
+        leaves the solve: ``reported``).
+        """
+        flags = torch.zeros(self.shards.world_size, dtype=torch.int64, device=self.device)
+        if error is not None:
+            flags[self.shards.rank] = 1
+        _all_reduce(flags, self.shards)
+        failed = failed_ranks(flags)
+        self.reported = bool(failed)
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(
+                f"The eigen-solve failed on rank(s) {', '.join(map(str, failed))} (see the "
+                f"error there) {where}: no rank returns eigenpairs."
+            )
 
-        A rank whose local product fails (e.g. its loader raises) still takes part in
-        the all-reduce, with its entry of the ``W`` failure flags sent with the product
-        set, and raises its error after it; the other ranks raise a ``RuntimeError``
-        naming it, so that no rank waits for the next product.
+    def matmat_torch(self, V: torch.Tensor) -> torch.Tensor:
+        """``sum_r G_r V`` for ``V (D, m)``: the ranks' status (``W`` flags), then the
+        product (one all-reduce of ``D m`` numbers).
+
+        A rank whose local product fails (e.g. its loader raises) sets its flag in the
+        status and raises its error; the other ranks raise a ``RuntimeError`` naming it,
+        so that no rank waits for the next product.
         """
         V = V.to(device=self.device, dtype=self.torch_dtype)
         shape, error = (self.shape[0], V.shape[1]), None
@@ -307,26 +401,26 @@ class AllReducedGGN(TorchOperator):
                 GV = self.local.matmat_torch(V)
             else:
                 GV = self.local @ V
-            GV = GV.to(device=self.device, dtype=self.torch_dtype).reshape(shape)
+            GV = GV.to(device=self.device, dtype=self.torch_dtype).reshape(shape).contiguous()
         except Exception as err:
-            GV, error = torch.zeros(shape, dtype=self.torch_dtype, device=self.device), err
-        world = self.shards.world_size
-        packed = torch.cat([GV.reshape(-1), GV.new_zeros(world)])
-        if error is not None:
-            packed[GV.numel() + self.shards.rank] = 1
-        _all_reduce(packed, self.shards)
+            error = err
+        self._status(error, f"at GGN product {self.n_reductions + 1}")
+        _all_reduce(GV, self.shards)
         self.n_reductions += 1
         self.bytes_reduced += GV.numel() * GV.element_size()
-        if error is not None:
+        return GV
+
+    def close(self, error: Exception | None = None) -> None:
+        """Every rank calls this once after its solve (one status all-reduce).
+
+        ``error``: the solve failed on this rank outside a product (in ARPACK's or the
+        block solver's own arithmetic, or the residual check): it reaches the other
+        ranks, which are then waiting in their next product's status or in this one.
+        An error that the ranks already exchanged (``reported``) is raised as it is.
+        """
+        if error is not None and self.reported:
             raise error
-        failed = failed_ranks(packed[GV.numel() :])
-        if failed:
-            raise RuntimeError(
-                f"GGN product {self.n_reductions} of the eigen-solve failed on rank(s) "
-                f"{', '.join(map(str, failed))} (see the error there): no rank returns "
-                "eigenpairs."
-            )
-        return packed[: GV.numel()].reshape(shape)
+        self._status(error, f"after GGN product {self.n_reductions} on this rank")
 
 
 def distribute_operator(plan: Any, problem: Any, error: Exception | None = None) -> Any:
@@ -384,7 +478,7 @@ def broadcast_eigenpairs(eig: Any, shards: Shards | None) -> Any:
         [eig.values, eig.residuals, eig.raw_values, eig.below_threshold.to(eig.values.dtype)]
     )
     packed = torch.cat([values, eig.vectors]).contiguous()  # (4 + D, k)
-    dist.broadcast(packed, src=shards.source, group=shards.group)
+    _collective(lambda: dist.broadcast(packed, src=shards.source, group=shards.group), "broadcast")
     return replace(
         eig,
         values=packed[0].clone(),
@@ -393,77 +487,3 @@ def broadcast_eigenpairs(eig: Any, shards: Shards | None) -> Any:
         below_threshold=packed[3] > 0,
         vectors=packed[4:].clone(),
     )
-
-
-def reduce_coverage_rows(
-    rows: Sequence[Any], n_local: int, shards: Shards | None, device: torch.device | str = "cpu"
-) -> list[Any]:
-    """Coverage rows of the whole calibration set from every rank's rows.
-
-    Each row's ``coverage``, ``mean_width`` and ``nll`` are means over the ``n_r``
-    scored targets of rank ``r``; the global mean is ``sum_r n_r m_r / sum_r n_r``
-    (one all-reduce of ``3 * len(rows) + 1`` float64). The rows (candidates) must be
-    the same on every rank.
-    """
-    if shards is None:
-        return list(rows)
-    local = torch.tensor(
-        [[n_local * r.coverage, n_local * r.mean_width, n_local * r.nll] for r in rows]
-        + [[float(n_local), 0.0, 0.0]],
-        dtype=torch.float64,
-    )
-    total = _all_reduce(local.to(device), shards).cpu()
-    n = float(total[-1, 0])
-    return [
-        replace(r, coverage=float(t[0]) / n, mean_width=float(t[1]) / n, nll=float(t[2]) / n)
-        for r, t in zip(rows, total[:-1], strict=True)
-    ]
-
-
-def gridsearch(
-    la: Any,
-    shards: Shards,
-    loss: Any,
-    interval: Sequence[Any],
-    val_loader: Any,
-    pred_type: Any,
-    link_approx: Any,
-    n_samples: int,
-) -> Any:
-    """laplace-torch's prior-precision grid search over every rank's validation shard.
-
-    Each rank scores every prior precision ``tau`` with laplace-torch's ``validate`` on
-    its shard (``m_r(tau)``, a mean over its ``n_r`` points); the grid's losses
-    ``sum_r n_r m_r(tau) / sum_r n_r`` come from one all-reduce of ``len(interval) + 1``
-    float64, so every rank picks the same ``tau``. ``loss`` must be a mean over the
-    validation points (laplace-torch's defaults, MSE and NLL, are).
-    """
-    results = []
-    for tau in interval:
-        la.prior_precision = tau
-        try:
-            results.append(
-                validate(
-                    la,
-                    val_loader,
-                    loss,
-                    pred_type=pred_type,
-                    link_approx=link_approx,
-                    n_samples=n_samples,
-                    dict_key_y=la.dict_key_y,
-                )
-            )
-        except np.linalg.LinAlgError:  # laplace-torch's handling of a failed grid point
-            results.append(float("inf"))
-        except RuntimeError as err:
-            if "not positive definite" not in str(err):
-                raise
-            results.append(float("inf"))
-    n_local = 0
-    for data in val_loader:
-        y = data[la.dict_key_y] if isinstance(data, MutableMapping) else data[1]
-        n_local += int(y.shape[0])
-    local = torch.tensor([*(n_local * r for r in results), n_local], dtype=torch.float64)
-    total = _all_reduce(local.to(la.posterior.device), shards).cpu()
-    means = total[:-1] / total[-1]
-    return interval[int(torch.argmin(means))]

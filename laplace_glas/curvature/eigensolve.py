@@ -156,6 +156,12 @@ def _checked_solver(operator: GGNLinearOperator | LinearOperator, k: int, solver
     """The solver for ``k`` pairs of ``operator`` (``'auto'`` resolved), after checking
     ``k`` and the solver.
     """
+    shape = getattr(operator, "shape", None)
+    if shape is None or len(shape) != 2 or shape[0] != shape[1]:
+        raise TypeError(
+            "operator must be a square linear operator (a curvlinops / SciPy operator, "
+            f"FactoredGGN, LinearizedGGN or a square tensor), got {type(operator).__name__}."
+        )
     D = operator.shape[0]
     if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
         raise TypeError(f"k must be an int, got {type(k).__name__}.")

@@ -42,7 +42,7 @@ from laplace_glas.curvature.distributed import (
 from laplace_glas.curvature.eigenpairs import Eigenpairs, NumericalRankWarning
 from laplace_glas.curvature.eigensolve import compute_eigenpairs
 from laplace_glas.curvature.fitting import MapLoss, loss_at_map
-from laplace_glas.curvature.kron import ggn_kron, kron_refusal
+from laplace_glas.curvature.kron import ggn_kron
 from laplace_glas.curvature.operators.updated import StoredCurvature, add_stored_curvature
 from laplace_glas.curvature.planner import Plan, plan_solve
 from laplace_glas.curvature.problem import CurvatureProblem
@@ -52,6 +52,7 @@ from laplace_glas.validation import (
     positive_int,
     reiterable,
     tolerance,
+    trainable_size_and_dtype,
 )
 from laplace_glas.validation import (
     memory_budget as checked_budget,
@@ -195,29 +196,12 @@ class SubspaceFit(FitAgreement):
                 "GGN products; use drop_last=False."
             )
         reiterable("train_loader", train_loader)
+        trainable_size_and_dtype(self.model)  # e.g. moved to the 'meta' device since
         self.model.eval()
         k = self._validate_n_components(
             self.H[0].shape[1] if update else self._n_components, self.n_params
         )
         return update, show, k
-
-    def _complement_refusal(
-        self, complement: str, shards: Shards | None, update: bool
-    ) -> str | None:
-        """Why ``fit`` cannot compute ``complement``'s curvature here (None: it can)."""
-        refusal = self._static_complement_refusal(complement, self.curvature.kind, self.loss_fn)
-        if refusal is not None or complement not in ("diag", "kron"):
-            return refusal
-        if complement == "kron":
-            return kron_refusal(self.model, shards) if not update else (
-                "fit(override=False) with complement='kron' is not supported yet (KFAC's "
-                "factors of two data sets do not add up to the union's): refit with "
-                "override=True on all of the data."
-            )  # fmt: skip
-        return None if not update or getattr(self, "_ggn_diagonal", None) is not None else (
-            "fit(override=False) with complement='diag' needs the GGN diagonal of the "
-            "stored fit, which was fitted with another complement: refit with override=True."
-        )  # fmt: skip
 
     def _complement_pass(
         self, loader: Any, shards: Shards | None, show: bool, update: bool
@@ -445,27 +429,52 @@ class SubspaceFit(FitAgreement):
             except Exception as err:
                 error = err
             plan = distribute_operator(plan, problem, error)
-            if stored is not None:  # fit(override=False): add to the stored curvature
-                plan = add_stored_curvature(plan, stored, problem.n_loader_terms, self._dtype)
-            eig = compute_eigenpairs(
-                plan.operator,
-                k,
-                scale=plan.scale,
-                dtype=self._dtype,
-                device=self._device,
-                tol=self.tol if tol is None else tol,
-                maxiter=self.maxiter if maxiter is None else maxiter,
-                ncv=ncv,
-                generator=generator,
-                rank_threshold=self.rank_threshold,
-                n_data=plan.n_data,
-                progress_bar=problem.progress_bar,
-                solver=plan.solver,
-                block_size=self.block_size,
-                operator_name=plan.operator_name,
-            )
+            reduced = plan.operator  # an AllReducedGGN when problem.shards is set
+            try:  # a rank whose solve fails between products tells the others (close)
+                eig, plan = self._eigenpairs_of(
+                    plan, problem, k, generator, stored, tol, maxiter, ncv
+                )
+            except Exception as err:
+                if problem.shards is None:
+                    raise
+                reduced.close(err)
+            if problem.shards is not None:
+                reduced.close()
         eig = replace(eig, plan={**plan.summary(), "solver": eig.solver})
         return broadcast_eigenpairs(eig, problem.shards)
+
+    def _eigenpairs_of(
+        self,
+        plan: Plan,
+        problem: CurvatureProblem,
+        k: int,
+        generator: torch.Generator,
+        stored: StoredCurvature | None,
+        tol: float | None,
+        maxiter: int | None,
+        ncv: int,
+    ) -> tuple[Eigenpairs, Plan]:
+        """:func:`compute_eigenpairs` of ``plan`` (plus ``stored``) and the plan solved."""
+        if stored is not None:  # fit(override=False): add to the stored curvature
+            plan = add_stored_curvature(plan, stored, problem.n_loader_terms, self._dtype)
+        eig = compute_eigenpairs(
+            plan.operator,
+            k,
+            scale=plan.scale,
+            dtype=self._dtype,
+            device=self._device,
+            tol=self.tol if tol is None else tol,
+            maxiter=self.maxiter if maxiter is None else maxiter,
+            ncv=ncv,
+            generator=generator,
+            rank_threshold=self.rank_threshold,
+            n_data=plan.n_data,
+            progress_bar=problem.progress_bar,
+            solver=plan.solver,
+            block_size=self.block_size,
+            operator_name=plan.operator_name,
+        )
+        return eig, plan
 
     def _plan(self, problem: CurvatureProblem, k: int, ncv: int | None = None) -> Plan:
         """The operator and solver for ``problem`` with this posterior's ``solver``,

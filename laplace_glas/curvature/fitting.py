@@ -30,7 +30,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from laplace_glas.autodiff.context import autodiff_friendly
-from laplace_glas.curvature.batches import batch_size, check_finite, split_batch
+from laplace_glas.curvature.batches import batch_size, check_finite, check_input_dtype, split_batch
 from laplace_glas.curvature.losses import TokenCrossEntropy, count_targets
 from laplace_glas.validation import check_model_output
 
@@ -100,6 +100,7 @@ def loss_at_map(
         X = X.to(device) if isinstance(X, torch.Tensor) else X
         y = y.to(device)
         check_finite("The training inputs", X, i)
+        check_input_dtype("The training inputs", X, dtype, i)
         check_finite("The training targets", y, i)
         with autodiff_friendly(model):
             out = check_model_output(model(X))

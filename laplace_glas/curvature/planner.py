@@ -240,7 +240,7 @@ def plan_solve(
     built = _factored(problem, solver, budget)
     if isinstance(built, Plan):
         return built
-    reasons = [reason for reason in (jacobian, built) if reason]
+    reasons = [built]  # the Jacobian is an optimisation: its refusal is no fallback
     linearized = _linearized(problem, budget)
     if isinstance(linearized, str):
         reasons.append(linearized)
@@ -292,7 +292,8 @@ def _jacobian(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
     Tried first: no pass over the data when the estimate from
     :func:`estimate_jacobian_bytes` (``N R D s`` in the factored formulas) exceeds the
     budget; the build stops after the first batch when the Jacobians take more memory
-    than the factored operator's factors would (its estimate is then dropped).
+    than the factored operator's factors would. Its estimate is recorded (and so may be
+    named as the smallest budget that works) only once the build succeeded.
     """
     if solver == "factored":
         return ""
@@ -302,7 +303,7 @@ def _jacobian(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
     )
     lanczos, dual = budget.factored_peaks(rows, 0, 1, rows // (problem.n_params * s))
     best = min(lanczos, dual) if wants_dual and dual is not None else lanczos
-    if not budget.record("jacobian", best):
+    if best > budget.total:  # not recorded: the model may not allow this strategy at all
         return (
             f"explicit Jacobians' estimated peak {format_bytes(best)} exceeds the memory "
             f"budget {format_bytes(budget.total)}"
@@ -322,7 +323,6 @@ def _jacobian(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
         progress_bar=problem.progress_bar,
     )
     if isinstance(built, str):
-        budget.estimates.pop("jacobian", None)  # not this model's strategy at any budget
         return built
     rows = built.J.numel() * built.J.element_size()
     lanczos, dual = budget.factored_peaks(rows, 0, 1, built.n_examples * built.n_rows)

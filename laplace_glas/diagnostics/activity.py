@@ -62,6 +62,11 @@ def activity_scores(la: Any, k: int | None = None, weighting: str = "eigenvalue"
     return (U.square() @ weights).detach()
 
 
+def _tensor(name: str, value: Any) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}.")
+
+
 def per_parameter(la: Any, scores: torch.Tensor) -> dict[str, float]:
     """Total score per named parameter tensor (layer weights, biases), in model order.
 
@@ -70,6 +75,7 @@ def per_parameter(la: Any, scores: torch.Tensor) -> dict[str, float]:
     the tensor its weights belong to (tensors outside the subnetwork total 0).
     """
     posterior = fitted_posterior(la, "per_parameter")
+    _tensor("scores", scores)
     if scores.shape != (la.n_params,):
         raise ValueError(f"scores must have shape ({la.n_params},), got {tuple(scores.shape)}.")
     if not torch.isfinite(scores).all():
@@ -94,6 +100,7 @@ def cumulative_activity(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     fraction of ``sum(scores)`` carried by the ``n`` largest scores (plot on log-log
     axes to see how localised the subspace is).
     """
+    _tensor("scores", scores)
     if scores.ndim != 1 or scores.numel() == 0:
         raise ValueError("scores must be a non-empty 1-D tensor.")
     if not torch.isfinite(scores).all():
@@ -112,8 +119,8 @@ def cumulative_activity(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 def weights_for_share(scores: torch.Tensor, share: float = 0.95) -> tuple[int, float]:
     """Smallest number (and fraction) of weights whose scores carry ``share`` of the total."""
-    if not 0 < share <= 1:
-        raise ValueError(f"share must lie in (0, 1], got {share}.")
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise ValueError(f"share must be a number in (0, 1], got {share!r}.")
     _, cumulative = cumulative_activity(scores)
     count = (
         int(torch.searchsorted(cumulative, torch.tensor(share - 1e-12, dtype=torch.float64))) + 1

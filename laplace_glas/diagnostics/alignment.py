@@ -240,6 +240,11 @@ def alignment(
     per_output = flag("per_output", per_output)
     progress_bar = flag("progress_bar", progress_bar)
     chunk_size = positive_int("chunk_size", chunk_size)
+    if not isinstance(x, (torch.Tensor, Mapping)):
+        raise TypeError(
+            "x must be a tensor of inputs (batch, ...) or a mapping with them under "
+            f"la.dict_key_x, got {type(x).__name__}."
+        )
     posterior.check_inputs(x)
     posterior.check_fitted_weights()
     x = posterior.to_device(x)

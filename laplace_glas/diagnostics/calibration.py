@@ -51,13 +51,14 @@ from typing import Any
 import torch
 
 from laplace_glas.curvature.batches import batch_size as batch_rows
-from laplace_glas.curvature.batches import concatenate_inputs, split_batch
-from laplace_glas.curvature.distributed import data_parallel, reduce_coverage_rows
+from laplace_glas.curvature.batches import check_input_dtype, concatenate_inputs, split_batch
+from laplace_glas.curvature.collectives import reduce_coverage_rows
+from laplace_glas.curvature.distributed import data_parallel
 from laplace_glas.diagnostics.coverage import CoverageRow, check_sweep_arguments, coverage_table
 from laplace_glas.posterior.closed_forms import optimal_prior_precision
 from laplace_glas.posterior.complement import optimal_complement_prior_precision
 from laplace_glas.posterior.view import FittedPosterior, fitted_posterior
-from laplace_glas.validation import flag
+from laplace_glas.validation import ArgumentTypeError, flag, scalar_value
 
 __all__ = [
     "CoverageNotReachedWarning",
@@ -179,6 +180,7 @@ def _gather(la: Any, loader: Iterable) -> tuple[torch.Tensor, torch.Tensor, int]
                 "Calibration needs (X, y) batches with tensor inputs or mapping batches "
                 f"(e.g. input_ids, attention_mask, labels), got inputs of type {type(X).__name__}."
             )
+        check_input_dtype("The calibration inputs", X, posterior.dtype, len(Xs))
         Xs.append(X)
         ys.append(y)
     if not Xs:
@@ -210,6 +212,25 @@ def _pad_time_axis(t: torch.Tensor, length: int, value: float) -> torch.Tensor:
     return torch.nn.functional.pad(t, padding, value=value)
 
 
+def _prior_precision_grid(prior_precisions: Any) -> list[float]:
+    """``prior_precisions`` as a list of floats: a sequence of real numbers or a 1-d
+    tensor; an ``ArgumentTypeError`` naming the entry otherwise.
+    """
+    if isinstance(prior_precisions, torch.Tensor) and prior_precisions.dim() > 1:
+        raise ArgumentTypeError(
+            "prior_precisions must be a sequence of positive numbers or a 1-d tensor, got "
+            f"a tensor of shape {tuple(prior_precisions.shape)}."
+        )
+    if isinstance(prior_precisions, torch.Tensor):
+        prior_precisions = list(prior_precisions.reshape(-1))
+    if isinstance(prior_precisions, (str, bytes)) or not isinstance(prior_precisions, Iterable):
+        raise ArgumentTypeError(
+            "prior_precisions must be a sequence of positive numbers or a 1-d tensor, got "
+            f"{type(prior_precisions).__name__} ({prior_precisions!r})."
+        )
+    return [scalar_value(f"prior_precisions[{i}]", t) for i, t in enumerate(prior_precisions)]
+
+
 def _candidates(
     la: Any, ks: Sequence[int], prior_precisions: Iterable[float] | None, empirical_bayes: bool
 ) -> list[tuple[int, float, bool]]:
@@ -218,7 +239,7 @@ def _candidates(
     curvature = posterior.curvature[: max(ks)].detach()
     square_norm = float((la.mean - la.prior_mean).detach().square().sum())
     if prior_precisions is not None:
-        grid = [float(t) for t in prior_precisions]
+        grid = _prior_precision_grid(prior_precisions)
     else:  # the posterior's own prior: tau, or None for a layerwise / diagonal one
         grid = [posterior.tau]
     if any(t is not None and not (t > 0 and math.isfinite(t)) for t in grid):
@@ -322,6 +343,7 @@ def select_dimension(
         candidate reaches the level; the best coverage achieved is then selected.
 
     """
+    fitted_posterior(la, "select_dimension")
     if la.likelihood not in ("regression", "classification"):
         raise ValueError(
             f"calibrate / select_dimension need regression or classification targets; "
@@ -333,12 +355,9 @@ def select_dimension(
     )
     flag("empirical_bayes", empirical_bayes)
     ks = _validate_ks(la, ks)
-    X, y, batch_size = _gather(la, calib_loader)
     pairs = _candidates(la, ks, prior_precisions, empirical_bayes)
-    rows = coverage_table(
-        la, X, y, pairs, coverage, pred_type, n_samples, generator, include_noise, batch_size
-    )
-    rows = _all_ranks(la, rows, y)
+    args = (pairs, coverage, pred_type, n_samples, generator, include_noise)
+    rows = _all_ranks(la, calib_loader, *args)
     reaching = [r for r in rows if r.coverage >= coverage]
     if reaching:
         k_min = min(r.k for r in reaching)
@@ -385,30 +404,37 @@ def _current_row(
     generator: torch.Generator | None,
     include_noise: bool,
 ) -> CoverageRow:
+    fitted_posterior(la, "coverage / interval_width")
     level, n_samples = check_sweep_arguments(level, pred_type, n_samples, include_noise)
-    X, y, batch_size = _gather(la, loader)
-    tau = la.posterior.tau
-    pairs = [(la.n_components, tau, False)]
-    rows = coverage_table(
-        la, X, y, pairs, level, pred_type, n_samples, generator, include_noise, batch_size
-    )
-    return _all_ranks(la, rows, y)[0]
+    pairs = [(la.n_components, la.posterior.tau, False)]
+    return _all_ranks(la, loader, pairs, level, pred_type, n_samples, generator, include_noise)[0]
 
 
-def _all_ranks(la: Any, rows: list[CoverageRow], y: torch.Tensor) -> list[CoverageRow]:
-    """The rows over every rank's calibration shard when the fit was data-parallel
-    (weighted means, one all-reduce; see
-    :func:`laplace_glas.curvature.distributed.reduce_coverage_rows`).
+def _all_ranks(la: Any, loader: Iterable, pairs: list, *args: Any) -> list[CoverageRow]:
+    """The coverage rows of ``pairs`` on ``loader``; over every rank's calibration shard
+    when the fit was data-parallel (weighted means, one all-reduce with a failure flag
+    per rank: a rank whose scoring fails raises on every rank; see
+    :func:`laplace_glas.curvature.collectives.reduce_coverage_rows`).
     """
     posterior = la.posterior
     shards = data_parallel(posterior.process_group)
+    rows, n_scored, error = None, 0, None
+    try:
+        X, y, batch_size = _gather(la, loader)
+        rows = coverage_table(la, X, y, pairs, *args, batch_size)
+        if la.likelihood == "classification":
+            n_scored = int((y != posterior.ignore_index).sum())
+        else:
+            n_scored = y.numel()
+    except Exception as err:
+        if shards is None:
+            raise
+        error = err
     if shards is None:
         return rows
-    if la.likelihood == "classification":
-        n_scored = int((y != posterior.ignore_index).sum())
-    else:
-        n_scored = y.numel()
-    return reduce_coverage_rows(rows, n_scored, shards, posterior.device)
+    return reduce_coverage_rows(
+        rows, n_scored, shards, posterior.device, n_rows=len(pairs), error=error
+    )
 
 
 def coverage(

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from laplace_glas.posterior.view import fitted_posterior
+from laplace_glas.validation import finite_number, positive_int
 
 __all__ = ["ReplicaCheck", "ResidualReport", "replica_check", "residual_report"]
 
@@ -165,10 +166,12 @@ def replica_check(
 
     """
     posterior = fitted_posterior(la, "replica_check")
-    if n_replicas < 1:
-        raise ValueError("n_replicas must be >= 1.")
+    n_replicas = positive_int("n_replicas", n_replicas, allow_none=False)
+    threshold = finite_number("threshold", threshold)
     if not 0 < threshold <= 1:
-        raise ValueError("threshold must lie in (0, 1].")
+        raise ValueError(f"threshold must lie in (0, 1], got {threshold}.")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__} ({seed!r}).")
     fit_generator = getattr(la, "generator", None)
     fit_seed = getattr(la, "seed", 0) if fit_generator is None else fit_generator.initial_seed()
     if seed is None:

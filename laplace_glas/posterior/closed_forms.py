@@ -69,14 +69,29 @@ def optimal_prior_precision(curvature: torch.Tensor | np.ndarray, square_norm: f
     Raises
     ------
     ValueError
-        If ``m <= 0`` (the optimum is ``tau -> inf``) or every ``a_j`` is zero
-        (the optimum is ``tau -> 0``).
+        If ``m <= 0`` (the optimum is ``tau -> inf``), every ``a_j`` is zero (the
+        optimum is ``tau -> 0``), or ``curvature`` is not a finite 1-d array of
+        non-negative numbers (rounding below ``1e-6 max |a_j|`` is dropped).
 
     """
-    a = np.asarray(
-        curvature.detach().cpu().double() if isinstance(curvature, torch.Tensor) else curvature,
-        dtype=np.float64,
-    )
+    try:
+        a = np.asarray(
+            curvature.detach().cpu().double() if isinstance(curvature, torch.Tensor) else curvature,
+            dtype=np.float64,
+        )
+    except (TypeError, ValueError) as err:
+        raise TypeError(
+            f"curvature must be a 1-d array or tensor of numbers, got {curvature!r} ({err})."
+        ) from None
+    if a.ndim != 1 or not np.isfinite(a).all():
+        raise ValueError(
+            f"curvature must be a finite 1-d array (k,), got shape {a.shape} with "
+            f"{int((~np.isfinite(a)).sum())} non-finite entries."
+        )
+    if a.size and a.min() < -1e-6 * max(float(np.abs(a).max()), 1e-300):
+        raise ValueError(
+            f"curvature must be >= 0 (a GGN's eigenvalues), got a minimum of {a.min():.3g}."
+        )
     a = a[a > 0]
     m = float(square_norm)
     if not math.isfinite(m) or m <= 0:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from laplace.baselaplace import ParametricLaplace
 
+from laplace_glas.curvature.kron import kron_refusal
 from laplace_glas.validation import (
     ArgumentTypeError,
     choice,
@@ -121,6 +122,26 @@ class PosteriorHyperparameters:
                 f"follow {what}; use complement='zero' or 'prior' with it."
             )
         return None
+
+    def _complement_refusal(self, complement: str, shards: Any, update: bool) -> str | None:
+        """Why ``fit`` cannot compute ``complement``'s curvature here (None: it can): the
+        class, curvature and loss (:meth:`_static_complement_refusal`), then for ``'kron'``
+        an update (``fit(override=False)``) or :func:`~laplace_glas.curvature.kron.kron_refusal`,
+        for ``'diag'`` an update of a fit without the GGN diagonal.
+        """
+        refusal = self._static_complement_refusal(complement, self.curvature.kind, self.loss_fn)
+        if refusal is not None or complement not in ("diag", "kron"):
+            return refusal
+        if complement == "kron":
+            return kron_refusal(self.model, shards) if not update else (
+                "fit(override=False) with complement='kron' is not supported yet (KFAC's "
+                "factors of two data sets do not add up to the union's): refit with "
+                "override=True on all of the data."
+            )  # fmt: skip
+        return None if not update or getattr(self, "_ggn_diagonal", None) is not None else (
+            "fit(override=False) with complement='diag' needs the GGN diagonal of the "
+            "stored fit, which was fitted with another complement: refit with override=True."
+        )  # fmt: skip
 
     def _checked_complement(
         self, complement: Any, curvature_kind: str = "ggn", loss_fn: Any = None

@@ -53,6 +53,7 @@ from laplace_glas.posterior.prior import Prior
 from laplace_glas.validation import (
     choice,
     finite_number,
+    grid_bounds_and_loss,
     positive_int,
     reiterable,
     scalar_prior_precision,
@@ -412,17 +413,15 @@ class SubspacePosterior:
             choice("link_approx", str(getattr(link_approx, "value", link_approx)), _LINKS)
             if val_loader is not None:
                 reiterable("val_loader", val_loader)
-                if next(iter(val_loader), None) is None:
+                # data checks of a data-parallel posterior run in its grid search, where
+                # a rank that fails them still meets the others' all-reduce
+                if not torch.distributed.is_initialized() and next(iter(val_loader), None) is None:
                     raise ValueError("val_loader is empty: there is nothing to score the grid on.")
             grid_size = positive_int("grid_size", grid_size, allow_none=False)
             base = finite_number("log_prior_prec_base", log_prior_prec_base, 0.0)
             if base in (0.0, 1.0):
                 raise ValueError(f"log_prior_prec_base must be > 0 and != 1, got {base}.")
-            if not log_prior_prec_min < log_prior_prec_max:
-                raise ValueError(
-                    "log_prior_prec_min must be below log_prior_prec_max, got "
-                    f"{log_prior_prec_min} and {log_prior_prec_max}."
-                )
+            grid_bounds_and_loss(log_prior_prec_min, log_prior_prec_max, loss)
         if method == TuningMethod.MARGLIK and structured:
             n_steps = positive_int("n_steps", n_steps, allow_none=False)
             lr = finite_number("lr", lr, 0.0)

@@ -155,7 +155,8 @@ def test_the_planner_takes_the_fastest_strategy_that_fits_each_budget():
     _, _, problem = _mlp_problem()
     refused = _estimates(problem)
     est = refused.estimates
-    assert set(est) == set(STRATEGIES) and all(b > 0 for b in est.values())
+    # the Jacobian's estimate counts only once its build succeeded (not over budget)
+    assert set(est) == set(STRATEGIES) - {"jacobian"} and all(b > 0 for b in est.values())
     # streaming holds one batch's graph: the smallest; the factors all N examples
     assert refused.smallest == est["streaming"] == min(est.values())
     large = _plan(problem, max(est.values()))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -22,13 +23,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import loader
 from laplace import Laplace
+from scipy.sparse.linalg import LinearOperator
 from torch import nn
 
 import laplace_glas  # noqa: F401
 import laplace_glas.curvature.planner as dispatch
 from laplace_glas.curvature import distributed as glas_dist
 from laplace_glas.curvature.distributed import data_parallel
-from laplace_glas.diagnostics.calibration import select_dimension
+from laplace_glas.diagnostics.calibration import coverage, select_dimension
 from laplace_glas.diagnostics.convergence import replica_check
 
 WORLD = 2
@@ -359,8 +361,8 @@ def test_update_with_override_false(ranks):
 class _BreakingLoader:
     """A DataLoader whose ``fail_at``-th pass raises (counting every ``iter``)."""
 
-    def __init__(self, inner, fail_at: int):
-        self.inner, self.fail_at, self.passes = inner, fail_at, 0
+    def __init__(self, inner, fail_at: int, exit: bool = False):
+        self.inner, self.fail_at, self.passes, self.exit = inner, fail_at, 0, exit
 
     def __len__(self):
         return len(self.inner)
@@ -368,8 +370,89 @@ class _BreakingLoader:
     def __iter__(self):
         self.passes += 1
         if self.passes >= self.fail_at:
+            if self.exit:  # the process dies (no clean-up, no exception)
+                os._exit(3)
             raise OSError(f"the loader broke on pass {self.passes}")
         return iter(self.inner)
+
+
+def _break_solver(fault: str) -> None:
+    """Make the eigen-solver's own arithmetic (not a product) fail on this rank: ARPACK
+    before its 3rd product, the block solver's 2nd orthonormalisation, or the step
+    after the solve's last product (``'after'``).
+    """
+    import laplace_glas.curvature.fit as fit_module
+    import laplace_glas.curvature.solvers.block_krylov as block_module
+    import laplace_glas.curvature.solvers.lanczos as lanczos_module
+
+    if fault == "arpack":
+        eigsh = lanczos_module.eigsh
+
+        def broken_eigsh(A, **kwargs):
+            calls = [0]
+
+            def matvec(x):
+                calls[0] += 1
+                if calls[0] == 3:
+                    raise MemoryError("ARPACK's workspace could not be allocated")
+                return A.matvec(x)
+
+            return eigsh(LinearOperator(A.shape, matvec=matvec, dtype=A.dtype), **kwargs)
+
+        lanczos_module.eigsh = broken_eigsh
+    if fault == "block":
+        orthonormalize, calls = block_module._orthonormalize, [0]
+
+        def broken(*args):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise FloatingPointError("the block's QR failed")
+            return orthonormalize(*args)
+
+        block_module._orthonormalize = broken
+    if fault == "diag":
+        import laplace_glas.curvature.diagonal as diagonal_module
+
+        def broken_diagonal(*args):
+            raise RuntimeError("BackPACK ran out of memory")
+
+        diagonal_module._batch_diagonal = broken_diagonal
+    if fault == "after":
+        compute = fit_module.compute_eigenpairs
+
+        def broken_compute(*args, **kwargs):
+            compute(*args, **kwargs)
+            raise ValueError("the residual check failed")
+
+        fit_module.compute_eigenpairs = broken_compute
+
+
+AFTER_FIT = ("calibrate", "gridsearch", "coverage")
+
+
+def _after_fit(la, fault: str, rank: int, X, y) -> str:
+    """A collective method after a successful fit, whose held-out loader breaks on rank
+    1 (the targets of the training shard serve as held-out data); the prior precision
+    must be unchanged after the failure.
+    """
+    held_out = loader(X, y, 8)
+    if rank == 1:
+        held_out = _BreakingLoader(held_out, 1)
+    la.prior_precision = TAU
+    before = la.prior_precision.clone()
+    try:
+        if fault == "calibrate":
+            la.calibrate(held_out, coverage=0.8, ks=[2, K], n_samples=20)
+        elif fault == "gridsearch":
+            la.optimize_prior_precision(
+                method="gridsearch", val_loader=held_out, grid_size=3, pred_type="glm"
+            )
+        else:
+            coverage(la, held_out, level=0.8, n_samples=20)
+        return "no error"
+    except Exception as err:
+        unchanged = bool(torch.equal(la.prior_precision, before))
+        return f"{type(err).__name__}: {err} (prior unchanged: {unchanged})"
 
 
 def _fault_worker(rank: int, init_file: str, out_dir: str, fault: str, subset: str) -> None:
@@ -392,6 +475,10 @@ def _fault_worker(rank: int, init_file: str, out_dir: str, fault: str, subset: s
         if rank == 1 and fault == "nan":  # the pass at the MAP fails on rank 1
             X = X.clone()
             X[3, 0] = float("nan")
+        # 'zero' unless the diag pass is the fault: the fit's passes as counted below
+        extra = {"complement": "diag" if fault.startswith("diag") else "zero"}
+        if fault == "block":
+            solver = "block"
         la = Laplace(
             model,
             "regression",
@@ -400,28 +487,43 @@ def _fault_worker(rank: int, init_file: str, out_dir: str, fault: str, subset: s
             n_components=k,
             solver=solver,
             loss_scaling="mean",
-            complement="zero",  # the fit's passes as counted below
+            **extra,
         )
         train = loader(X, y, 16)
+        if rank == 1:
+            _break_solver(fault)
+        if fault == "diag_pass3":  # the curvature problem fails before the diagonal
+            train = _BreakingLoader(train, 3 if rank == 1 else 10**9)
+        if fault == "exit":  # rank 1 dies in the middle of the eigen-solve
+            dispatch.default_factor_budget = lambda *args: 0
+            train = _BreakingLoader(train, 8 if rank == 1 else 10**9, exit=True)
         if fault == "product":  # curvlinops' operator: one loader pass per product
             dispatch.build_factored_ggn = lambda *args, **kwargs: "refused here"
             dispatch.build_linearized_ggn = lambda *args, **kwargs: "refused here"
             train = _BreakingLoader(train, 8 if rank == 1 else 10**9)
         if fault.startswith("pass"):  # the fit's n-th pass fails on rank 1
             train = _BreakingLoader(train, int(fault[4:]) if rank == 1 else 10**9)
+        start = time.perf_counter()
         try:
             la.fit(train)
             outcome = f"eigenpairs {la.eigenvalues.tolist()}"
+            if fault in AFTER_FIT:
+                outcome = _after_fit(la, fault, rank, X, y)
         except Exception as err:
             outcome = f"{type(err).__name__}: {err}"
         fitted = getattr(la, "H", None) is not None
         Path(out_dir, f"rank{rank}.txt").write_text(f"fitted={fitted}\n{outcome}")
+        Path(out_dir, f"seconds{rank}.txt").write_text(f"{time.perf_counter() - start}")
     finally:
         dist.destroy_process_group()
 
 
-def _run_fault(fault: str, subset: str = "all", timeout: float = 60.0) -> list[str]:
-    """Both ranks' outcomes (the text each rank wrote); a hang fails after ``timeout``."""
+def _run_fault(
+    fault: str, subset: str = "all", timeout: float = 60.0, exitcodes=(0, 0), seconds=None
+) -> list[str]:
+    """Both ranks' outcomes (the text each rank wrote); a hang fails after ``timeout``.
+    ``seconds``: a list that receives the time each rank's fit took.
+    """
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
@@ -439,8 +541,12 @@ def _run_fault(fault: str, subset: str = "all", timeout: float = 60.0) -> list[s
                 p.kill()
                 p.join()
         assert not hung, f"ranks {hung} hung on fault {fault!r}"
-        assert [p.exitcode for p in procs] == [0] * WORLD
-        return [Path(tmp, f"rank{r}.txt").read_text() for r in range(WORLD)]
+        assert tuple(p.exitcode for p in procs) == tuple(exitcodes)
+        texts = [Path(tmp, f"rank{r}.txt") for r in range(WORLD)]
+        if seconds is not None:
+            times = [Path(tmp, f"seconds{r}.txt") for r in range(WORLD)]
+            seconds.extend(float(t.read_text()) if t.exists() else None for t in times)
+        return [t.read_text() if t.exists() else None for t in texts]
 
 
 @pytest.mark.parametrize("subset", ["all", "last_layer"])
@@ -486,10 +592,57 @@ def test_a_failed_pass_at_the_map_reaches_every_rank():
 def test_a_failed_product_in_the_eigen_solve_reaches_every_rank():
     rank0, rank1 = _run_fault("product")
     assert rank1 == "fitted=False\nOSError: the loader broke on pass 8"
-    assert rank0.startswith("fitted=False\nRuntimeError: GGN product ")
-    assert rank0.endswith(
-        "of the eigen-solve failed on rank(s) 1 (see the error there): no rank returns eigenpairs."
+    assert rank0.startswith(
+        "fitted=False\nRuntimeError: The eigen-solve failed on rank(s) 1 (see the error "
+        "there) at GGN product "
     )
+    assert rank0.endswith(": no rank returns eigenpairs.")
+
+
+@pytest.mark.parametrize(
+    ("fault", "error", "where"),
+    [
+        ("arpack", "MemoryError: ARPACK's workspace could not be allocated", "at GGN product 3"),
+        ("block", "FloatingPointError: the block's QR failed", "at GGN product 2"),
+        ("after", "ValueError: the residual check failed", "after GGN product "),
+    ],
+)
+def test_a_failure_in_the_solvers_arithmetic_reaches_every_rank(fault, error, where):
+    # the solver itself (not a product) fails on rank 1 between two products, or after
+    # the last one: rank 0 learns it in its next product's status or the closing status
+    rank0, rank1 = _run_fault(fault)
+    assert rank1 == f"fitted=False\n{error}"
+    assert rank0.startswith(
+        f"fitted=False\nRuntimeError: The eigen-solve failed on rank(s) 1 (see the error "
+        f"there) {where}"
+    )
+    assert rank0.endswith(": no rank returns eigenpairs.")
+
+
+@pytest.mark.parametrize(
+    ("fault", "error"),
+    [
+        ("diag", "RuntimeError: BackPACK ran out of memory"),
+        ("diag_pass3", "OSError: the loader broke on pass 3"),  # a step before it
+    ],
+)
+def test_a_failed_diag_complement_pass_reaches_every_rank(fault, error):
+    rank0, rank1 = _run_fault(fault)
+    assert rank1 == f"fitted=False\n{error}"
+    assert rank0 == (
+        "fitted=False\nRuntimeError: Rank(s) 1 failed (see the error there) while this rank "
+        "was computing the GGN diagonal of complement='diag': no rank fits."
+    )
+
+
+def test_a_rank_that_dies_mid_solve_ends_the_other_at_once():
+    seconds = []
+    rank0, rank1 = _run_fault("exit", exitcodes=(0, 3), seconds=seconds)
+    assert rank1 is None  # it died without writing
+    assert rank0.startswith("fitted=False\nRuntimeError: torch.distributed's all-reduce failed (")
+    assert "another rank has probably exited or lost its connection" in rank0
+    assert seconds[0] < 20  # gloo's own timeout is 30 minutes
+    print(f"rank 0 ended {seconds[0]:.2f} s after its fit started: {rank0}")
 
 
 @pytest.mark.parametrize("fail_at", [3, 4])
@@ -500,4 +653,21 @@ def test_a_failure_between_the_map_and_the_solve_reaches_every_rank(fail_at):
     assert rank0 == (
         "fitted=False\nRuntimeError: Rank(s) 1 failed (see the error there) while this rank "
         "was agreeing on the GGN operator: no rank returns eigenpairs."
+    )
+
+
+@pytest.mark.parametrize(
+    ("fault", "step"),
+    [
+        ("calibrate", "scoring the calibration's coverage"),
+        ("coverage", "scoring the calibration's coverage"),
+        ("gridsearch", "scoring the grid search's validation shard"),
+    ],
+)
+def test_a_failure_in_a_collective_after_the_fit_reaches_every_rank(fault, step):
+    rank0, rank1 = _run_fault(fault)
+    assert rank1 == ("fitted=True\nOSError: the loader broke on pass 1 (prior unchanged: True)")
+    assert rank0 == (
+        f"fitted=True\nRuntimeError: Rank(s) 1 failed (see the error there) while this rank "
+        f"was {step}: no rank returns a result. (prior unchanged: True)"
     )

@@ -9,6 +9,7 @@ import torch
 from conftest import loader, mlp, output_jacobian, softmax_ggn
 from torch import nn
 
+from laplace_glas.curvature.budget import Estimates
 from laplace_glas.curvature.eigensolve import compute_eigenpairs
 from laplace_glas.curvature.operators.factored import FactoredGGN
 from laplace_glas.curvature.operators.jacobian import (
@@ -222,8 +223,13 @@ def test_budget_and_unsupported_cases_return_reasons():
     D = sum(p.numel() for p in params)
     assert estimate_jacobian_bytes(10, (3,), "classification", D, 8) == 10 * 3 * D * 8
     assert estimate_jacobian_bytes(22, (4, 5), "classification", D, 8) == 6 * 20 * D * 8
-    reason = _jacobian(problem, budget=1000)
-    assert isinstance(reason, str) and "above the memory budget" in reason
+    reason = _jacobian(problem, "auto", _budget(problem, 1000))
+    assert isinstance(reason, str) and "exceeds the memory budget" in reason
+
+
+def _budget(problem, total: int) -> Estimates:
+    """A planning budget of ``total`` bytes without solver storage (float64)."""
+    return Estimates(total, 0, 8, problem.n_params, 3)
 
 
 def test_planner_picks_the_jacobian_for_adapters_and_raw_parameters():
@@ -231,7 +237,8 @@ def test_planner_picks_the_jacobian_for_adapters_and_raw_parameters():
     X, y = sequence_data()
     plan = plan_solve(problem_of(model, loader(X, y, 4), "classification", (3,)), 3)
     assert isinstance(plan.operator, JacobianGGN) and plan.operator_name == "jacobian"
-    assert plan.scale == 1.0 and plan.solver == "auto"
+    assert plan.scale == 1.0 and plan.solver in ("dual", "lanczos")
+    assert plan.strategy == "jacobian" and plan.estimated_peak > 0
     bilinear = Bilinear().to(F64).eval()
     Xb, yb = torch.randn(8, 3, dtype=F64), torch.randint(0, 2, (8,))
     plan = plan_solve(problem_of(bilinear, loader(Xb, yb, 4), "classification", (2,)), 2)
@@ -249,6 +256,6 @@ def test_planner_keeps_the_factors_where_they_are_smaller():
     g = torch.Generator().manual_seed(0)
     X, y = torch.randn(20, 3, generator=g, dtype=F64), torch.randn(20, 2, generator=g, dtype=F64)
     problem = problem_of(model, loader(X, y, 10), "regression", (2,))
-    assert "larger than the factors" in _jacobian(problem, budget=2**30)
+    assert "larger than the factors" in _jacobian(problem, "auto", _budget(problem, 2**30))
     plan = plan_solve(problem, 3)
     assert type(plan.operator) is FactoredGGN and plan.operator_name == "factored"

@@ -1,0 +1,144 @@
+"""Misuse, second round: the issue's cases that had no test of their own (a subnetwork
+state loaded into other weights, a grid search on NaN targets, refused prior tunings and
+loads that must leave the posterior as it was, state fields of the wrong type).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import laplace_glas  # noqa: F401
+from laplace_glas import (
+    ActiveSubspaceLaplace,
+    FittedWeightsChangedWarning,
+    SubnetActiveSubspaceLaplace,
+)
+
+
+def _mlp():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+@pytest.fixture(scope="module")
+def train():
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(40, 1, generator=g)
+    return DataLoader(TensorDataset(X, torch.sin(X)), batch_size=10)
+
+
+def _subnet(model, train=None):
+    la = SubnetActiveSubspaceLaplace(
+        model, "regression", subnetwork_indices=torch.arange(0, 20), n_components=3
+    )
+    if train is not None:
+        la.fit(train)
+    return la
+
+
+def _snapshot(la):
+    return (la.prior_precision.clone(), la.H, la.loss, la.n_components, la.mean)
+
+
+def _unchanged(la, before):
+    assert torch.equal(la.prior_precision, before[0])
+    assert la.H is before[1] and la.loss is before[2]
+    assert la.n_components == before[3] and la.mean is before[4]
+
+
+def test_a_subnetwork_state_loaded_into_other_weights_warns_at_prediction(train):
+    state = _subnet(_mlp(), train).state_dict()
+    x = torch.linspace(-1, 1, 3).reshape(-1, 1)
+    same = _subnet(_mlp())
+    same.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FittedWeightsChangedWarning)
+        same(x, pred_type="glm")  # the weights it was fitted at: no warning
+    moved = _mlp()
+    with torch.no_grad():
+        moved[0].weight.add_(0.5)  # inside the subnetwork (indices 0..19)
+    other = _subnet(moved)
+    other.load_state_dict(state)
+    with pytest.warns(FittedWeightsChangedWarning, match="weights differ from those GLAS"):
+        other(x, pred_type="glm")
+
+
+def test_a_gridsearch_on_nan_targets_is_refused(train):
+    la = ActiveSubspaceLaplace(_mlp(), "regression", n_components=3)
+    la.fit(train)
+    X = next(iter(train))[0]
+    nan = DataLoader(TensorDataset(X, torch.full((len(X), 1), math.nan)), batch_size=5)
+    before = _snapshot(la)
+    with pytest.raises(ValueError, match="contain NaN or inf: every prior precision"):
+        la.optimize_prior_precision(method="gridsearch", val_loader=nan, pred_type="glm")
+    _unchanged(la, before)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"method": "marglik", "prior_structure": "layerwise"}, "prior_structure='layerwise'"),
+        ({"method": "marglik", "prior_structure": "diag"}, "prior_structure='diag'"),
+        ({"method": "gridsearch", "prior_structure": "diag"}, "prior_structure='diag'"),
+    ],
+)
+def test_a_subnetwork_refuses_structured_priors_before_any_change(train, kwargs, match):
+    la = _subnet(_mlp(), train)
+    before = _snapshot(la)
+    if kwargs["method"] == "gridsearch":
+        kwargs = {**kwargs, "val_loader": train, "pred_type": "glm"}
+    with pytest.raises(ValueError, match=match + r" is not implemented for SubnetActive"):
+        la.optimize_prior_precision(**kwargs)
+    _unchanged(la, before)
+    la(next(iter(train))[0], pred_type="glm")  # still predicts
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"prior_structure": "diag", "init_prior_prec": 0}, r"got min 0, max 0"),
+        ({"prior_structure": "layerwise", "lr": 1e6, "n_steps": 50}, r"positive and finite"),
+    ],
+)
+def test_a_refused_marglik_tuning_leaves_the_prior(train, kwargs, match):
+    la = ActiveSubspaceLaplace(_mlp(), "regression", n_components=3)
+    la.fit(train)
+    before = _snapshot(la)
+    with pytest.raises(ValueError, match=match):
+        la.optimize_prior_precision(method="marglik", **kwargs)
+    _unchanged(la, before)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "error", "match"),
+    [
+        ("prior_mean", [0.0], TypeError, r"prior_mean must be a real number, got list"),
+        ("prior_mean", torch.tensor([math.nan]), ValueError, r"prior_mean"),
+        ("loss", "x", TypeError, r"state_dict\['loss'\] must be a real number, got 'x'"),
+        ("loss", math.inf, ValueError, r"state_dict\['loss'\] is not finite"),
+        ("sigma_noise", "a", ValueError, r"sigma_noise must be a real number, got 'a'"),
+        ("temperature", [1], ValueError, r"temperature must be a real number, got list"),
+        ("n_components", "3", ValueError, r"n_components'\] must be an int >= 1"),
+        ("n_data", "40", ValueError, r"n_data'\] must be an int >= 1"),
+        ("mean", [1.0], ValueError, r"mean'\] must be a floating-point tensor"),
+        ("H", [1, 2], ValueError, r"H'\]\[0\] \(eigenvectors\) must be a floating-point"),
+        ("prior_precision", "a", ValueError, r"prior_precision must be a real number"),
+    ],
+)
+def test_a_state_field_of_the_wrong_type_is_refused_and_changes_nothing(
+    train, key, value, error, match
+):
+    la = ActiveSubspaceLaplace(_mlp(), "regression", n_components=3)
+    la.fit(train)
+    state = la.state_dict()
+    state[key] = value
+    before = _snapshot(la)
+    with pytest.raises(error, match=match):
+        la.load_state_dict(state)
+    _unchanged(la, before)
