@@ -11,8 +11,10 @@ validation data) run on the same data and model with ``'full'`` (the reference),
   so each loop ends where ``'full'`` ends;
 * the documented like-for-like swap (``loss_scaling='sum', complement='diag'``, default
   ``k``) gives a noise level and variances close to ``'full'``'s;
-* the default mean scaling (GLAS's generalised posterior, laplace-torch at temperature
-  ``N``) warns in the noise loop, where its sigma comes out ``sqrt(N)`` times too small.
+* the defaults (``loss_scaling='sum'``, ``complement='auto'``: ``'kron'`` on this MLP)
+  are a like-for-like swap too: no warning, full's noise level, comparable variances;
+* mean scaling (GLAS's generalised posterior, laplace-torch at temperature ``N``) warns
+  in the noise loop, where its sigma comes out ``sqrt(N)`` times too small.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ DT = torch.float64
 X_TEST = torch.tensor([[0.3], [-1.1], [2.5]], dtype=DT)
 EXACT = {"hessian_structure": "glas", "loss_scaling": "sum", "complement": "prior"}
 SWAP = {"hessian_structure": "glas", "loss_scaling": "sum", "complement": "diag"}
+MEAN = {"hessian_structure": "glas", "loss_scaling": "mean", "complement": "zero"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -171,24 +174,38 @@ def test_documented_swap_gives_fulls_noise_level_and_comparable_variances(many):
     assert bool(((ratio > 0.5) & (ratio < 2)).all()), ratio
 
 
-# ----------------------------------------------------- the default (mean) scaling tells
-def test_default_mean_scaling_warns_in_the_noise_loop(many):
+def test_the_defaults_are_a_like_for_like_swap(many):
+    """The defaults (sum scaling, 'auto' -> 'kron' here) in laplace-torch's noise loop:
+    no warning, full's noise level, variances within a factor 2 of full's."""
+    _, full_sigma, full_var = prior_and_noise(many, hessian_structure="full")
+    with warnings.catch_warnings():
+        no_warning_on_sigma()
+        _, sigma, var = prior_and_noise(many, hessian_structure="glas")
+    assert sigma == pytest.approx(full_sigma, rel=0.05)
+    ratio = var / full_var
+    assert bool(((ratio > 0.5) & (ratio < 2)).all()), ratio
+    assert fitted(many, hessian_structure="glas").complement == "kron"
+
+
+# ----------------------------------------------------------------- mean scaling tells
+def test_mean_scaling_warns_in_the_noise_loop(many):
     """Mean scaling divides the curvature by N: the evidence's optimum in sigma is the
     summed posterior's divided by sqrt(N), which the loop is told about."""
     _, full_sigma, _ = prior_and_noise(many, hessian_structure="full")
     with pytest.warns(UserWarning, match="not a likelihood in sigma"):
-        _, sigma, _ = prior_and_noise(many, hessian_structure="glas")
+        _, sigma, _ = prior_and_noise(many, **MEAN)
     assert sigma * math.sqrt(200) == pytest.approx(full_sigma, rel=0.05)
     assert sigma < full_sigma / 10
 
 
-def test_default_mean_scaling_variances_are_those_at_temperature_n(many):
-    """What the FAQ's swap section states: the default is laplace-torch at T = N, whose
-    variances are far larger than Kron's or full's (the README's first paragraph)."""
-    mean = fitted(many, hessian_structure="glas", prior_precision=0.3)
+def test_mean_scaling_variances_are_those_at_temperature_n(many):
+    """What the FAQ's swap section states: mean scaling is laplace-torch at T = N, whose
+    variances are far larger than Kron's or full's."""
+    mean = fitted(many, prior_precision=0.3, **MEAN)
     hot = fitted(
-        many, hessian_structure="glas", loss_scaling="sum", temperature=200.0, prior_precision=0.3
-    )
+        many, hessian_structure="glas", loss_scaling="sum", complement="zero",
+        temperature=200.0, prior_precision=0.3,
+    )  # fmt: skip
     full = fitted(many, hessian_structure="full", prior_precision=0.3)
     var = mean(X_TEST, pred_type="glm")[1]
     torch.testing.assert_close(var, hot(X_TEST, pred_type="glm")[1], rtol=1e-8, atol=0)
