@@ -217,6 +217,8 @@ def run_one(case: str, method: str, args) -> dict:
         data = wrap(loader) if wrap is not None else loader
     else:
         kw = dict(glas_kw, n_components=k)
+        if args.complement is not None:
+            kw["complement"] = args.complement
         if method == "glas-budget":
             if not budget_supported():
                 return {"na": True, "D": D}
@@ -246,6 +248,7 @@ def spawn(case: str, method: str, args, cache: Path | None) -> dict:
     """One fit in a fresh interpreter; its JSON line, or ``{'error': ...}``."""
     cmd = [sys.executable, __file__, "--one", case, method, "--device", args.device]
     cmd += ["--steps", str(args.steps)] + (["--quick"] if args.quick else [])
+    cmd += ["--complement", args.complement] if args.complement is not None else []
     cmd += ["--cache", str(cache)] if cache is not None else []
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -262,6 +265,7 @@ def prepare(case: str, args, folder: Path) -> Path | None:
     path = folder / f"{case}.pt"
     cmd = [sys.executable, __file__, "--save", case, "--cache", str(path)]
     cmd += ["--steps", str(args.steps)] + (["--quick"] if args.quick else [])
+    cmd += ["--complement", args.complement] if args.complement is not None else []
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -382,6 +386,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--load", type=int, nargs="+", default=[0], help="CPU-bound processes beside the fits"
     )
     parser.add_argument("--steps", type=int, default=100, help="Adam steps of the MLPs")
+    parser.add_argument(
+        "--complement",
+        default=None,
+        help="GLAS's complement (default: the library's; 'zero' times the eigen-solve alone)",
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per fit")
     parser.add_argument("--one", nargs=2, metavar=("CASE", "METHOD"), help=argparse.SUPPRESS)
     parser.add_argument("--save", metavar="CASE", help=argparse.SUPPRESS)
@@ -407,7 +416,8 @@ def main(argv=None) -> None:
     print(f"machine: {machine_description()}")
     print(
         f"each fit in a fresh process, best of {args.repeats}; device {args.device}; "
-        f"{'quick sizes; ' if args.quick else ''}budget {BUDGET // 2**20} MiB"
+        f"{'quick sizes; ' if args.quick else ''}budget {BUDGET // 2**20} MiB; GLAS complement "
+        f"{args.complement or 'default'}"
         f"{'' if args.budget_supported else ' (n/a: no memory_budget argument)'}\n"
     )
     results = {}
