@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import re
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -28,7 +27,6 @@ __all__ = [
     "integer",
     "lanczos_basis_size",
     "laplace_arguments",
-    "memory_budget",
     "parameter_dtype",
     "positive_int",
     "positive_scalar",
@@ -291,58 +289,6 @@ def lanczos_basis_size(ncv: Any, k: int, n_params: int) -> int | None:
     return ncv
 
 
-_BYTE_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_BUDGET_FORMS = (
-    "a positive int of bytes, or a string of a positive number and a unit: B, kB, MB, GB, "
-    "TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '512MB', '1.5GiB', "
-    "'64 MiB' (units case-insensitive); or None for half of the free memory of the "
-    "model's device"
-)
-
-
-def memory_budget(value: Any) -> int | None:
-    """``memory_budget`` in bytes (``None`` stays ``None``: the default share).
-
-    Accepts a number of bytes ``>= 1`` (numpy numbers included, bools not) or a string such
-    as ``'512MB'``, ``'1.5GiB'``, ``'64 MiB'`` or ``'1000000'``: a positive number, an
-    optional space and an optional unit, ``B``, ``kB``, ``MB``, ``GB``, ``TB`` (powers
-    of 1000) or ``KiB``, ``MiB``, ``GiB``, ``TiB`` (powers of 1024), case-insensitive.
-    Fractions of a byte are rounded down; the result must be at least 1 byte.
-    """
-    if value is None:
-        return None
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        if not (math.isfinite(value) and value >= 1):
-            raise ValueError(f"memory_budget must be {_BUDGET_FORMS}; got {value!r}.")
-        return int(value)
-    if not isinstance(value, str):
-        raise ArgumentTypeError(
-            f"memory_budget must be {_BUDGET_FORMS}; got {type(value).__name__} ({value!r})."
-        )
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
-    unit = match.group(2).lower() if match else None
-    if unit is not None and unit not in _BYTE_UNITS and unit != "":
-        match = None
-    if match is not None:
-        number = float(match.group(1)) * _BYTE_UNITS[unit or "b"]
-        if math.isfinite(number) and number >= 1:
-            return int(number)
-    raise ValueError(f"memory_budget must be {_BUDGET_FORMS}; got {value!r}.")
-
-
-_checked_budget = memory_budget  # under a name that the parameter does not hide
-
-
 def tolerance(value: Any) -> float:
     """A solver tolerance: a finite number >= 0 (0: the dtype's precision)."""
     try:
@@ -420,6 +366,8 @@ def solver_settings(
     """The eigen-solve's and the predictive's settings of the constructor, checked:
     a mapping from attribute name to value (``solver`` is checked by the caller).
     """
+    from laplace_glas.curvature.budget import parse_memory_budget  # imports this module
+
     if generator is not None and (
         not isinstance(generator, torch.Generator) or generator.device.type != "cpu"
     ):
@@ -451,7 +399,7 @@ def solver_settings(
         "sample_chunk_size": positive_int("sample_chunk_size", sample_chunk_size, allow_none=False),
         "ignore_index": integer("ignore_index", ignore_index),
         "progress_bar": flag("progress_bar", progress_bar),
-        "memory_budget": _checked_budget(memory_budget),
+        "memory_budget": parse_memory_budget(memory_budget),
     }
 
 

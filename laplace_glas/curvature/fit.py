@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature.agreement import FitAgreement
-from laplace_glas.curvature.budget import PeakMemory, with_measured_peak
+from laplace_glas.curvature.budget import PeakMemory, parse_memory_budget, with_measured_peak
 from laplace_glas.curvature.diagonal import ggn_diagonal
 from laplace_glas.curvature.distributed import (
     Shards,
@@ -53,9 +53,6 @@ from laplace_glas.validation import (
     reiterable,
     tolerance,
     trainable_size_and_dtype,
-)
-from laplace_glas.validation import (
-    memory_budget as checked_budget,
 )
 
 __all__ = ["SubspaceFit"]
@@ -486,7 +483,7 @@ class SubspaceFit(FitAgreement):
             self.solver,
             self.curvature,
             # checked again: the attribute may have been set after the constructor
-            memory_budget=checked_budget(getattr(self, "memory_budget", None)),
+            memory_budget=parse_memory_budget(getattr(self, "memory_budget", None)),
             ncv=ncv,
             block_size=self.block_size,
         )

@@ -106,3 +106,27 @@ def test_value_benchmark_quick_tables():
                 cells = cells[:1]  # no posterior, no gap ratio
             values = [float(c.split("±")[0]) for c in cells]
             assert all(math.isfinite(v) for v in values), (name, method, cells)
+
+
+def test_scale_benchmark_one_fit_in_a_fresh_process():
+    """benchmarks/scale.py's per-fit child (``--one``) on the smallest quick case: a
+    JSON line with the fit's time, peak memory, operator, solver and k eigenvalues."""
+    import json
+
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "scale.py"),
+            *("--one", "c1-k10", "glas", "--quick", "--steps", "5"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["time"] > 0 and out["peak"] >= 0 and out["k"] == 10
+    assert out["operator"] and out["solver"]
+    values = out["values"]
+    assert len(values) == 10 and values == sorted(values, reverse=True) and values[0] > 0
