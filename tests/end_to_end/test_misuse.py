@@ -420,11 +420,13 @@ class OutputScale(nn.Module):
     ("solver", "match"),
     [("lanczos", r"residuals .* not reproducible"), ("block", r"did not converge for 3 of the 3")],
 )
+@pytest.mark.usefixtures("without_jacobian")
 def test_irreproducible_products_warn_about_the_residuals(data, solver, match, monkeypatch):
     """The curvlinops operator passes over the data once per product. (The factored and
     linearised operators, which solver='auto' and 'block' use within their memory
     budget, read the data once, so their products are consistent: a model with a
-    free-standing parameter and the linearised operator refused keep curvlinops here.)
+    free-standing parameter, the linearised operator refused and the stored Jacobians
+    not tried keep curvlinops here.)
     """
     monkeypatch.setattr(dispatch, "build_linearized_ggn", lambda *a, **kw: "refused here")
     torch.manual_seed(0)
