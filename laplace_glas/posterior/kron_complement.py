@@ -36,14 +36,13 @@ KFAC's curvature restricted to it (the Schur complement of ``E`` on ``P``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 from laplace.utils.matrix import Kron
 
 from laplace_glas.posterior.closed_forms import FactoredMatrix, posterior_variances, proper_tau
 
-__all__ = ["KronComplementPosterior", "KronCurvature", "KronLowRankOperator"]
+__all__ = ["KronComplementPosterior", "KronCurvature", "KronLowRankOperator", "ProjectedInverse"]
 
 
 class KronCurvature:
@@ -183,6 +182,30 @@ class KronLowRankOperator(FactoredMatrix):
         return f"KronLowRankOperator(D={D}, k={k}, exponent={self.exponent:g})"
 
 
+class ProjectedInverse:
+    """``B = P E^{-1} P`` with ``P = I - U U^T`` and ``E = C + tau I``: the complement's
+    covariance of ``complement='kron'``, applied to the last axis of ``W (..., D)``.
+
+    :meth:`root` is ``W P E^{-1/2}`` (``B = R R^T`` with ``R = P E^{-1/2}``), so that
+    ``J B J^T = (J R)(J R)^T`` is formed as a Gram matrix, positive semi-definite in
+    floating point.
+    """
+
+    def __init__(self, U: torch.Tensor, C: KronCurvature, tau: torch.Tensor):
+        self.U, self.C, self.tau = U, C, tau
+
+    def _project(self, W: torch.Tensor) -> torch.Tensor:
+        return W - (W @ self.U) @ self.U.T
+
+    def root(self, W: torch.Tensor) -> torch.Tensor:
+        """``W P E^{-1/2}``."""
+        return self.C.apply(self._project(W), self.tau, -0.5)
+
+    def __call__(self, W: torch.Tensor) -> torch.Tensor:
+        """``W P E^{-1} P`` (``B`` is symmetric: also ``(B W^T)^T``)."""
+        return self._project(self.C.apply(self._project(W), self.tau, -1.0))
+
+
 class KronComplementPosterior:
     """The posterior of ``(U, a)`` with KFAC's curvature ``C`` off ``span(U)`` under
     ``tau I`` (see the module), behind the interface of
@@ -230,12 +253,17 @@ class KronComplementPosterior:
         """``v_j = 1 / (a_j + tau)`` ``(k,)`` (``U^T P = 0``: the complement adds none)."""
         return posterior_variances(self.a, self.tau)
 
-    def covariance_factors(
-        self,
-    ) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-        """``(V, w, base)`` with ``Sigma = V diag(w) V^T + E^{-1}``: ``V = [U, E^{-1}U] Q``
-        and ``w`` from the eigen-decomposition of the ``2k x 2k`` middle block;
-        ``base`` is :meth:`inverse_base` (``W -> E^{-1} W`` on the last axis).
+    def covariance_factors(self) -> tuple[torch.Tensor, torch.Tensor, ProjectedInverse]:
+        """``(U, v, B)`` with ``Sigma = U diag(v) U^T + B`` and ``B = P E^{-1} P``
+        (:class:`ProjectedInverse`, whose ``root`` gives ``J P E^{-1/2}``): two positive
+        semi-definite terms, so a predictive variance cannot round below zero.
+        """
+        return self.U, self.subspace_variances, ProjectedInverse(self.U, self.C, self.tau)
+
+    def _low_rank_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(V, w)`` with ``Sigma = V diag(w) V^T + E^{-1}``: ``V = [U, E^{-1}U] Q`` and
+        ``w`` from the eigen-decomposition of the ``2k x 2k`` middle block (the
+        matrix-free :attr:`covariance`).
         """
         U = self.U
         k = U.shape[1]
@@ -248,12 +276,12 @@ class KronComplementPosterior:
             ]
         )
         w, Q = torch.linalg.eigh(S)
-        return torch.cat([U, EiU], dim=1) @ Q, w, self.inverse_base
+        return torch.cat([U, EiU], dim=1) @ Q, w
 
     @property
     def covariance(self) -> KronLowRankOperator:
         """``Sigma`` as ``E^{-1} + V diag(w) V^T`` (matrix-free)."""
-        V, w, _ = self.covariance_factors()
+        V, w = self._low_rank_factors()
         return KronLowRankOperator(self.C, self.tau, -1.0, V, w)
 
     def _projected_precision(self) -> torch.Tensor:

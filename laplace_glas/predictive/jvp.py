@@ -173,7 +173,9 @@ def jacobian_gram(
 
     With ``weights`` ``w`` ``(D,)``: ``J diag(w) J^T`` (a diagonal prior's covariance);
     with a callable ``B`` (a symmetric ``D x D`` operator applied to the last axis):
-    ``J B J^T`` (KFAC's inverse in ``complement='kron'``).
+    ``J B J^T``; a callable with a ``root`` method ``J -> J R`` (``B = R R^T``, e.g. the
+    projected KFAC inverse of ``complement='kron'``) gives ``(J R) (J R)^T``, which stays
+    positive semi-definite in floating point.
 
     For outputs ``(batch, ..., C)`` the leading axes are flattened: ``(batch * ..., C, C)``.
 
@@ -195,20 +197,18 @@ def jacobian_gram(
         flat = [J[n].reshape(-1, n_out, s.numel()) for n, s in zip(names, shapes)]
         return torch.cat(flat, dim=-1)  # (b * ..., C, D)
 
-    def weighted(J: torch.Tensor) -> torch.Tensor:
+    def gram(J: torch.Tensor) -> torch.Tensor:
+        if hasattr(weights, "root"):
+            R = weights.root(J)
+            return R @ R.transpose(-1, -2)
         if weights is None:
-            return J
-        return weights(J) if callable(weights) else J * weights
+            return J @ J.transpose(-1, -2)
+        return (weights(J) if callable(weights) else J * weights) @ J.transpose(-1, -2)
 
     if joint:
         J = jac(x)
-        J = J.reshape(-1, J.shape[-1])
-        return weighted(J) @ J.T
-    grams = []
-    for rows in row_chunks(x, chunk_size, dict_key_x):
-        J = jac(rows)
-        grams.append(weighted(J) @ J.transpose(1, 2))
-    return torch.cat(grams)
+        return gram(J.reshape(-1, J.shape[-1]))
+    return torch.cat([gram(jac(rows)) for rows in row_chunks(x, chunk_size, dict_key_x)])
 
 
 def row_chunks(x: Any, size: int | None, dict_key_x: str = "input_ids") -> Iterator[Any]:

@@ -419,6 +419,9 @@ class SubspacePredictive(PriorGram):
         f_var = torch.einsum("nck,k,nlk->ncl", JV, weights, JV)
         if diagonal is None:
             return f_var
+        if hasattr(diagonal, "root"):  # B = R R^T: (J R)(J R)^T, PSD in floating point
+            JR = diagonal.root(Js)
+            return f_var + JR @ JR.transpose(-1, -2)
         return f_var + torch.einsum("ncp,nkp->nck", _weighted(Js, diagonal), Js)
 
     def functional_covariance(self, Js: torch.Tensor) -> torch.Tensor:
@@ -431,6 +434,9 @@ class SubspacePredictive(PriorGram):
         f_cov = (JV * weights) @ JV.T
         if diagonal is None:
             return f_cov
+        if hasattr(diagonal, "root"):
+            JR = diagonal.root(Js)
+            return f_cov + JR @ JR.T
         return f_cov + _weighted(Js, diagonal) @ Js.T
 
     def _nn_functional_samples(

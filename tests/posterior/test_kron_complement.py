@@ -401,3 +401,41 @@ def test_conv_factors_follow_the_weights_flattening():
     _, f_var = la(X[:4])
     expected = torch.einsum("nd,de,ne->n", J[:4], la.posterior_covariance.to_dense(), J[:4])
     torch.testing.assert_close(f_var.reshape(-1), expected)
+
+
+def test_the_complement_covariance_is_a_gram_of_its_root(parts):
+    """``B = P E^{-1} P = R R^T`` with ``R = P E^{-1/2}``: ``J B J^T`` formed as
+    ``(J R)(J R)^T`` (positive semi-definite in floating point)."""
+    post, sigma = posterior_of(parts)
+    U, D = parts[0], 11
+    _, _, base = post.covariance_factors()
+    eye = torch.eye(D, dtype=DOUBLE)
+    R = base.root(eye)
+    projector = eye - U @ U.T
+    torch.testing.assert_close(R @ R.T, base(eye))
+    subspace = U @ torch.diag(post.subspace_variances) @ U.T
+    torch.testing.assert_close(R @ R.T, projector @ (sigma - subspace) @ projector)
+    torch.testing.assert_close(U.T @ R, torch.zeros(U.shape[1], D, dtype=DOUBLE))
+
+
+def test_float32_variances_stay_nonnegative_under_a_huge_prior(parts):
+    """At ``tau = 1.6e7`` in float32 the ``V diag(w) V^T + E^{-1}`` form (with negative
+    ``w``) rounded a predictive variance to -5.7e-7; the two Gram terms of
+    :meth:`covariance_factors` cannot go below 0, and they still equal the float64 ones."""
+    U, a, _, kron, s = parts
+    tau = torch.tensor(15893627.0, dtype=DOUBLE)
+    g = torch.Generator().manual_seed(3)
+    Js = torch.randn(64, 3, 11, generator=g, dtype=DOUBLE)
+    Js[:32] = Js[:32] @ U @ U.T + 1e-3 * Js[:32]  # mostly inside span(U): a tiny complement
+    variances = {}
+    for dtype in (torch.float32, DOUBLE):
+        C = KronCurvature(KronCurvature.decompose(kron, dtype, U.device), s.to(dtype))
+        post = KronComplementPosterior(U.to(dtype), a.to(dtype), tau.to(dtype), C)
+        V, w, base = post.covariance_factors()
+        JV, JR = Js.to(dtype) @ V, base.root(Js.to(dtype))
+        f_var = torch.einsum("nck,k,nlk->ncl", JV, w, JV) + JR @ JR.transpose(-1, -2)
+        variances[dtype] = f_var.diagonal(dim1=-2, dim2=-1)
+    assert (variances[torch.float32] >= 0).all()
+    torch.testing.assert_close(
+        variances[torch.float32].double(), variances[DOUBLE], rtol=1e-4, atol=1e-12
+    )
