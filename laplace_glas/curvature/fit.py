@@ -75,24 +75,11 @@ class SubspaceFit(FitAgreement):
         *,
         process_group: Any = None,
     ) -> None:
-        """Compute the top-k eigenpairs of the mean-loss GGN and the loss at the MAP
-        (see :meth:`_fit` for the arguments); the fit's peak memory, measured by
+        """Compute the top-k eigenpairs of the mean-loss GGN and the loss at the MAP.
+
+        The fit's peak memory, measured by
         :class:`~laplace_glas.curvature.budget.PeakMemory`, is recorded in
         ``lanczos_info.plan['measured_peak_bytes']`` (``-1``: not measurable here).
-        """
-        with PeakMemory(self._device) as peak:
-            self._fit(train_loader, override, progress_bar, process_group=process_group)
-        self._eigenpairs = with_measured_peak(self._eigenpairs, peak)
-
-    def _fit(
-        self,
-        train_loader: DataLoader,
-        override: bool = True,
-        progress_bar: bool | None = None,
-        *,
-        process_group: Any = None,
-    ) -> None:
-        """Compute the top-k eigenpairs of the mean-loss GGN and the loss at the MAP.
 
         Parameters
         ----------
@@ -119,6 +106,19 @@ class SubspaceFit(FitAgreement):
             group of one rank fits on the local data alone.
 
         """
+        with PeakMemory(self._device) as peak:
+            self._fit(train_loader, override, progress_bar, process_group=process_group)
+        self._eigenpairs = with_measured_peak(self._eigenpairs, peak)
+
+    def _fit(
+        self,
+        train_loader: DataLoader,
+        override: bool = True,
+        progress_bar: bool | None = None,
+        *,
+        process_group: Any = None,
+    ) -> None:
+        """The fit itself (:meth:`fit` without the peak-memory measurement)."""
         shards = data_parallel(process_group)
         try:  # local checks: a rank that fails them still takes part in the agreement
             update, show, k = self._fit_checks(train_loader, override, progress_bar)
@@ -290,8 +290,26 @@ class SubspaceFit(FitAgreement):
         ncv: int | None = None,
         process_group: Any = None,
     ) -> Eigenpairs:
-        """Top eigenpairs of the unit-noise mean-loss GGN at the model's weights (see
-        :meth:`_compute_eigenpairs`), with the measured peak memory in ``plan``.
+        """Top eigenpairs of the unit-noise mean-loss GGN (or of ``loss_fn``'s) at the
+        model's weights.
+
+        The solve ``fit`` uses, exposed so that it can be repeated with other random
+        starts or data subsamples (see :func:`laplace_glas.diagnostics.convergence.replica_check`)
+        without touching this object's posterior. Lanczos settings default to the
+        constructor's. After ``fit``, ``train_loader`` should hold data of the fitted
+        kind (the output shape per point is reused; its number of terms ``N`` is counted, so the
+        eigenvalues are those of this loader's mean GGN even when its size differs).
+        ``process_group`` (default: the fit's) spreads the solve over the ranks as in
+        :meth:`fit`. The peak memory of the solve is recorded in ``plan``
+        (``measured_peak_bytes``).
+
+        Returns
+        -------
+        Eigenpairs
+            Eigenvalues of ``G_1 = (1/N) sum_n J_n^T Lambda_n J_n`` with unit noise
+            (divide by ``sigma^2`` for the regression GGN); with ``loss_fn``,
+            ``Lambda_n`` is that loss's Hessian in the outputs.
+
         """
         with PeakMemory(self._device) as peak:
             eig = self._compute_eigenpairs(
@@ -312,26 +330,7 @@ class SubspaceFit(FitAgreement):
         ncv: int | None = None,
         process_group: Any = None,
     ) -> Eigenpairs:
-        """Top eigenpairs of the unit-noise mean-loss GGN (or of ``loss_fn``'s) at the
-        model's weights.
-
-        The solve ``fit`` uses, exposed so that it can be repeated with other random
-        starts or data subsamples (see :func:`laplace_glas.diagnostics.convergence.replica_check`)
-        without touching this object's posterior. Lanczos settings default to the
-        constructor's. After ``fit``, ``train_loader`` should hold data of the fitted
-        kind (the output shape per point is reused; its number of terms ``N`` is counted, so the
-        eigenvalues are those of this loader's mean GGN even when its size differs).
-        ``process_group`` (default: the fit's) spreads the solve over the ranks as in
-        :meth:`fit`.
-
-        Returns
-        -------
-        Eigenpairs
-            Eigenvalues of ``G_1 = (1/N) sum_n J_n^T Lambda_n J_n`` with unit noise
-            (divide by ``sigma^2`` for the regression GGN); with ``loss_fn``,
-            ``Lambda_n`` is that loss's Hessian in the outputs.
-
-        """
+        """The solve itself (:meth:`compute_eigenpairs` without the peak measurement)."""
         if process_group is None:
             process_group = getattr(self, "_process_group", None)
         shards = data_parallel(process_group)

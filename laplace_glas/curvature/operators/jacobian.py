@@ -134,7 +134,7 @@ def reduced_rows(
     than its last (``H e_C = -sign(s_C) s``); so ``Lambda = (Q^T D_s)^T (Q^T D_s)``, one
     row fewer than ``diag(sqrt p)(I - 1 p^T)`` (exactly: no eigen-decomposition). For
     regression the rows are the identity's (unit noise), as in
-    :func:`~laplace_glas.curvature.operators.factors._row_vectors`.
+    ``laplace_glas.curvature.operators.factors._row_vectors``.
     """
     if likelihood == "regression" or out.shape[-1] < 2:
         return _row_vectors(out, y, likelihood, ignore_index, scale)
