@@ -44,6 +44,7 @@ peaks: :mod:`~laplace_glas.curvature.budget`. Another strategy is one more entry
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -285,6 +286,27 @@ def _streaming_plan(problem, operator, name, reasons, budget: Estimates, solver:
     )  # fmt: skip
 
 
+def _build(builder: Callable, problem: CurvatureProblem, budget: Estimates, **extra: Any):
+    """``builder`` (the Jacobian or the factored operator's) on ``problem``, its stored
+    data within what the budget leaves beside the solver's storage.
+    """
+    return builder(
+        problem.model,
+        problem.params,
+        problem.loader,
+        problem.likelihood,
+        problem.n_terms,
+        ignore_index=problem.ignore_index,
+        dict_key_x=problem.dict_key_x,
+        dict_key_y=problem.dict_key_y,
+        device=problem.device,
+        budget_bytes=max(1, budget.total - budget.storage),
+        loss_fn=problem.loss_fn,
+        progress_bar=problem.progress_bar,
+        **extra,
+    )
+
+
 def _jacobian(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan | str:
     """The plan on stored Jacobians (dual or Lanczos) within the budget, or why not
     (``''`` where ``solver='factored'`` asks for the factored operator).
@@ -308,20 +330,7 @@ def _jacobian(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
             f"explicit Jacobians' estimated peak {format_bytes(best)} exceeds the memory "
             f"budget {format_bytes(budget.total)}"
         )
-    built = build_jacobian_ggn(
-        problem.model,
-        problem.params,
-        problem.loader,
-        problem.likelihood,
-        problem.n_terms,
-        ignore_index=problem.ignore_index,
-        dict_key_x=problem.dict_key_x,
-        dict_key_y=problem.dict_key_y,
-        device=problem.device,
-        budget_bytes=max(1, budget.total - budget.storage),
-        loss_fn=problem.loss_fn,
-        progress_bar=problem.progress_bar,
-    )
+    built = _build(build_jacobian_ggn, problem, budget)
     if isinstance(built, str):
         return built
     rows = built.J.numel() * built.J.element_size()
@@ -364,21 +373,7 @@ def _factored(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
             needed=best,
         )
 
-    built = build_factored_ggn(
-        problem.model,
-        problem.params,
-        problem.loader,
-        problem.likelihood,
-        problem.n_terms,
-        ignore_index=problem.ignore_index,
-        dict_key_x=problem.dict_key_x,
-        dict_key_y=problem.dict_key_y,
-        device=problem.device,
-        budget_bytes=max(1, budget.total - budget.storage),
-        loss_fn=problem.loss_fn,
-        progress_bar=problem.progress_bar,
-        first_batch_check=check,
-    )
+    built = _build(build_factored_ggn, problem, budget, first_batch_check=check)
     if isinstance(built, str):
         return built
     F = sum(
