@@ -23,6 +23,7 @@ __all__ = [
     "check_input_dtype",
     "concatenate_inputs",
     "dataset_size",
+    "scored_pair",
     "split_batch",
     "subsample_loader",
 ]
@@ -55,6 +56,38 @@ def split_batch(data: Any, dict_key_y: str = "labels") -> tuple[Any, torch.Tenso
             "Each batch must be an (X, y) pair or a mapping with the target under "
             f"dict_key_y='{dict_key_y}'."
         ) from None
+    return X, y
+
+
+def scored_pair(
+    batch: Any,
+    likelihood: str,
+    ignore_index: int,
+    dict_key_y: str,
+    needs: str,
+    error: type[ValueError] = ValueError,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(X, y)`` of ``batch`` with the padded classification targets left out (``(None,
+    None)`` when nothing is left), for a curvature pass that takes tensor inputs and one
+    class label per input (``complement='diag'`` and ``'kron'``).
+
+    ``needs`` names the caller in the messages (``"complement='diag' needs tensor inputs
+    (...)"``); a batch it cannot take raises ``error``.
+    """
+    X, y = split_batch(batch, dict_key_y)
+    complement = needs.split(" ", 1)[0]
+    if not isinstance(X, torch.Tensor):
+        raise error(f"{needs}; got inputs of type {type(X).__name__}.")
+    if likelihood != "regression":
+        if y.ndim != 1:
+            raise error(
+                f"{complement} takes one class label per input (outputs (batch, C)); got "
+                f"targets of shape {tuple(y.shape)}. Use complement='zero' or 'prior'."
+            )
+        keep = y != ignore_index
+        if not bool(keep.any()):
+            return None, None
+        X, y = X[keep], y[keep]
     return X, y
 
 

@@ -27,7 +27,7 @@ from backpack.extensions import DiagGGNExact
 from torch import nn
 from tqdm.auto import tqdm
 
-from laplace_glas.curvature.batches import split_batch
+from laplace_glas.curvature.batches import scored_pair
 from laplace_glas.curvature.distributed import Shards, all_reduce_sum, flag_failure
 
 __all__ = ["ggn_diagonal"]
@@ -112,23 +112,14 @@ def _batch_for_diagonal(
     """``(X, y)`` on ``device`` with the padded classification targets left out (None, None
     when nothing is left).
     """
-    X, y = split_batch(batch, dict_key_y)
-    if not isinstance(X, torch.Tensor):
-        raise ValueError(
-            "complement='diag' needs tensor inputs (its GGN diagonal comes from BackPACK); "
-            f"got inputs of type {type(X).__name__}."
-        )
-    if likelihood != "regression":
-        if y.ndim != 1:
-            raise ValueError(
-                "complement='diag' takes one class label per input (outputs (batch, C)); "
-                f"got targets of shape {tuple(y.shape)}. Use complement='zero' or 'prior'."
-            )
-        keep = y != ignore_index
-        if not bool(keep.any()):
-            return None, None
-        X, y = X[keep], y[keep]
-    return X.to(device), y.to(device)
+    X, y = scored_pair(
+        batch,
+        likelihood,
+        ignore_index,
+        dict_key_y,
+        "complement='diag' needs tensor inputs (its GGN diagonal comes from BackPACK)",
+    )
+    return (None, None) if X is None else (X.to(device), y.to(device))
 
 
 def _batch_diagonal(

@@ -35,7 +35,7 @@ from curvlinops import FisherType, KFACLinearOperator
 from laplace.utils.matrix import Kron
 from torch import nn
 
-from laplace_glas.curvature.batches import split_batch
+from laplace_glas.curvature.batches import scored_pair
 from laplace_glas.curvature.distributed import Shards
 
 __all__ = ["check_kron_factors", "ggn_kron", "kron_refusal"]
@@ -57,25 +57,16 @@ class _ScoredBatches:
         self.ignore_index, self.dict_key_y = ignore_index, dict_key_y
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        needs = (
+            "complement='kron' needs tensor inputs (its Kronecker factors come from "
+            "curvlinops' KFAC)"
+        )
         for batch in self.loader:
-            X, y = split_batch(batch, self.dict_key_y)
-            if not isinstance(X, torch.Tensor):
-                raise _BatchError(
-                    "complement='kron' needs tensor inputs (its Kronecker factors come from "
-                    f"curvlinops' KFAC); got inputs of type {type(X).__name__}."
-                )
-            if self.likelihood != "regression":
-                if y.ndim != 1:
-                    raise _BatchError(
-                        "complement='kron' takes one class label per input (outputs "
-                        f"(batch, C)); got targets of shape {tuple(y.shape)}. Use "
-                        "complement='zero' or 'prior'."
-                    )
-                keep = y != self.ignore_index
-                if not bool(keep.any()):
-                    continue
-                X, y = X[keep], y[keep]
-            yield X, y
+            X, y = scored_pair(
+                batch, self.likelihood, self.ignore_index, self.dict_key_y, needs, _BatchError
+            )
+            if X is not None:
+                yield X, y
 
 
 def kron_refusal(model: nn.Module, shards: Shards | None = None) -> str | None:
