@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from laplace_glas.curvature.batches import scored_pair
 from laplace_glas.curvature.distributed import Shards, all_reduce_sum, flag_failure
+from laplace_glas.curvature.losses import summed_unit_noise_loss
 
 __all__ = ["ggn_diagonal"]
 
@@ -74,13 +75,8 @@ def ggn_diagonal(
     """
     network = extend(copy.deepcopy(model))
     params = [p for p in network.parameters() if p.requires_grad]
-    # 0.5 ||f - y||^2 (MSE summed, halved) or the summed cross-entropy: unit noise
-    loss_fn = extend(
-        nn.MSELoss(reduction="sum")
-        if likelihood == "regression"
-        else nn.CrossEntropyLoss(reduction="sum")
-    )
-    factor = 0.5 if likelihood == "regression" else 1.0
+    loss_fn, factor = summed_unit_noise_loss(likelihood)
+    loss_fn = extend(loss_fn)
     total, error = None, None
     try:  # a rank whose pass fails still takes part in the all-reduce (flagged)
         for batch in tqdm(loader, disable=not progress_bar, desc="GGN diagonal"):

@@ -37,6 +37,7 @@ from torch import nn
 
 from laplace_glas.curvature.batches import scored_pair
 from laplace_glas.curvature.distributed import Shards
+from laplace_glas.curvature.losses import summed_unit_noise_loss
 
 __all__ = ["check_kron_factors", "ggn_kron", "kron_refusal"]
 
@@ -135,13 +136,7 @@ def ggn_kron(
     if refusal is not None:
         raise ValueError(refusal)
     params = [p for p in model.parameters() if p.requires_grad]
-    # 0.5 ||f - y||^2 (MSE summed, halved below) or the summed cross-entropy: unit noise
-    loss_fn = (
-        nn.MSELoss(reduction="sum")
-        if likelihood == "regression"
-        else nn.CrossEntropyLoss(reduction="sum")
-    )
-    factor = 0.5 if likelihood == "regression" else 1.0
+    loss_fn, factor = summed_unit_noise_loss(likelihood)
     data = _ScoredBatches(loader, likelihood, ignore_index, dict_key_y)
     try:
         linop = KFACLinearOperator(

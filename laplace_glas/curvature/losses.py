@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["TokenCrossEntropy", "count_targets"]
+__all__ = ["TokenCrossEntropy", "count_targets", "summed_unit_noise_loss"]
 
 
 class TokenCrossEntropy(nn.Module):
@@ -46,3 +46,16 @@ class TokenCrossEntropy(nn.Module):
 def count_targets(target: torch.Tensor, ignore_index: int = -100) -> int:
     """Number of targets that are not ``ignore_index``."""
     return int((target != ignore_index).sum())
+
+
+def summed_unit_noise_loss(likelihood: str) -> tuple[nn.Module, float]:
+    """``(loss, factor)``: the summed loss whose GGN times ``factor`` is the unit-noise
+    GGN, for the libraries that take a loss module (BackPACK, curvlinops' KFAC).
+
+    Regression: ``MSELoss(reduction='sum')`` is ``||f - y||^2``, twice the unit-noise
+    ``0.5 ||f - y||^2``, so ``factor = 0.5``; classification: the summed cross-entropy,
+    ``factor = 1``.
+    """
+    if likelihood == "regression":
+        return nn.MSELoss(reduction="sum"), 0.5
+    return nn.CrossEntropyLoss(reduction="sum"), 1.0
