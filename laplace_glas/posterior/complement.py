@@ -31,6 +31,7 @@ of this is the ``complement='prior'`` posterior.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,40 @@ from scipy.optimize import minimize_scalar
 from laplace_glas.posterior.closed_forms import posterior_variances, proper_tau
 from laplace_glas.posterior.diagonal_prior import LowRankDiagonalOperator
 
-__all__ = ["DiagonalComplementPosterior", "optimal_complement_prior_precision"]
+__all__ = ["DiagonalComplementPosterior", "ProjectedInverse", "optimal_complement_prior_precision"]
+
+
+class ProjectedInverse:
+    """``B = P E^{-1} P`` with ``P = I - U U^T``: the complement's covariance of
+    ``complement='diag'`` (``E = diag(c + tau)``) and ``'kron'`` (``E = C + tau I``),
+    applied to the last axis of ``W (..., D)``.
+
+    :meth:`root` is ``W P E^{-1/2}`` (``B = R R^T`` with ``R = P E^{-1/2}``), so that
+    ``J B J^T = (J R)(J R)^T`` is formed as a Gram matrix, positive semi-definite in
+    floating point.
+
+    Parameters
+    ----------
+    U : torch.Tensor
+        ``(D, k)`` orthonormal.
+    power_of_E : callable
+        ``(W, p) -> W E^p`` on the last axis of ``W`` (``E`` symmetric positive definite).
+
+    """
+
+    def __init__(self, U: torch.Tensor, power_of_E: Callable[[torch.Tensor, float], torch.Tensor]):
+        self.U, self.power_of_E = U, power_of_E
+
+    def _project(self, W: torch.Tensor) -> torch.Tensor:
+        return W - (W @ self.U) @ self.U.T
+
+    def root(self, W: torch.Tensor) -> torch.Tensor:
+        """``W P E^{-1/2}``."""
+        return self.power_of_E(self._project(W), -0.5)
+
+    def __call__(self, W: torch.Tensor) -> torch.Tensor:
+        """``W P E^{-1} P`` (``B`` is symmetric: also ``(B W^T)^T``)."""
+        return self._project(self.power_of_E(self._project(W), -1.0))
 
 
 class DiagonalComplementPosterior:
@@ -104,10 +138,20 @@ class DiagonalComplementPosterior:
         )
         return torch.cat([U, d[:, None] * U], dim=1), S
 
-    def covariance_factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def covariance_factors(self) -> tuple[torch.Tensor, torch.Tensor, ProjectedInverse]:
+        """``(U, v, B)`` with ``Sigma = U diag(v) U^T + B`` and ``B = P diag(d) P``
+        (:class:`ProjectedInverse`, whose ``root`` gives ``J P diag(sqrt(d))``): two
+        positive semi-definite terms, so a predictive variance cannot round below zero.
+        """
+        E = self.c + self.tau
+        base = ProjectedInverse(self.U, lambda W, power: W * E.pow(power))
+        return self.U, self.subspace_variances, base
+
+    def _low_rank_factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(V, w, d)`` with ``Sigma = V diag(w) V^T + diag(d)``: ``V = [U, dU] Q`` and
         ``w`` from the eigen-decomposition ``S = Q diag(w) Q^T`` of the ``2k x 2k``
-        middle block (``w`` has ``k`` negative entries).
+        middle block (``w`` has ``k`` negative entries; the matrix-free
+        :attr:`covariance`).
         """
         V, S = self._middle()
         w, Q = torch.linalg.eigh(S)
@@ -116,7 +160,7 @@ class DiagonalComplementPosterior:
     @property
     def covariance(self) -> LowRankDiagonalOperator:
         """``Sigma`` as ``diag(d) + V diag(w) V^T`` (matrix-free)."""
-        V, w, d = self.covariance_factors()
+        V, w, d = self._low_rank_factors()
         return LowRankDiagonalOperator(d, V, w)
 
     def _projected_precision(self) -> torch.Tensor:

@@ -41,8 +41,9 @@ import torch
 from laplace.utils.matrix import Kron
 
 from laplace_glas.posterior.closed_forms import FactoredMatrix, posterior_variances, proper_tau
+from laplace_glas.posterior.complement import ProjectedInverse
 
-__all__ = ["KronComplementPosterior", "KronCurvature", "KronLowRankOperator", "ProjectedInverse"]
+__all__ = ["KronComplementPosterior", "KronCurvature", "KronLowRankOperator"]
 
 
 class KronCurvature:
@@ -182,30 +183,6 @@ class KronLowRankOperator(FactoredMatrix):
         return f"KronLowRankOperator(D={D}, k={k}, exponent={self.exponent:g})"
 
 
-class ProjectedInverse:
-    """``B = P E^{-1} P`` with ``P = I - U U^T`` and ``E = C + tau I``: the complement's
-    covariance of ``complement='kron'``, applied to the last axis of ``W (..., D)``.
-
-    :meth:`root` is ``W P E^{-1/2}`` (``B = R R^T`` with ``R = P E^{-1/2}``), so that
-    ``J B J^T = (J R)(J R)^T`` is formed as a Gram matrix, positive semi-definite in
-    floating point.
-    """
-
-    def __init__(self, U: torch.Tensor, C: KronCurvature, tau: torch.Tensor):
-        self.U, self.C, self.tau = U, C, tau
-
-    def _project(self, W: torch.Tensor) -> torch.Tensor:
-        return W - (W @ self.U) @ self.U.T
-
-    def root(self, W: torch.Tensor) -> torch.Tensor:
-        """``W P E^{-1/2}``."""
-        return self.C.apply(self._project(W), self.tau, -0.5)
-
-    def __call__(self, W: torch.Tensor) -> torch.Tensor:
-        """``W P E^{-1} P`` (``B`` is symmetric: also ``(B W^T)^T``)."""
-        return self._project(self.C.apply(self._project(W), self.tau, -1.0))
-
-
 class KronComplementPosterior:
     """The posterior of ``(U, a)`` with KFAC's curvature ``C`` off ``span(U)`` under
     ``tau I`` (see the module), behind the interface of
@@ -258,7 +235,8 @@ class KronComplementPosterior:
         (:class:`ProjectedInverse`, whose ``root`` gives ``J P E^{-1/2}``): two positive
         semi-definite terms, so a predictive variance cannot round below zero.
         """
-        return self.U, self.subspace_variances, ProjectedInverse(self.U, self.C, self.tau)
+        base = ProjectedInverse(self.U, lambda W, power: self.C.apply(W, self.tau, power))
+        return self.U, self.subspace_variances, base
 
     def _low_rank_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(V, w)`` with ``Sigma = V diag(w) V^T + E^{-1}``: ``V = [U, E^{-1}U] Q`` and

@@ -44,8 +44,13 @@ def test_every_form_equals_the_dense_posterior(parts):
     sigma = dense_sigma(U, a, tau, c)
     torch.testing.assert_close(post.covariance.to_dense(), sigma)
     torch.testing.assert_close(post.precision.to_dense(), torch.linalg.inv(sigma))
-    V, w, d = post.covariance_factors()
+    V, w, d = post._low_rank_factors()
     torch.testing.assert_close(V @ torch.diag(w) @ V.T + torch.diag(d), sigma)
+    U_, v, base = post.covariance_factors()
+    eye = torch.eye(D, dtype=torch.float64)
+    torch.testing.assert_close(U_ @ torch.diag(v) @ U_.T + base(eye), sigma)
+    R = base.root(eye)
+    torch.testing.assert_close(R @ R.T, base(eye))
     torch.testing.assert_close(post.log_det_posterior_precision, -torch.logdet(sigma))
     torch.testing.assert_close(post.log_det_ratio, -torch.logdet(sigma) - D * tau.log())
     torch.testing.assert_close(post.precision.logdet(), -torch.logdet(sigma))
@@ -286,3 +291,26 @@ def test_calibrations_evidence_rows_use_the_whole_evidence(fitted):
     other.optimize_prior_precision()
     (row,) = [r for r in selection.rows if r.empirical_bayes]
     assert row.prior_precision == pytest.approx(float(other.prior_precision), rel=1e-6)
+
+
+def test_float32_variances_stay_nonnegative_under_a_huge_prior():
+    """At ``tau = 1.6e7`` in float32 the ``V diag(w) V^T + diag(d)`` form (negative
+    ``w``) rounds predictive variances of these five problems down to -6.0e-6; the two
+    Gram terms of :meth:`covariance_factors` cannot go below 0."""
+    worst = 0.0
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        D, k = 200, 5
+        U = torch.linalg.qr(torch.randn(D, k, generator=g, dtype=torch.float64))[0]
+        a = torch.rand(k, generator=g, dtype=torch.float64) * 100
+        c = torch.rand(D, generator=g, dtype=torch.float64) * 5
+        Js = torch.randn(64, 3, D, generator=g, dtype=torch.float64)
+        Js[:32] = Js[:32] @ U @ U.T + 1e-3 * Js[:32]  # mostly inside span(U)
+        post = DiagonalComplementPosterior(
+            U.float(), a.float(), torch.tensor(15893627.0), c.float()
+        )
+        V, w, base = post.covariance_factors()
+        JV, JR = Js.float() @ V, base.root(Js.float())
+        f_var = torch.einsum("nck,k,nlk->ncl", JV, w, JV) + JR @ JR.transpose(-1, -2)
+        worst = min(worst, f_var.diagonal(dim1=-2, dim2=-1).min().item())
+    assert worst >= 0.0
