@@ -143,14 +143,21 @@ class Eigenpairs:
         return int(self.values.numel())
 
     def __repr__(self) -> str:
-        """One line: sizes, eigenvalue range and cost, no tensor contents."""
+        """One line: sizes, eigenvalue range and cost, no tensor contents.
+
+        ``max residual`` is the largest relative residual among the pairs above the
+        rank threshold.
+        """
         if self.k == 0:
             spectrum = "no eigenvalues"
         else:
             spectrum = (
                 f"eigenvalues [{float(self.values.min()):.4g}, {float(self.values.max()):.4g}]"
             )
-        finite = self.residuals[torch.isfinite(self.residuals)]
+        # pairs below the rank threshold are round-off (their residual relative to a
+        # near-zero lambda_j is huge by construction), so the maximum leaves them out
+        kept = self.residuals[~self.below_threshold.to(self.residuals.device)]
+        finite = kept[torch.isfinite(kept)]
         residual = f"{float(finite.max()):.2g}" if finite.numel() else "n/a"
         return (
             f"Eigenpairs(k={self.k}, D={self.vectors.shape[0]}, dtype={self.vectors.dtype}, "

@@ -157,6 +157,20 @@ def test_repr_is_one_short_line_without_tensor_contents():
     assert str(eig) == text
 
 
+def test_repr_max_residual_leaves_out_pairs_below_the_rank_threshold():
+    """A rank-3 operator asked for 6 pairs: the 3 round-off pairs have relative
+    residuals of order eps * lambda_1 / eps (huge); the repr reports the kept pairs'.
+    """
+    values = np.concatenate([np.array([5.0, 3.0, 1.0]), np.zeros(197)])
+    eig = compute_eigenpairs(
+        _diag_operator(values), 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+    )
+    assert eig.below_threshold.tolist() == [False] * 3 + [True] * 3
+    kept = float(eig.residuals[:3].max())
+    assert kept < 1e-8
+    assert f"max residual {kept:.2g}," in repr(eig)
+
+
 def test_solve_is_reproducible_with_generator(toy_regression):
     model, X, y = toy_regression
     op = mean_ggn_operator(model, nn.MSELoss(), list(model.parameters()), loader(X, y), 100)
