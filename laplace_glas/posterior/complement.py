@@ -41,7 +41,12 @@ from scipy.optimize import minimize_scalar
 from laplace_glas.posterior.closed_forms import posterior_variances, proper_tau
 from laplace_glas.posterior.diagonal_prior import LowRankDiagonalOperator
 
-__all__ = ["DiagonalComplementPosterior", "ProjectedInverse", "optimal_complement_prior_precision"]
+__all__ = [
+    "DiagonalComplementPosterior",
+    "ProjectedComplementPosterior",
+    "ProjectedInverse",
+    "optimal_complement_prior_precision",
+]
 
 
 class ProjectedInverse:
@@ -77,9 +82,145 @@ class ProjectedInverse:
         return self._project(self.power_of_E(self._project(W), -1.0))
 
 
-class DiagonalComplementPosterior:
+class ProjectedComplementPosterior:
+    """The algebra shared by ``complement='diag'`` and ``'kron'``.
+
+    Both are the posterior
+
+    .. math::
+
+        \\Sigma = U \\,\\mathrm{diag}(v)\\, U^\\top + P E^{-1} P, \\qquad
+        v_j = \\frac{1}{a_j + \\tau}, \\qquad P = I - U U^\\top,
+
+    for a symmetric positive definite ``E = C + tau I`` known through its powers.
+    With ``M = U^T E^{-1} U``, ``P E^{-1} P = E^{-1} + [U, E^{-1}U] [[M, -I], [-I, 0]]
+    [U, E^{-1}U]^T``; with ``Q`` an orthonormal basis of the complement,
+    ``Q (Q^T E^{-1} Q)^{-1} Q^T = E - E U (U^T E U)^{-1} U^T E`` and
+    ``det(Q^T E^{-1} Q) = det(E^{-1}) det(U^T E U)``, so
+
+    .. math::
+
+        \\Sigma^{-1} = U \\,\\mathrm{diag}(a + \\tau)\\, U^\\top + E
+        - E U (U^\\top E U)^{-1} U^\\top E, \\qquad
+        \\log\\det \\Sigma^{-1} = \\sum_j \\log(a_j + \\tau) + \\log\\det E
+        - \\log\\det(U^\\top E U).
+
+    Subclasses hold ``U`` (``(D, k)``), ``a`` (``(k,)``) and ``tau`` (0-dim) and supply
+    :meth:`power_of_E`, :meth:`log_det_E` and the matrix-free operator types of
+    :attr:`covariance` and :attr:`precision`.
+    """
+
+    complement: str
+    U: torch.Tensor
+    a: torch.Tensor
+    tau: torch.Tensor
+
+    def power_of_E(self, W: torch.Tensor, power: float) -> torch.Tensor:
+        """``W E^power`` on the last axis of ``W (..., D)``."""
+        raise NotImplementedError
+
+    def log_det_E(self) -> torch.Tensor:
+        """``log det E``."""
+        raise NotImplementedError
+
+    def _covariance_operator(self, V: torch.Tensor, w: torch.Tensor) -> Any:
+        """``E^{-1} + V diag(w) V^T``, matrix-free."""
+        raise NotImplementedError
+
+    def _precision_operator(self, V: torch.Tensor, w: torch.Tensor) -> Any:
+        """``E + V diag(w) V^T``, matrix-free."""
+        raise NotImplementedError
+
+    @property
+    def subspace_variances(self) -> torch.Tensor:
+        """``v_j = 1 / (a_j + tau)`` ``(k,)`` (``U^T P = 0``: the complement adds none)."""
+        return posterior_variances(self.a, self.tau)
+
+    def covariance_factors(self) -> tuple[torch.Tensor, torch.Tensor, ProjectedInverse]:
+        """``(U, v, B)`` with ``Sigma = U diag(v) U^T + B`` and ``B = P E^{-1} P``
+        (:class:`ProjectedInverse`, whose ``root`` gives ``J P E^{-1/2}``): two positive
+        semi-definite terms, so a predictive variance cannot round below zero.
+        """
+        return self.U, self.subspace_variances, ProjectedInverse(self.U, self.power_of_E)
+
+    def _low_rank_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(V, w)`` with ``Sigma = E^{-1} + V diag(w) V^T``: ``V = [U, E^{-1}U] Q`` and
+        ``w`` from the eigen-decomposition ``S = Q diag(w) Q^T`` of the ``2k x 2k``
+        middle block ``[[diag(v) + M, -I], [-I, 0]]`` (``w`` has ``k`` negative entries;
+        the matrix-free :attr:`covariance`, not the predictive).
+        """
+        U = self.U
+        k = U.shape[1]
+        eye = torch.eye(k, dtype=U.dtype, device=U.device)
+        EiU = self.power_of_E(U.T, -1.0).T
+        S = torch.cat(
+            [
+                torch.cat([torch.diag(self.subspace_variances) + U.T @ EiU, -eye], dim=1),
+                torch.cat([-eye, torch.zeros_like(eye)], dim=1),
+            ]
+        )
+        w, Q = torch.linalg.eigh(S)
+        return torch.cat([U, EiU], dim=1) @ Q, w
+
+    @property
+    def covariance(self) -> Any:
+        """``Sigma`` as ``E^{-1} + V diag(w) V^T`` (matrix-free)."""
+        return self._covariance_operator(*self._low_rank_factors())
+
+    def _projected_precision(self) -> torch.Tensor:
+        """``U^T E U`` ``(k, k)``."""
+        return self.U.T @ self.power_of_E(self.U.T, 1.0).T
+
+    @property
+    def precision(self) -> Any:
+        """``Sigma^{-1} = E + [U, EU R] blockdiag(diag(a + tau), -diag(1/mu))
+        [U, EU R]^T`` with ``U^T E U = R diag(mu) R^T`` (matrix-free).
+        """
+        mu, R = torch.linalg.eigh(self._projected_precision())
+        V = torch.cat([self.U, self.power_of_E(self.U.T, 1.0).T @ R], dim=1)
+        return self._precision_operator(V, torch.cat([self.a + self.tau, -1.0 / mu]))
+
+    @property
+    def log_det_posterior_precision(self) -> torch.Tensor:
+        """``sum_j log(a_j + tau) + log det E - log det(U^T E U)``."""
+        return (
+            torch.log(self.a + self.tau).sum()
+            + self.log_det_E()
+            - torch.linalg.slogdet(self._projected_precision())[1]
+        )
+
+    @property
+    def log_det_ratio(self) -> torch.Tensor:
+        """``log det Sigma^{-1} - D log tau``: the Occam term over all ``D`` directions."""
+        return self.log_det_posterior_precision - self.U.shape[0] * self.tau.log()
+
+    def square_norm(self, delta: torch.Tensor) -> torch.Tensor:
+        """``delta^T Sigma^{-1} delta`` for ``delta`` ``(D,)`` or ``(n, D)``."""
+        z = delta @ self.U
+        inside = (z.square() * (self.a + self.tau)).sum(-1)
+        Ed = self.power_of_E(delta, 1.0)
+        projected = Ed @ self.U
+        solved = torch.linalg.solve(self._projected_precision(), projected.unsqueeze(-1))
+        outside = (delta * Ed).sum(-1) - (projected * solved.squeeze(-1)).sum(-1)
+        return inside + outside
+
+    def log_normaliser(self) -> tuple[int, torch.Tensor]:
+        """``(D, log det Sigma^{-1})``: a Gaussian density in ``R^D``."""
+        return self.U.shape[0], self.log_det_posterior_precision
+
+    def sample(self, n_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``(n_samples, D)`` zero-mean draws ``U (sqrt(v) z) + P E^{-1/2} e``."""
+        D, k = self.U.shape
+        options = {"generator": generator, "device": self.U.device, "dtype": self.U.dtype}
+        z = torch.randn(n_samples, k, **options)
+        e = self.power_of_E(torch.randn(n_samples, D, **options), -0.5)
+        return (z * self.subspace_variances.sqrt()) @ self.U.T + e - (e @ self.U) @ self.U.T
+
+
+class DiagonalComplementPosterior(ProjectedComplementPosterior):
     """The posterior of ``(U, a)`` with the GGN diagonal's curvature ``c`` off ``span(U)``
-    under ``tau I`` (see the module), behind the interface of
+    under ``tau I``: :class:`ProjectedComplementPosterior` with ``E = diag(c + tau)``
+    (see the module), behind the interface of
     :class:`~laplace_glas.posterior.closed_forms.ScalarPriorPosterior`.
 
     Parameters
@@ -115,101 +256,23 @@ class DiagonalComplementPosterior:
         return 1.0 / (self.c + self.tau)
 
     @property
-    def subspace_variances(self) -> torch.Tensor:
-        """``v_j = 1 / (a_j + tau)`` ``(k,)`` (``U^T P = 0``: the complement adds none)."""
-        return posterior_variances(self.a, self.tau)
-
-    @property
     def complement_variance(self) -> torch.Tensor:
         """``d`` ``(D,)``: the variance of each weight's complement part."""
         return self.diagonal
 
-    def _middle(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(V, S)`` with ``Sigma = diag(d) + V S V^T``, ``V = [U, dU]``."""
-        U, d = self.U, self.diagonal
-        k = U.shape[1]
-        eye = torch.eye(k, dtype=U.dtype, device=U.device)
-        M = U.T @ (d[:, None] * U)
-        S = torch.cat(
-            [
-                torch.cat([torch.diag(self.subspace_variances) + M, -eye], dim=1),
-                torch.cat([-eye, torch.zeros_like(eye)], dim=1),
-            ]
-        )
-        return torch.cat([U, d[:, None] * U], dim=1), S
+    def power_of_E(self, W: torch.Tensor, power: float) -> torch.Tensor:
+        """``W diag(c + tau)^power``."""
+        return W * (self.c + self.tau).pow(power)
 
-    def covariance_factors(self) -> tuple[torch.Tensor, torch.Tensor, ProjectedInverse]:
-        """``(U, v, B)`` with ``Sigma = U diag(v) U^T + B`` and ``B = P diag(d) P``
-        (:class:`ProjectedInverse`, whose ``root`` gives ``J P diag(sqrt(d))``): two
-        positive semi-definite terms, so a predictive variance cannot round below zero.
-        """
-        E = self.c + self.tau
-        base = ProjectedInverse(self.U, lambda W, power: W * E.pow(power))
-        return self.U, self.subspace_variances, base
+    def log_det_E(self) -> torch.Tensor:
+        """``sum_i log(c_i + tau)``."""
+        return torch.log(self.c + self.tau).sum()
 
-    def _low_rank_factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(V, w, d)`` with ``Sigma = V diag(w) V^T + diag(d)``: ``V = [U, dU] Q`` and
-        ``w`` from the eigen-decomposition ``S = Q diag(w) Q^T`` of the ``2k x 2k``
-        middle block (``w`` has ``k`` negative entries; the matrix-free
-        :attr:`covariance`).
-        """
-        V, S = self._middle()
-        w, Q = torch.linalg.eigh(S)
-        return V @ Q, w, self.diagonal
+    def _covariance_operator(self, V: torch.Tensor, w: torch.Tensor) -> LowRankDiagonalOperator:
+        return LowRankDiagonalOperator(self.diagonal, V, w)
 
-    @property
-    def covariance(self) -> LowRankDiagonalOperator:
-        """``Sigma`` as ``diag(d) + V diag(w) V^T`` (matrix-free)."""
-        V, w, d = self._low_rank_factors()
-        return LowRankDiagonalOperator(d, V, w)
-
-    def _projected_precision(self) -> torch.Tensor:
-        """``U^T E U`` with ``E = diag(c + tau)``."""
-        return self.U.T @ ((self.c + self.tau)[:, None] * self.U)
-
-    @property
-    def precision(self) -> LowRankDiagonalOperator:
-        """``Sigma^{-1} = E + [U, EU] blockdiag(diag(a + tau), -(U^T E U)^{-1}) [U, EU]^T``."""
-        E = self.c + self.tau
-        mu, R = torch.linalg.eigh(self._projected_precision())
-        V = torch.cat([self.U, (E[:, None] * self.U) @ R], dim=1)
-        return LowRankDiagonalOperator(E, V, torch.cat([self.a + self.tau, -1.0 / mu]))
-
-    @property
-    def log_det_posterior_precision(self) -> torch.Tensor:
-        """``sum_j log(a_j + tau) + sum_i log(c_i + tau) - log det(U^T E U)``."""
-        return (
-            torch.log(self.a + self.tau).sum()
-            + torch.log(self.c + self.tau).sum()
-            - torch.linalg.slogdet(self._projected_precision())[1]
-        )
-
-    @property
-    def log_det_ratio(self) -> torch.Tensor:
-        """``log det Sigma^{-1} - D log tau``: the Occam term over all ``D`` directions."""
-        return self.log_det_posterior_precision - self.U.shape[0] * self.tau.log()
-
-    def square_norm(self, delta: torch.Tensor) -> torch.Tensor:
-        """``delta^T Sigma^{-1} delta`` for ``delta`` ``(D,)`` or ``(n, D)``."""
-        E = self.c + self.tau
-        z = delta @ self.U
-        inside = (z.square() * (self.a + self.tau)).sum(-1)
-        projected = (delta * E) @ self.U
-        solved = torch.linalg.solve(self._projected_precision(), projected.unsqueeze(-1))
-        outside = (delta.square() * E).sum(-1) - (projected * solved.squeeze(-1)).sum(-1)
-        return inside + outside
-
-    def log_normaliser(self) -> tuple[int, torch.Tensor]:
-        """``(D, log det Sigma^{-1})``: a Gaussian density in ``R^D``."""
-        return self.U.shape[0], self.log_det_posterior_precision
-
-    def sample(self, n_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        """``(n_samples, D)`` zero-mean draws ``U (sqrt(v) z) + P (sqrt(d) e)``."""
-        D, k = self.U.shape
-        options = {"generator": generator, "device": self.U.device, "dtype": self.U.dtype}
-        z = torch.randn(n_samples, k, **options)
-        e = torch.randn(n_samples, D, **options) * self.diagonal.sqrt()
-        return (z * self.subspace_variances.sqrt()) @ self.U.T + e - (e @ self.U) @ self.U.T
+    def _precision_operator(self, V: torch.Tensor, w: torch.Tensor) -> LowRankDiagonalOperator:
+        return LowRankDiagonalOperator(self.c + self.tau, V, w)
 
 
 def optimal_complement_prior_precision(

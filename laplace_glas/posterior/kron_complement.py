@@ -40,8 +40,8 @@ import math
 import torch
 from laplace.utils.matrix import Kron
 
-from laplace_glas.posterior.closed_forms import FactoredMatrix, posterior_variances, proper_tau
-from laplace_glas.posterior.complement import ProjectedInverse
+from laplace_glas.posterior.closed_forms import FactoredMatrix, proper_tau
+from laplace_glas.posterior.complement import ProjectedComplementPosterior
 
 __all__ = ["KronComplementPosterior", "KronCurvature", "KronLowRankOperator"]
 
@@ -183,9 +183,10 @@ class KronLowRankOperator(FactoredMatrix):
         return f"KronLowRankOperator(D={D}, k={k}, exponent={self.exponent:g})"
 
 
-class KronComplementPosterior:
+class KronComplementPosterior(ProjectedComplementPosterior):
     """The posterior of ``(U, a)`` with KFAC's curvature ``C`` off ``span(U)`` under
-    ``tau I`` (see the module), behind the interface of
+    ``tau I``: :class:`~laplace_glas.posterior.complement.ProjectedComplementPosterior`
+    with ``E = C + tau I`` (see the module), behind the interface of
     :class:`~laplace_glas.posterior.complement.DiagonalComplementPosterior`.
 
     Parameters
@@ -215,100 +216,16 @@ class KronComplementPosterior:
         self.tau = proper_tau(tau, "complement='kron' (the prior outside KFAC's curvature)")
         self.C = complement_curvature
 
-    def _apply(self, W: torch.Tensor, exponent: float) -> torch.Tensor:
-        """``E^exponent`` applied to the columns of ``W`` ``(D, m)``."""
-        return self.C.apply(W.T, self.tau, exponent).T
+    def power_of_E(self, W: torch.Tensor, power: float) -> torch.Tensor:
+        """``W (C + tau I)^power`` through the factors' eigen-decompositions."""
+        return self.C.apply(W, self.tau, power)
 
-    def inverse_base(self, W: torch.Tensor) -> torch.Tensor:
-        """``E^{-1}`` applied to the last axis of ``W`` ``(..., D)``: the base of
-        :meth:`covariance_factors`.
-        """
-        return self.C.apply(W, self.tau, -1.0)
+    def log_det_E(self) -> torch.Tensor:
+        """``sum log(s lambda_B lambda_A / T + tau)`` over the factors' eigenvalues."""
+        return self.C.logdet(self.tau)
 
-    @property
-    def subspace_variances(self) -> torch.Tensor:
-        """``v_j = 1 / (a_j + tau)`` ``(k,)`` (``U^T P = 0``: the complement adds none)."""
-        return posterior_variances(self.a, self.tau)
-
-    def covariance_factors(self) -> tuple[torch.Tensor, torch.Tensor, ProjectedInverse]:
-        """``(U, v, B)`` with ``Sigma = U diag(v) U^T + B`` and ``B = P E^{-1} P``
-        (:class:`ProjectedInverse`, whose ``root`` gives ``J P E^{-1/2}``): two positive
-        semi-definite terms, so a predictive variance cannot round below zero.
-        """
-        base = ProjectedInverse(self.U, lambda W, power: self.C.apply(W, self.tau, power))
-        return self.U, self.subspace_variances, base
-
-    def _low_rank_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(V, w)`` with ``Sigma = V diag(w) V^T + E^{-1}``: ``V = [U, E^{-1}U] Q`` and
-        ``w`` from the eigen-decomposition of the ``2k x 2k`` middle block (the
-        matrix-free :attr:`covariance`).
-        """
-        U = self.U
-        k = U.shape[1]
-        eye = torch.eye(k, dtype=U.dtype, device=U.device)
-        EiU = self._apply(U, -1.0)
-        S = torch.cat(
-            [
-                torch.cat([torch.diag(self.subspace_variances) + U.T @ EiU, -eye], dim=1),
-                torch.cat([-eye, torch.zeros_like(eye)], dim=1),
-            ]
-        )
-        w, Q = torch.linalg.eigh(S)
-        return torch.cat([U, EiU], dim=1) @ Q, w
-
-    @property
-    def covariance(self) -> KronLowRankOperator:
-        """``Sigma`` as ``E^{-1} + V diag(w) V^T`` (matrix-free)."""
-        V, w = self._low_rank_factors()
+    def _covariance_operator(self, V: torch.Tensor, w: torch.Tensor) -> KronLowRankOperator:
         return KronLowRankOperator(self.C, self.tau, -1.0, V, w)
 
-    def _projected_precision(self) -> torch.Tensor:
-        """``U^T E U`` ``(k, k)``."""
-        return self.U.T @ self._apply(self.U, 1.0)
-
-    @property
-    def precision(self) -> KronLowRankOperator:
-        """``Sigma^{-1} = E + [U, EU R] blockdiag(diag(a + tau), -1/mu) [U, EU R]^T`` with
-        ``U^T E U = R diag(mu) R^T``.
-        """
-        mu, R = torch.linalg.eigh(self._projected_precision())
-        V = torch.cat([self.U, self._apply(self.U, 1.0) @ R], dim=1)
-        return KronLowRankOperator(
-            self.C, self.tau, 1.0, V, torch.cat([self.a + self.tau, -1.0 / mu])
-        )
-
-    @property
-    def log_det_posterior_precision(self) -> torch.Tensor:
-        """``sum_j log(a_j + tau) + log det E - log det(U^T E U)``."""
-        return (
-            torch.log(self.a + self.tau).sum()
-            + self.C.logdet(self.tau)
-            - torch.linalg.slogdet(self._projected_precision())[1]
-        )
-
-    @property
-    def log_det_ratio(self) -> torch.Tensor:
-        """``log det Sigma^{-1} - D log tau``: the Occam term over all ``D`` directions."""
-        return self.log_det_posterior_precision - self.U.shape[0] * self.tau.log()
-
-    def square_norm(self, delta: torch.Tensor) -> torch.Tensor:
-        """``delta^T Sigma^{-1} delta`` for ``delta`` ``(D,)`` or ``(n, D)``."""
-        z = delta @ self.U
-        inside = (z.square() * (self.a + self.tau)).sum(-1)
-        Ed = self.C.apply(delta, self.tau, 1.0)
-        projected = Ed @ self.U
-        solved = torch.linalg.solve(self._projected_precision(), projected.unsqueeze(-1))
-        outside = (delta * Ed).sum(-1) - (projected * solved.squeeze(-1)).sum(-1)
-        return inside + outside
-
-    def log_normaliser(self) -> tuple[int, torch.Tensor]:
-        """``(D, log det Sigma^{-1})``: a Gaussian density in ``R^D``."""
-        return self.U.shape[0], self.log_det_posterior_precision
-
-    def sample(self, n_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        """``(n_samples, D)`` zero-mean draws ``U (sqrt(v) z) + P E^{-1/2} e``."""
-        D, k = self.U.shape
-        options = {"generator": generator, "device": self.U.device, "dtype": self.U.dtype}
-        z = torch.randn(n_samples, k, **options)
-        e = self.C.apply(torch.randn(n_samples, D, **options), self.tau, -0.5)
-        return (z * self.subspace_variances.sqrt()) @ self.U.T + e - (e @ self.U) @ self.U.T
+    def _precision_operator(self, V: torch.Tensor, w: torch.Tensor) -> KronLowRankOperator:
+        return KronLowRankOperator(self.C, self.tau, 1.0, V, w)
