@@ -67,6 +67,20 @@ def test_the_factors_equal_curvlinops_kfac_on_an_mlp(dtype, likelihood, C, bias)
     assert_same_factors(ours, reference, dtype)
 
 
+def test_float32_factors_over_many_rows_keep_curvlinops_accuracy():
+    """Sums over ``N = 32,000`` rows in float32, against float64: as accurate as
+    curvlinops' per-batch sums (one GEMM over all rows is off by ~1e-4 in one column).
+    """
+    model = mlp([3, 4, 1])
+    X, y = data("regression", 1, torch.float32, shape=(3,), n=32_000)
+    ours, _ = direct(model, X, y, "regression", batch_size=4000)
+    exact = ggn_kron(mlp([3, 4, 1], dtype=DOUBLE), loader(X.double(), y.double()), "regression")
+    for mine, theirs in zip(ours.kfacs, exact.kfacs):
+        for F, G in zip(mine, theirs):
+            error = (F.double() - G).abs().max() / G.abs().max()
+            assert error < 1e-6, float(error)  # curvlinops: 3.8e-7; one GEMM: 5.7e-6
+
+
 def test_the_expand_convention_for_positions_and_repeated_calls():
     """A layer over ``T = 5`` positions divides ``A`` by ``N T`` (curvlinops' 'expand');
     a layer called twice adds both calls' outer products over ``N``.
