@@ -109,7 +109,8 @@ class ComplementPass:
         curvature = self._complement_data(setting, loader, shards, show, update)
         if setting == "diag":
             return ComplementCurvature(diagonal=curvature)
-        return ComplementCurvature(kron=curvature, source="curvlinops" if curvature else None)
+        source = None if curvature is None else "curvlinops"
+        return ComplementCurvature(kron=curvature, source=source)
 
     def _auto_complement(
         self,

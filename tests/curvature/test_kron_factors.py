@@ -256,6 +256,9 @@ def test_a_frozen_weight_runs_curvlinops_pass_before_the_solve(problems):
         la = fit_glas(model, X, y, n_components=3, batch_size=16)
         assert la.complement == "kron" and la.lanczos_info.plan["kron_factors"] == "curvlinops"
         assert_same_factors(la._ggn_kron, ggn_kron(model, loader(X, y, 16), "regression"), DOUBLE)
+        explicit = fit_glas(model, X, y, n_components=3, batch_size=16, complement="kron")
+        assert explicit.lanczos_info.plan["kron_factors"] == "curvlinops"
+        assert_same_factors(explicit._ggn_kron, la._ggn_kron, DOUBLE)
     finally:
         model[0].weight.requires_grad_(True)
 
