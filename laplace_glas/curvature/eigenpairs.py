@@ -89,7 +89,9 @@ class Eigenpairs:
         ``n_data``, the memory budget ``budget_bytes`` (``-1``: none), the reasons for a
         fallback, the ``strategy``, its ``estimated_peak_bytes``, every strategy's
         ``estimates`` tried and the fit's ``measured_peak_bytes`` with its
-        ``peak_method`` (:mod:`~laplace_glas.curvature.budget`; ``-1``: unknown).
+        ``peak_method`` (:mod:`~laplace_glas.curvature.budget`; ``-1``: unknown);
+        with ``complement='kron'``, ``kron_factors``: where KFAC's factors came from
+        (:mod:`~laplace_glas.curvature.complement_pass`).
         ``None`` for a solve called on an operator directly; records saved before
         budgets lack the memory entries (the properties below read them as None).
 

@@ -24,14 +24,13 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from laplace.utils.matrix import Kron
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, RandomSampler
 
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature.agreement import FitAgreement
 from laplace_glas.curvature.budget import PeakMemory, parse_memory_budget, with_measured_peak
-from laplace_glas.curvature.diagonal import ggn_diagonal
+from laplace_glas.curvature.complement_pass import ComplementCurvature, ComplementPass
 from laplace_glas.curvature.distributed import (
     Shards,
     broadcast_eigenpairs,
@@ -42,7 +41,6 @@ from laplace_glas.curvature.distributed import (
 from laplace_glas.curvature.eigenpairs import Eigenpairs, NumericalRankWarning
 from laplace_glas.curvature.eigensolve import compute_eigenpairs
 from laplace_glas.curvature.fitting import MapLoss, loss_at_map
-from laplace_glas.curvature.kron import ggn_kron
 from laplace_glas.curvature.operators.updated import StoredCurvature, add_stored_curvature
 from laplace_glas.curvature.planner import Plan, plan_solve
 from laplace_glas.curvature.problem import CurvatureProblem
@@ -58,11 +56,7 @@ from laplace_glas.validation import (
 __all__ = ["SubspaceFit"]
 
 
-def _diagonal_or_kron(complement: str, curvature: Any) -> tuple[Any, Any]:
-    return (curvature, None) if complement == "diag" else (None, curvature)
-
-
-class SubspaceFit(FitAgreement):
+class SubspaceFit(ComplementPass, FitAgreement):
     """``fit`` and ``compute_eigenpairs`` of a subspace Laplace posterior (a mixin; see
     the module).
     """
@@ -144,9 +138,13 @@ class SubspaceFit(FitAgreement):
         problem = self._curvature_problem(
             train_loader, out_shape, n_data, generator, self.subsample_size, shards, show
         )
-        # the complement's pass first: its refusals come before the eigen-solve's cost
-        complement, why, diagonal, kron = self._complement_pass(train_loader, shards, show, update)
-        eig = self._solve(problem, k, generator, stored=stored)
+        # the complement's pass first (its refusals come before the eigen-solve's cost),
+        # unless KFAC's factors may come from the solve's operator
+        complement = self._complement_pass(train_loader, shards, show, update, problem)
+        eig = self._solve(problem, k, generator, stored=stored, complement=complement)
+        complement = self._complement_after_solve(complement, train_loader, show)
+        if complement.source is not None:
+            eig = replace(eig, plan={**eig.plan, "kron_factors": complement.source})
         if update:
             loss, n_data = self.loss + loss, self.n_data + n_data
         n_below = int(eig.below_threshold.sum())
@@ -169,10 +167,10 @@ class SubspaceFit(FitAgreement):
         self._eigenpairs = eig
         self._n_components = eig.k
         self.H = (eig.vectors, n_data * eig.values)
-        self._ggn_diagonal = diagonal
-        self._ggn_kron = kron
-        if complement is not None:  # complement='auto', resolved by this fit
-            self._complement_fitted, self._complement_why = complement, why
+        self._ggn_diagonal, self._ggn_kron = complement.diagonal, complement.kron
+        if complement.resolved is not None:  # complement='auto', resolved by this fit
+            self._complement_fitted = complement.resolved
+            self._complement_why = complement.why
         self._process_group = process_group
 
     def _fit_checks(
@@ -199,60 +197,6 @@ class SubspaceFit(FitAgreement):
             self.H[0].shape[1] if update else self._n_components, self.n_params
         )
         return update, show, k
-
-    def _complement_pass(
-        self, loader: Any, shards: Shards | None, show: bool, update: bool
-    ) -> tuple[str | None, str | None, torch.Tensor | None, Kron | None]:
-        """``(resolved, reason, GGN diagonal, KFAC)``: an explicit complement's refusal is
-        raised (``resolved`` None); ``'auto'`` takes the first of ``'kron'``, ``'diag'``
-        not refused, under a scalar prior, whose pass succeeds, else ``'zero'``.
-        """
-        setting = self._complement_setting
-        if setting != "auto":
-            refusal = self._complement_refusal(setting, shards, update)
-            if refusal is not None:
-                raise ValueError(refusal)
-            curvature = self._complement_data(setting, loader, shards, show, update)
-            return None, None, *_diagonal_or_kron(setting, curvature)
-        reasons, shape = [], tuple(self.prior_precision.shape)
-        for candidate in ("kron", "diag"):
-            refusal = self._complement_refusal(candidate, shards, update)
-            if refusal is None and not self._scalar_prior():
-                refusal = f"complement={candidate!r} takes a scalar prior, got shape {shape}."
-            if refusal is None:
-                try:
-                    curvature = self._complement_data(candidate, loader, shards, show, update)
-                except ValueError as err:  # a data-time refusal (BackPACK's, a batch's)
-                    refusal = str(err)
-                else:
-                    why = " ".join(reasons) or (
-                        "KFAC covers every trainable parameter (scalar prior, the "
-                        "likelihood's GGN, no loss_fn, one process, override=True)."
-                    )
-                    why = f"complement='auto' resolved to {candidate!r}: {why}"
-                    return candidate, why, *_diagonal_or_kron(candidate, curvature)
-            reasons.append(f"not {candidate!r}: {refusal}")
-        return "zero", "complement='auto' resolved to 'zero': " + " ".join(reasons), None, None
-
-    def _complement_data(
-        self, complement: str, loader: Any, shards: Shards | None, show: bool, update: bool
-    ) -> torch.Tensor | Kron | None:
-        """The summed GGN diagonal (``'diag'``; plus the stored one for an update) or
-        KFAC's factors of the summed GGN (``'kron'``), else None.
-        """
-        common = {"ignore_index": self.ignore_index, "dict_key_y": self.dict_key_y}
-        if complement == "kron":
-            return ggn_kron(
-                self.model, loader, self._curvature_likelihood, shards=shards,
-                progress_bar=show, **common,
-            )  # fmt: skip
-        if complement != "diag":
-            return None
-        diagonal = ggn_diagonal(
-            self.model, loader, self._curvature_likelihood, device=self._device,
-            shards=shards, progress_bar=show, **common,
-        ).to(self._dtype)  # fmt: skip
-        return diagonal + self._ggn_diagonal if update else diagonal
 
     def _loss_at_map(self, loader: Any, show: bool, shards: Shards | None = None) -> MapLoss:
         """:func:`laplace_glas.curvature.fitting.loss_at_map` with this posterior's
@@ -409,9 +353,11 @@ class SubspaceFit(FitAgreement):
         tol: float | None = None,
         maxiter: int | None = None,
         ncv: int | None = None,
+        complement: ComplementCurvature | None = None,
     ) -> Eigenpairs:
         """The top-``k`` eigenpairs of ``problem`` (plus ``stored``, the fitted
-        curvature, for ``fit(override=False)``), on every rank of ``problem.shards``.
+        curvature, for ``fit(override=False)``), on every rank of ``problem.shards``;
+        a pending ``complement`` takes KFAC's factors from the plan's operator.
 
         ``tol``, ``maxiter`` and ``ncv`` are checked values; ``None`` takes the
         constructor's (``ncv``: checked against ``k``).
@@ -425,6 +371,8 @@ class SubspaceFit(FitAgreement):
             except Exception as err:
                 error = err
             plan = distribute_operator(plan, problem, error)
+            if complement is not None:
+                self._complement_from_plan(complement, plan, problem)
             reduced = plan.operator  # an AllReducedGGN when problem.shards is set
             try:  # a rank whose solve fails between products tells the others (close)
                 eig, plan = self._eigenpairs_of(

@@ -41,12 +41,16 @@ class OuterFactor:
     included; the weight occupies ``D``-positions ``offset : offset + d_out * d_in``
     as a row-major ``(d_out, d_in)`` matrix. A bias (at ``bias_offset``, ``d_out``
     positions) is the weight of a constant input 1: its rows are ``sum_t g_{nrt}``.
+    ``positions``: the positions ``T_c`` of one call of the layer where every call, in
+    every batch, had the same (KFAC's 'expand' input covariance divides by it), else
+    None (``T`` joins the calls, and batches of other lengths are zero-padded to it).
     """
 
     offset: int
     a: torch.Tensor
     g: torch.Tensor
     bias_offset: int | None = None
+    positions: int | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -361,14 +365,23 @@ def _merge_calls(calls: list) -> tuple:
     )
 
 
-def _assemble(layers: dict, explicit: list) -> list:
-    """Factor objects of one batch (or of the concatenated batches)."""
+def _call_positions(calls: list) -> int | None:
+    """The positions ``T_c`` shared by every call in ``calls`` (None if they differ)."""
+    sizes = {c[2].shape[1] for c in calls}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _assemble(layers: dict, explicit: list, positions: dict | None = None) -> list:
+    """Factor objects of one batch (or of the concatenated batches, whose calls'
+    ``positions`` per module the caller gives).
+    """
     factors = []
-    for calls in layers.values():
+    for module, calls in layers.items():
         merged = _merge_calls(calls)
         if merged[0] == "outer":
+            T = _call_positions(calls) if positions is None else positions[module]
             factors.append(
-                OuterFactor(merged[1], merged[2].contiguous(), merged[3].contiguous(), merged[4])
+                OuterFactor(merged[1], merged[2].contiguous(), merged[3].contiguous(), merged[4], T)
             )
         else:
             factors.append(EmbeddingFactor(merged[1], merged[2], merged[3], merged[4].contiguous()))
@@ -438,9 +451,12 @@ def _concatenate(all_layers: dict, all_explicit: list) -> list:
     """Join the batches' factors along the example axis (emptying ``all_layers``, so
     that the peak is the factors plus one layer's, not twice the factors).
     """
-    layers = {}
+    layers, positions = {}, {}
     for module in list(all_layers):  # popped: each layer's batches are freed once joined
-        merged = [_merge_calls(calls) for calls in all_layers.pop(module)]
+        per_batch = all_layers.pop(module)
+        if per_batch[0][0][0] == "outer":
+            positions[module] = _call_positions([c for calls in per_batch for c in calls])
+        merged = [_merge_calls(calls) for calls in per_batch]
         kind, off = merged[0][:2]
         if kind == "outer":
             a = torch.cat(_pad_positions([m[2] for m in merged], 1))
@@ -450,7 +466,7 @@ def _concatenate(all_layers: dict, all_explicit: list) -> list:
             idx = torch.cat(_pad_positions([m[3] for m in merged], 1))
             g = torch.cat(_pad_positions([m[4] for m in merged], 2))
             layers[module] = [(kind, off, merged[0][2], idx, g)]
-    factors = _assemble(layers, [])
+    factors = _assemble(layers, [], positions)
     if all_explicit and all_explicit[0]:
         per_batch = [_assemble({}, e)[0] for e in all_explicit]
         factors.append(ExplicitFactor(per_batch[0].index, torch.cat([f.J for f in per_batch])))
