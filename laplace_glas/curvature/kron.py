@@ -57,7 +57,7 @@ from laplace.utils.matrix import Kron
 from torch import nn
 
 from laplace_glas.curvature.batches import scored_pair, split_batch
-from laplace_glas.curvature.distributed import Shards
+from laplace_glas.curvature.distributed import Shards, all_reduce_sum, flag_failure, sum_count
 from laplace_glas.curvature.losses import summed_unit_noise_loss
 from laplace_glas.curvature.operators.factored import FactoredGGN
 from laplace_glas.curvature.operators.factors import OuterFactor
@@ -100,15 +100,10 @@ class _ScoredBatches:
 
 
 def kron_refusal(model: nn.Module, shards: Shards | None = None) -> str | None:
-    """Why :func:`ggn_kron` cannot serve ``model`` (None: it can): a data-parallel fit
-    (``shards``), or a trainable parameter outside the layers curvlinops' KFAC covers
-    (``nn.Linear``, ``nn.Conv2d``).
+    """Why :func:`ggn_kron` cannot serve ``model`` (None: it can): a trainable parameter
+    outside the layers curvlinops' KFAC covers (``nn.Linear``, ``nn.Conv2d``). A
+    data-parallel fit (``shards``) is served: the factors are summed over the ranks.
     """
-    if shards is not None:
-        return (
-            "complement='kron' does not support a data-parallel fit yet (its Kronecker "
-            "factors are not summed over ranks); use complement='diag' there."
-        )
     covered = KFACLinearOperator._SUPPORTED_MODULES
     for name, module in model.named_modules():
         if isinstance(module, covered):
@@ -136,13 +131,19 @@ def ggn_kron(
 ) -> Kron:
     """KFAC of the summed unit-noise GGN over the trainable parameters (see the module).
 
+    In a data-parallel fit each rank computes its shard's share and the factors are
+    summed over the ranks: ``B = sum_r B_r`` and ``A = sum_r A_r`` with each rank's
+    ``A_r = sum_{n in shard r} a_n a_n^T / N`` normalised by the total ``N`` (one
+    all-reduce of the counts first), which is the single-process ``A`` exactly.
+
     Parameters
     ----------
     model : torch.nn.Module
         The network at its MAP weights (every trainable parameter in an ``nn.Linear``
         or ``nn.Conv2d``).
     loader : iterable of batches
-        ``(X, y)`` tuples with tensor inputs (moved to the parameters' device).
+        ``(X, y)`` tuples with tensor inputs (moved to the parameters' device); in a
+        data-parallel fit, this rank's shard.
     likelihood : {'regression', 'classification'}
         The curvature's likelihood.
     ignore_index : int
@@ -150,23 +151,66 @@ def ggn_kron(
     dict_key_y : str
         Key of the targets in mapping batches.
     shards : Shards, optional
-        Must be None: a data-parallel fit is not supported by ``complement='kron'`` yet.
+        The ranks of a data-parallel fit (the factors are summed over them).
     progress_bar : bool
         Show curvlinops' progress bar over the batches.
 
     Raises
     ------
     ValueError
-        For a data-parallel fit, inputs that are not tensors, per-token targets, and
-        parameters outside the layers KFAC covers (named with curvlinops' reason).
+        For inputs that are not tensors, per-token targets, and parameters outside the
+        layers KFAC covers (named with curvlinops' reason). In a data-parallel fit a
+        failure on one rank is raised there and as a ``RuntimeError`` naming it on the
+        others.
 
     """
     refusal = kron_refusal(model, shards)
     if refusal is not None:
         raise ValueError(refusal)
     params = [p for p in model.parameters() if p.requires_grad]
-    loss_fn, factor = summed_unit_noise_loss(likelihood)
     data = _ScoredBatches(loader, likelihood, ignore_index, dict_key_y)
+    if shards is None:
+        blocks = _local_factors(model, params, likelihood, data, progress_bar)
+        return Kron(check_kron_factors(blocks, [p.shape for p in params]))
+    device = params[0].device if params else "cpu"
+    n_local, error = 0, None
+    try:  # a rank whose count or pass fails still takes part in the collectives (flagged)
+        n_local = sum(X.shape[0] for X, _ in data)
+    except Exception as err:
+        error = err
+    n_total = sum_count(n_local, shards, device, error=error)
+    blocks, error = [], None
+    try:
+        blocks = _local_factors(model, params, likelihood, data, progress_bar, n_total)
+        blocks = check_kron_factors(blocks, [p.shape for p in params])
+    except Exception as err:
+        error = err
+    step = "computing KFAC's factors of complement='kron'"
+    flag_failure(shards, device, error, step, "no rank fits")
+    summed = all_reduce_sum(torch.cat([F.reshape(-1) for block in blocks for F in block]), shards)
+    start, reduced = 0, []
+    for block in blocks:
+        reduced.append([])
+        for F in block:
+            reduced[-1].append(summed[start : start + F.numel()].view_as(F))
+            start += F.numel()
+    return Kron(reduced)
+
+
+def _local_factors(
+    model: nn.Module,
+    params: list[torch.Tensor],
+    likelihood: str,
+    data: _ScoredBatches,
+    progress_bar: bool,
+    num_data: int | None = None,
+) -> list:
+    """The ``[B, A]`` / ``[B]`` blocks of curvlinops' KFAC over ``data`` in the order of
+    ``params`` (``num_data``: the ``N`` dividing ``A``; None: ``data``'s own count).
+    """
+    loss_fn, factor = summed_unit_noise_loss(likelihood)
+    # one loss term per example: _ScoredBatches refuses per-token targets
+    counts = {} if num_data is None else {"num_data": num_data, "num_per_example_loss_terms": 1}
     try:
         linop = KFACLinearOperator(
             model,
@@ -177,6 +221,7 @@ def ggn_kron(
             check_deterministic=False,
             fisher_type=FisherType.TYPE2,
             separate_weight_and_bias=True,
+            **counts,
         )
         linop.compute_kronecker_factors()
     except _BatchError:
@@ -189,15 +234,14 @@ def ggn_kron(
             "'zero' or 'prior'."
         ) from err
     blocks: list[list[torch.Tensor] | None] = [None] * len(params)
-    symmetric = _symmetric
     for name, positions in linop._mapping.items():
-        B = symmetric(linop._gradient_covariances[name].detach()) * factor
+        B = _symmetric(linop._gradient_covariances[name].detach()) * factor
         for kind, position in positions.items():
             if kind == "weight":
-                blocks[position] = [B, symmetric(linop._input_covariances[name].detach())]
+                blocks[position] = [B, _symmetric(linop._input_covariances[name].detach())]
             else:
                 blocks[position] = [B]
-    return Kron(check_kron_factors(blocks, [p.shape for p in params]))
+    return blocks
 
 
 def _symmetric(F: torch.Tensor) -> torch.Tensor:

@@ -88,8 +88,8 @@ def _fit(model, likelihood, solver, train, **fit_kwargs):
         block_size=3,
         prior_precision=TAU,
         sigma_noise=0.5 if likelihood == "regression" else 1.0,
-        loss_scaling="mean",  # the eigenpairs' machinery ('auto' would take 'kron' in one
-        complement="zero",  # process and 'diag' on two ranks, where KFAC is not summed)
+        loss_scaling="mean",  # the eigenpairs' machinery (the complements: _complement_fit)
+        complement="zero",
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -140,6 +140,32 @@ def _summary(la, calib, train) -> dict:
     return out
 
 
+def _complement_summary(model, X, y, Xc, yc, complement: str, rank: int | None) -> dict:
+    """A default-scaled fit with ``complement`` on all data (``rank`` None) or on the
+    rank's uneven shard: what the complement changes (evidence, predictive, draws' norm).
+    """
+    likelihood = "regression" if y.is_floating_point() else "classification"
+    if rank is not None:
+        X, y = _shard((X, y), rank, "uneven")
+    la = Laplace(
+        model, likelihood, subset_of_weights="all", hessian_structure="glas",
+        n_components=K, prior_precision=TAU, complement=complement,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la.fit(loader(X, y, batch_size=16))
+        out = la(Xc, pred_type="glm", link_approx="probit")
+    # regression: the predictive variance; classification: probit probabilities
+    predictive = out[1].squeeze(-1) if likelihood == "regression" else out
+    return {
+        "complement": la.complement,
+        "values": la.eigenvalues.clone(),
+        "evidence": float(la.log_marginal_likelihood()),
+        "predictive": predictive.detach().clone(),
+        "trace": float(la.posterior_covariance.to_dense().trace()),
+    }
+
+
 def _shard(tensors, rank: int, split: str):
     n = SPLITS[split]
     return [t[:n] if rank == 0 else t[n:] for t in tensors]
@@ -158,6 +184,11 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             train = loader(X, y, batch_size=16)
             la = _fit(model, likelihood, solver, train)
             results[(likelihood, solver, split)] = _summary(la, loader(Xc, yc, 16), train)
+        for likelihood in ("regression", "classification"):
+            for complement in ("kron", "auto"):
+                results[("complement", likelihood, complement)] = _complement_summary(
+                    *_problem(likelihood), complement, rank
+                )
         # a model the factored operator refuses: the linearised operator on every rank
         model, X, y, _, _ = _problem("regression")
         X, y = _shard((X, y), rank, "uneven")
@@ -417,6 +448,13 @@ def _break_solver(fault: str) -> None:
             raise RuntimeError("BackPACK ran out of memory")
 
         diagonal_module._batch_diagonal = broken_diagonal
+    if fault == "kron":
+        import laplace_glas.curvature.kron as kron_module
+
+        def broken_factors(*args):
+            raise RuntimeError("KFAC ran out of memory")
+
+        kron_module._local_factors = broken_factors
     if fault == "after":
         compute = fit_module.compute_eigenpairs
 
@@ -477,6 +515,7 @@ def _fault_worker(rank: int, init_file: str, out_dir: str, fault: str, subset: s
             X[3, 0] = float("nan")
         # 'zero' unless the diag pass is the fault: the fit's passes as counted below
         extra = {"complement": "diag" if fault.startswith("diag") else "zero"}
+        extra = {"complement": "kron"} if fault == "kron" else extra
         if fault == "block":
             solver = "block"
         la = Laplace(
@@ -670,4 +709,30 @@ def test_a_failure_in_a_collective_after_the_fit_reaches_every_rank(fault, step)
     assert rank0 == (
         f"fitted=True\nRuntimeError: Rank(s) 1 failed (see the error there) while this rank "
         f"was {step}: no rank returns a result. (prior unchanged: True)"
+    )
+
+
+@pytest.mark.parametrize("complement", ["kron", "auto"])
+@pytest.mark.parametrize("likelihood", ["regression", "classification"])
+def test_kron_complement_on_two_ranks_equals_one_process(ranks, likelihood, complement):
+    """KFAC's factors summed over the ranks: 'kron' (and 'auto', which resolves to it
+    in one process and now also on two ranks) gives the single-process posterior.
+    """
+    one = _complement_summary(*_problem(likelihood), complement, None)
+    assert one["complement"] == "kron"
+    for rank in ranks:
+        got = rank[("complement", likelihood, complement)]
+        assert got["complement"] == "kron"
+        _close(got["values"], one["values"])
+        for key in ("evidence", "trace"):
+            _close(got[key], one[key])
+        _close(got["predictive"], one["predictive"])
+
+
+def test_a_failed_kron_complement_pass_reaches_every_rank():
+    rank0, rank1 = _run_fault("kron")
+    assert rank1 == "fitted=False\nRuntimeError: KFAC ran out of memory"
+    assert rank0 == (
+        "fitted=False\nRuntimeError: Rank(s) 1 failed (see the error there) while this rank "
+        "was computing KFAC's factors of complement='kron': no rank fits."
     )
