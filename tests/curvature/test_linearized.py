@@ -407,6 +407,8 @@ def test_over_budget_fit_records_both_reasons():
     info = fit(model, batches, memory_budget=refused.value.smallest)
     assert "not factored" in info.operator and "not linearised: the kept graphs" in info.operator
     assert info.operator.startswith("curvlinops") and info.plan["strategy"] == "streaming"
+    # streaming, too, is a pass per product: Lanczos as the one-column block solver
+    assert info.solver == "block" and info.n_passes == info.n_products
 
 
 @pytest.mark.usefixtures("without_jacobian")
