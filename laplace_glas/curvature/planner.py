@@ -21,8 +21,8 @@
      fewer flops and ``K`` within the rule of :func:`~.gram.gram_fits`);
   2. ``'linearised'``: Lanczos on the linearised operator
      (:mod:`~laplace_glas.curvature.operators.linearized`: every batch's graph kept, no
-     forward pass per product), as the block solver with one column per pass (Lanczos
-     with full re-orthogonalisation that keeps every image: no residual-check products);
+     forward pass per product), as the one-column block solver (fully re-orthogonalised,
+     images kept; ARPACK in a data-parallel fit);
   3. ``'streaming'``: Lanczos (as in 2.) on curvlinops' operator, which recomputes one
      batch's graph per product (products of many columns in chunks that fit).
 
@@ -258,15 +258,16 @@ def plan_solve(
             UserWarning,
             stacklevel=3,
         )
-    if not isinstance(linearized, str):  # each product a pass: Lanczos keeping images
-        return Plan(
-            linearized, problem.scale, "block", f"linearised (not factored: {built})",
+    size = {} if base == "block" or problem.shards else {"solver": "block", "block_size": 1}
+    if not isinstance(linearized, str):
+        return replace(Plan(
+            linearized, problem.scale, base, f"linearised (not factored: {built})",
             problem.n_terms, "ggn", total, tuple(reasons), "linearised",
             budget.estimates["linearised"], budget.pairs(),
-            *_distributed_fallback(problem, budget), block_size if base == "block" else 1,
-        )  # fmt: skip
+            *_distributed_fallback(problem, budget),
+        ), **size)  # fmt: skip
     plan = _streaming_plan(problem, problem.reference_operator(), name, reasons, budget, base)
-    return plan if base == "block" else replace(plan, solver="block", block_size=1)
+    return replace(plan, **size)
 
 
 def _distributed_fallback(problem: CurvatureProblem, budget: Estimates) -> tuple:
