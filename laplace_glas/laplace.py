@@ -135,9 +135,9 @@ class ActiveSubspaceLaplace(
         one forward and one batched backward pass
         (:mod:`laplace_glas.curvature.operators.factored`), eigen-solved through the
         ``NR x NR`` Gram matrix (``'dual'``) when that is cheaper, else by Lanczos on the
-        factored products; then Lanczos on the linearised GGN
-        (:mod:`laplace_glas.curvature.operators.linearized`: each batch's graph kept), then
-        on curvlinops' operator (streaming: one batch's graph per product).
+        factored products; then Lanczos (fully re-orthogonalised, images kept) on the
+        linearised GGN (:mod:`laplace_glas.curvature.operators.linearized`: each batch's
+        graph kept), then on curvlinops' operator (streaming).
         ``'lanczos'``: ARPACK's Lanczos (``scipy.sparse.linalg.eigsh``) on curvlinops'
         operator, one GGN product per data pass, the reference. ``'block'``: block
         Krylov with Rayleigh-Ritz on the factored, linearised or curvlinops operator
@@ -148,8 +148,8 @@ class ActiveSubspaceLaplace(
         Relative tolerance (``0``: machine precision of the model's dtype for Lanczos;
         1e-5 / 1e-8 in float32 / float64 for the block solver).
     maxiter : int, optional
-        Lanczos restarts allowed (ARPACK's default ``10 * D``); data passes for the
-        block solver (default 50).
+        Lanczos restarts allowed (ARPACK's default ``10 * D``); block solver: data
+        passes (default ``50 * ceil(max(k, 8) / block_size)``).
     ncv : int, optional
         Lanczos basis size (ARPACK's default ``min(D, max(2k + 1, 20))``).
     seed : int, default=0

@@ -16,8 +16,9 @@ Storage of the solvers in ``D``-vectors of the model's itemsize ``s``
 (:func:`solver_storage`): ARPACK's Lanczos keeps its ``ncv`` basis vectors and three
 work vectors, and the fit holds the ``k`` eigenvectors, their sorted copy and their
 images for the residual check, ``(ncv + 5 k + 8) D s`` in all; the block solver keeps a
-basis and its images of ``max_basis = max(2 k + p, 3 p)`` columns each plus a few
-blocks, ``(2 max_basis + 3 p + 3 k) D s``.
+basis and its images of ``max_basis = max(2 k + p, 3 p)`` columns each (``ncv`` for
+``p = 1``, the Lanczos of the linearised operator) plus a few blocks,
+``(2 max_basis + 3 p + 3 k) D s``; the Lanczos estimate is the larger of the two.
 
 Estimated peaks of the planner's strategies, in bytes, with ``s`` the itemsize, ``D``
 the parameters, ``k`` the pairs and the solver's storage ``B`` (:func:`solver_storage`:
@@ -226,11 +227,14 @@ def solver_storage(
     """Bytes the eigen-solver keeps in ``D``-vectors (see the module): Lanczos
     ``(ncv + 5 k + 8) D s``, block ``(2 max_basis + 3 p + 3 k) D s``.
     """
+    ncv = lanczos_ncv(k, n_params, ncv)
     if solver == "block":
         p = block_size or max(k, 8)
-        max_basis = min(n_params, max(2 * k + p, 3 * p))
+        max_basis = min(n_params, max(2 * k + p, 3 * p) if p > 1 else max(ncv, k + 2))
         return (2 * max_basis + 3 * p + 3 * k) * n_params * itemsize
-    return (lanczos_ncv(k, n_params, ncv) + 5 * k + 8) * n_params * itemsize
+    # the planner may run Lanczos as the one-column block solver (linearised operator)
+    one_column = solver_storage("block", n_params, k, itemsize, ncv=ncv, block_size=1)
+    return max(one_column, (ncv + 5 * k + 8) * n_params * itemsize)
 
 
 def _status(key: str) -> int | None:

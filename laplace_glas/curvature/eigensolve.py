@@ -61,8 +61,15 @@ def _solve_block(
     rank_threshold: float,
     generator: torch.Generator | None,
     pbar: tqdm,
+    ncv: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
-    """Block Krylov with ``block_size`` columns per data pass (basis in the model's dtype)."""
+    """Block Krylov with ``block_size`` columns per data pass (basis in the model's dtype).
+
+    One column per pass is Lanczos with full re-orthogonalisation that keeps every
+    image ``G q_j``: its basis is ARPACK's (``ncv``, default ``max(2 k + 1, 20)``); it
+    stops at the first pass whose top-``k`` residuals (from the kept images, no further
+    product) are below ``tol``.
+    """
 
     def matmat(V: torch.Tensor) -> torch.Tensor:
         """``scale * G V`` in the model's precision (the solver stores images in it)."""
@@ -84,13 +91,19 @@ def _solve_block(
     basis_dtype = dtype
     if tol <= 0:
         tol = 1e-5 if dtype == torch.float32 else 1e-8
+    D, max_basis = operator.shape[0], None
+    if block_size == 1:  # Lanczos: ARPACK's basis (at least k + 2: a restart adds one)
+        max_basis = min(D, max(ncv or max(2 * k + 1, 20), k + 2))
     result = block_krylov_eigenpairs(
         matmat,
-        operator.shape[0],
+        D,
         k,
         block_size=block_size,
+        max_basis=max_basis,
         tol=tol,
-        max_passes=50 if maxiter is None else maxiter,
+        # default: as many products as 50 passes of the default block (one-column
+        # passes, the linearised operator's Lanczos, get 50 * max(k, 8) passes)
+        max_passes=50 * -(-max(k, 8) // (block_size or max(k, 8))) if maxiter is None else maxiter,
         rank_threshold=rank_threshold,
         generator=generator,
         dtype=basis_dtype,
@@ -231,9 +244,11 @@ def compute_eigenpairs(
         and ``1e-5`` (float32) / ``1e-8`` (float64) for the block solver.
     maxiter : int, optional
         Lanczos: ARPACK's maximum number of restarts (default ``10 * D``); block:
-        maximum number of data passes (default 50).
+        maximum number of data passes (default 50 passes of ``max(k, 8)`` columns,
+        ``50 * ceil(max(k, 8) / block_size)``).
     ncv : int, optional
-        Lanczos basis size (default ``min(D, max(2k + 1, 20))``).
+        Lanczos basis size (default ``min(D, max(2k + 1, 20))``); also the basis of the
+        block solver with ``block_size=1``.
     generator : torch.Generator, optional
         Source of the random start vector(s); the solve is deterministic given it.
     rank_threshold : float, optional
@@ -310,6 +325,7 @@ def compute_eigenpairs(
                 rank_threshold,
                 generator,
                 pbar,
+                ncv,
             )
     finally:
         pbar.close()

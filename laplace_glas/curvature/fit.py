@@ -415,7 +415,7 @@ class SubspaceFit(ComplementPass, FitAgreement):
             n_data=plan.n_data,
             progress_bar=problem.progress_bar,
             solver=plan.solver,
-            block_size=self.block_size,
+            block_size=self.block_size if plan.block_size is None else plan.block_size,
             operator_name=plan.operator_name,
         )
         return eig, plan

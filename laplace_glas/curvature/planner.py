@@ -21,9 +21,10 @@
      fewer flops and ``K`` within the rule of :func:`~.gram.gram_fits`);
   2. ``'linearised'``: Lanczos on the linearised operator
      (:mod:`~laplace_glas.curvature.operators.linearized`: every batch's graph kept, no
-     forward pass per product);
-  3. ``'streaming'``: Lanczos on curvlinops' operator, which recomputes one batch's
-     graph per product (products of many columns in chunks that fit).
+     forward pass per product), as the one-column block solver (fully re-orthogonalised,
+     images kept; ARPACK in a data-parallel fit);
+  3. ``'streaming'``: Lanczos (as in 2.) on curvlinops' operator, which recomputes one
+     batch's graph per product (products of many columns in chunks that fit).
 
   A budget below every estimate raises :class:`~laplace_glas.curvature.budget.MemoryBudgetError`
   naming the smallest that works. The choice is recorded in ``la.lanczos_info.plan``
@@ -127,6 +128,8 @@ class Plan:
         streaming plans, and for data-parallel plans, whose fallback streams).
     streaming_peak : int or None
         The streaming estimate (with ``max_columns``).
+    block_size : int or None
+        Columns per pass of the block solver chosen here (None: the caller's).
 
     """
 
@@ -143,6 +146,7 @@ class Plan:
     estimates: tuple[tuple[str, int], ...] = ()
     max_columns: int | None = None
     streaming_peak: int | None = None
+    block_size: int | None = None
 
     def summary(self) -> dict[str, Any]:
         """The plan without its operator (plain values, for ``Eigenpairs.plan``)."""
@@ -254,14 +258,16 @@ def plan_solve(
             UserWarning,
             stacklevel=3,
         )
+    size = {} if base == "block" or problem.shards else {"solver": "block", "block_size": 1}
     if not isinstance(linearized, str):
-        return Plan(
+        return replace(Plan(
             linearized, problem.scale, base, f"linearised (not factored: {built})",
             problem.n_terms, "ggn", total, tuple(reasons), "linearised",
             budget.estimates["linearised"], budget.pairs(),
             *_distributed_fallback(problem, budget),
-        )  # fmt: skip
-    return _streaming_plan(problem, problem.reference_operator(), name, reasons, budget, base)
+        ), **size)  # fmt: skip
+    plan = _streaming_plan(problem, problem.reference_operator(), name, reasons, budget, base)
+    return replace(plan, **size)
 
 
 def _distributed_fallback(problem: CurvatureProblem, budget: Estimates) -> tuple:

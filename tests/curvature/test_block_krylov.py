@@ -134,3 +134,50 @@ def test_repeats_within_the_block_and_zeros_cost_no_extra_passes(values, monkeyp
     plain = block_krylov_eigenpairs(lambda V: A @ V, 400, 10, **kwargs)
     assert res.n_passes == plain.n_passes < 10
     torch.testing.assert_close(res.values[:5], values[:5].double(), rtol=1e-7, atol=1e-12)
+
+
+def test_one_column_passes_are_lanczos_on_arpacks_basis_with_their_own_pass_limit(monkeypatch):
+    """block_size=1 (the linearised operator's Lanczos): the basis is ``ncv`` columns,
+    the default pass limit scales to 50 passes of max(k, 8) columns (50 would stop
+    short here), and the pairs and their kept images match the dense solution."""
+    from laplace_glas.curvature.eigensolve import compute_eigenpairs
+
+    values = 10 * torch.arange(1, 301, dtype=torch.float64) ** -0.5  # slow decay
+    A = psd(values, seed=3)
+    k = 30
+    widths = []
+
+    class Counting:
+        shape = A.shape
+
+        def matmat_torch(self, V):
+            widths.append(V.shape[1])
+            return A @ V
+
+        def __matmul__(self, V):
+            return self.matmat_torch(V)
+
+    pairs = compute_eigenpairs(
+        Counting(), k, dtype=torch.float64, solver="block", block_size=1, tol=1e-9,
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    assert set(widths) == {1} and pairs.n_products == pairs.n_passes == len(widths) > 50
+    assert pairs.n_converged == k
+    torch.testing.assert_close(pairs.values, values[:k], rtol=1e-9, atol=0)
+    residual = A @ pairs.vectors - pairs.vectors * pairs.values
+    assert float(residual.norm(dim=0).max()) <= 1e-8 * float(values[0])
+    # ARPACK's default basis max(2k + 1, 20): a restart beyond 61 columns
+    basis = []
+    original = block_krylov._KrylovBasis.__init__
+
+    def spy(self, dim, max_basis, *args):
+        basis.append(max_basis)
+        original(self, dim, max_basis, *args)
+
+    monkeypatch.setattr(block_krylov._KrylovBasis, "__init__", spy)
+    for ncv in (45, None):
+        compute_eigenpairs(
+            Counting(), k, dtype=torch.float64, solver="block", block_size=1, ncv=ncv,
+            generator=torch.Generator().manual_seed(0),
+        )  # fmt: skip
+    assert basis == [45, 61]

@@ -14,6 +14,7 @@ from torch.autograd.function import once_differentiable
 
 from laplace_glas import ActiveSubspaceLaplace
 from laplace_glas.autodiff.context import autodiff_friendly
+from laplace_glas.autodiff.frozen import is_elementwise_activation
 from laplace_glas.curvature.budget import MemoryBudgetError
 from laplace_glas.curvature.losses import TokenCrossEntropy
 from laplace_glas.curvature.operators.linearized import LinearizedGGN, build_linearized_ggn
@@ -91,7 +92,45 @@ def problem(name: str):
         y = torch.randint(0, 3, (6,), generator=g)
         batches = [({"x": x[i : i + 3], "mask": mask[i : i + 3]}, y[i : i + 3]) for i in (0, 3)]
         return model, batches, nn.CrossEntropyLoss(reduction="sum"), 6
+    if name == "gpt2-lora-tokens":  # GPT-2's GELU in elementary ops: frozen derivative
+        model = tiny_gpt2_lora()
+        x = torch.randint(1, VOCAB, (4, 5), generator=g)
+        y = torch.randint(1, VOCAB, (4, 5), generator=g)
+        y[1, 3:] = PAD
+        batches = [(x[:2], y[:2]), (x[2:], y[2:])]
+        return model, batches, TokenCrossEntropy("sum", ignore_index=PAD), 4
     raise ValueError(name)
+
+
+def tiny_gpt2_lora() -> nn.Module:
+    """A 1-block GPT-2 LM (vocabulary 7, width 8) with peft LoRA (r = 2) on ``c_attn``,
+    ``c_proj`` and ``c_fc``, the base frozen, lora_B off zero; logits per position."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=8, n_embd=8, n_layer=1, n_head=2, pad_token_id=PAD
+    )
+    lora = peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=["c_attn", "c_proj", "c_fc"], lora_dropout=0.0,
+        fan_in_fan_out=True,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        body = peft.get_peft_model(transformers.GPT2LMHeadModel(config), lora)
+    with torch.no_grad():
+        for name, p in body.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+
+    class Logits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = body
+
+        def forward(self, x):
+            return self.body(input_ids=x).logits
+
+    return Logits().to(F64).eval()
 
 
 def dense_ggn(model, batches, loss_func, num_data) -> torch.Tensor:
@@ -121,12 +160,14 @@ def linearized(model, batches, loss_func, num_data, budget=2**30, batch_size_fn=
         )
 
 
-@pytest.mark.parametrize("name", ["mlp-mse", "lstm-tokens", "attention-dict"])
+@pytest.mark.parametrize("name", ["mlp-mse", "lstm-tokens", "attention-dict", "gpt2-lora-tokens"])
 def test_products_equal_the_explicit_ggn(name):
     model, batches, loss_func, num_data = problem(name)
     size = (lambda X: X["x"].shape[0]) if name == "attention-dict" else None
     op = linearized(model, batches, loss_func, num_data, batch_size_fn=size)
     assert isinstance(op, LinearizedGGN)
+    if name in ("gpt2-lora-tokens", "mlp-mse"):  # GPT-2's GELU, nn.Tanh: frozen derivative
+        assert sum(is_elementwise_activation(m) for m in model.modules()) == 1
     G = dense_ggn(model, batches, loss_func, num_data)
     V = torch.randn(G.shape[0], 4, generator=torch.Generator().manual_seed(2), dtype=F64)
     with autodiff_friendly(model):
@@ -346,7 +387,9 @@ def test_fit_on_the_linearised_operator_matches_the_reference(solver):
     ours, n_terms = info_of(solver)
     ref, _ = info_of("lanczos")
     assert ours.operator.startswith("linearised (not factored")
-    assert ref.operator == "curvlinops"
+    # 'auto': Lanczos as the one-column block solver (a pass per product, images kept)
+    assert ours.solver == "block" and (ours.n_passes == ours.n_products) == (solver == "auto")
+    assert ref.operator == "curvlinops" and ref.solver == "lanczos"
     G = dense_ggn(model, batches, TokenCrossEntropy("sum", ignore_index=PAD), 6) / n_terms
     expected = torch.linalg.eigvalsh(G).flip(0)[:4]
     torch.testing.assert_close(ours.values, expected, rtol=1e-7, atol=1e-12)
@@ -364,6 +407,8 @@ def test_over_budget_fit_records_both_reasons():
     info = fit(model, batches, memory_budget=refused.value.smallest)
     assert "not factored" in info.operator and "not linearised: the kept graphs" in info.operator
     assert info.operator.startswith("curvlinops") and info.plan["strategy"] == "streaming"
+    # streaming, too, is a pass per product: Lanczos as the one-column block solver
+    assert info.solver == "block" and info.n_passes == info.n_products
 
 
 @pytest.mark.usefixtures("without_jacobian")
@@ -404,3 +449,61 @@ def test_update_and_subnetwork_on_the_linearised_operator_match_curvlinops():
     ours, ref = subnetwork("auto"), subnetwork("lanczos")
     assert ours.operator.startswith("linearised (not factored")
     torch.testing.assert_close(ours.values, ref.values, rtol=1e-9, atol=0)
+
+
+def _graph_names(tensor: torch.Tensor) -> set[str]:
+    """Names of the autograd nodes behind ``tensor``."""
+    seen, stack, names = set(), [tensor.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return names
+
+
+def test_frozen_activations_keep_values_and_first_derivatives():
+    """Inside the block an elementwise activation gives the same values and the same
+    vector-Jacobian and (double-backward) Jacobian-vector products, through one frozen
+    node; outside it (also after an error) the module is itself again."""
+    from laplace_glas.autodiff.frozen import frozen_elementwise_derivatives
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.GELU(approximate="tanh"), nn.Linear(4, 2))
+    model = model.to(F64)
+    params = list(model.parameters())
+    x = torch.randn(5, 3, dtype=F64)
+    u = torch.randn(5, 2, dtype=F64)
+    v = [torch.randn_like(p) for p in params]
+
+    def products():
+        out = model(x)
+        dummy = torch.zeros_like(out, requires_grad=True)
+        pullback = torch.autograd.grad(out, params, dummy, create_graph=True)
+        (Jv,) = torch.autograd.grad(pullback, dummy, v)
+        return out, torch.autograd.grad(out, params, u), Jv
+
+    out, JTu, Jv = products()
+    with frozen_elementwise_derivatives(model) as switched:
+        frozen_out, frozen_JTu, frozen_Jv = products()
+        names = _graph_names(frozen_out)
+    assert switched == 1 and "_FrozenDerivativeBackward" in names
+    assert "TanhBackward0" not in names  # the activation's elementary ops are gone
+    assert torch.equal(frozen_out, out)
+    torch.testing.assert_close(frozen_JTu, JTu, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(frozen_Jv, Jv, rtol=1e-12, atol=1e-14)
+    assert "forward" not in vars(model[1])
+    with pytest.raises(RuntimeError, match="inside"):
+        with frozen_elementwise_derivatives(model):
+            raise RuntimeError("inside")
+    assert "forward" not in vars(model[1])
+    assert "_FrozenDerivativeBackward" not in _graph_names(model(x))
+
+    class Scaled(nn.GELU):  # a subclass may act otherwise: left alone
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    assert not is_elementwise_activation(Scaled()) and not is_elementwise_activation(nn.PReLU())
+    assert is_elementwise_activation(nn.Tanh())

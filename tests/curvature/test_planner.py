@@ -114,10 +114,15 @@ def test_planner_linearises_a_recurrent_model():
         plan = plan_solve(problem, 2, "auto")
         with pytest.warns(UserWarning, match=r"solver='dual' needs the factored GGN"):
             dual = plan_solve(problem, 2, "dual")
-    assert isinstance(plan.operator, LinearizedGGN) and plan.solver == "lanczos"
+    # every product a pass over the data: Lanczos as the one-column block solver (its
+    # images kept, so no residual-check products)
+    assert isinstance(plan.operator, LinearizedGGN) and plan.solver == "block"
+    assert plan.block_size == 1
     assert plan.operator_name.startswith("linearised (not factored: LSTM parameters")
     assert plan.reasons and "LSTM" in plan.reasons[0]
-    assert dual.solver == "lanczos" and isinstance(dual.operator, LinearizedGGN)
+    assert dual.solver == "block" and isinstance(dual.operator, LinearizedGGN)
+    block = plan_solve(problem, 2, "block", block_size=3)  # the caller's block size
+    assert block.solver == "block" and block.block_size is None
 
 
 @pytest.mark.parametrize(

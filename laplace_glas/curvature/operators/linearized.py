@@ -29,6 +29,12 @@ LoRA of ``benchmarks/linearized_cost.py``; over its three models, single product
 Hessian ``Lambda_b`` comes from the loss itself, so any loss curvlinops takes works
 here too, and the matrix is curvlinops' GGN of the same loss, to rounding.
 
+Elementwise activation modules (GPT-2's GELU, ``nn.Tanh``, ...) enter the kept graph
+with their derivative at the batch's point frozen
+(:mod:`~laplace_glas.autodiff.frozen`): a product then multiplies by ``f'(x)`` instead
+of differentiating the activation's elementary ops again (on GPT-2 + LoRA over tokens
+half of every product's time; the same first derivative, so the same matrix).
+
 Blocks of ``m`` columns go through ``torch.autograd.grad(..., is_grads_batched=True)``
 (one vmapped backward pass per batch, in column chunks whose temporaries, about one
 batch's kept bytes per column, stay near 512 MiB); a model whose backward pass vmap
@@ -56,6 +62,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from laplace_glas.autodiff.frozen import frozen_elementwise_derivatives
 from laplace_glas.curvature.batches import batch_to_device
 from laplace_glas.curvature.budget import OverBudget
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES, TorchOperator
@@ -262,7 +269,8 @@ def build_linearized_ggn(
         X = batch_to_device(X, device)
         y = y.to(device)
         with counter.hooks(), torch.enable_grad():
-            outputs = model(X)
+            with frozen_elementwise_derivatives(model):  # fewer kernels per product
+                outputs = model(X)
             if not isinstance(outputs, torch.Tensor):
                 return f"the model returned a {type(outputs).__name__}, not a tensor"
             if not outputs.requires_grad:

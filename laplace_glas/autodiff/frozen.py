@@ -1,0 +1,129 @@
+"""Elementwise activations with their derivative frozen at the linearisation point.
+
+The linearised GGN (:mod:`~laplace_glas.curvature.operators.linearized`) differentiates
+each batch's backward pass once more for every product (``J v`` by double backward).
+An activation written in elementary ops (Hugging Face's ``NewGELUActivation`` of GPT-2,
+``0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))``) then costs a dozen elementwise
+kernels per product and direction, although its Jacobian at the kept point is the
+fixed diagonal ``diag(f'(x))``: on GPT-2 + LoRA over tokens they took half of every
+product. Inside :func:`frozen_elementwise_derivatives` such a module returns the same
+``f(x)`` through a function whose backward is
+
+.. math::
+
+    \\bar x = \\bar y \\odot f'(x) , \\qquad f'(x) = \\nabla_x \\textstyle\\sum f(x)
+    \\quad (\\text{elementwise } f) ,
+
+with ``f'(x)`` computed once, by autograd, from the module's own forward at the
+pass's ``x``. The first derivative, all a GGN product uses, is the module's own (to
+rounding: the same kernels, summed differently); the backward is linear in
+``\\bar y`` with a constant factor, so its derivative in ``\\bar y`` is the same
+product, and its graph keeps ``f'(x)`` instead of the elementary ops' inputs. It has
+no derivative in ``x`` (no second derivatives of the network: GGN products only).
+
+Covered: activation modules without parameters that act elementwise, by exact type
+(``nn.GELU``, ``nn.Tanh``, ``nn.SiLU``, ... and the elementwise classes of
+``transformers.activations``); functional calls (``F.gelu``) and other modules are left
+alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["frozen_elementwise_derivatives", "is_elementwise_activation"]
+
+_TORCH_ELEMENTWISE = (
+    nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.Softplus, nn.ELU, nn.CELU, nn.SELU,
+    nn.Mish, nn.LogSigmoid, nn.Softsign, nn.Tanhshrink, nn.Hardswish, nn.Hardsigmoid,
+    nn.Hardtanh, nn.ReLU, nn.ReLU6, nn.LeakyReLU,
+)  # fmt: skip
+_HF_ELEMENTWISE = frozenset(
+    {
+        "GELUTanh", "NewGELUActivation", "GELUActivation", "SiLUActivation",
+        "FastGELUActivation", "QuickGELUActivation", "ClippedGELUActivation",
+        "AccurateGELUActivation", "MishActivation", "LaplaceActivation",
+        "ReLUSquaredActivation", "SqrtSoftplusActivation", "PytorchGELUTanh",
+    }
+)  # fmt: skip
+
+
+def is_elementwise_activation(module: nn.Module) -> bool:
+    """Whether ``module`` is a parameter-free elementwise activation GLAS knows (exact
+    type: a subclass may act otherwise).
+    """
+    cls = type(module)
+    known = cls in _TORCH_ELEMENTWISE or (
+        cls.__module__ == "transformers.activations" and cls.__name__ in _HF_ELEMENTWISE
+    )
+    return known and next(module.parameters(), None) is None
+
+
+class _FrozenDerivative(torch.autograd.Function):
+    """``y`` (computed outside) as a function of ``x`` with the backward ``g * d``."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, y: torch.Tensor, derivative: torch.Tensor) -> torch.Tensor:
+        return y
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.save_for_backward(inputs[2])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (derivative,) = ctx.saved_tensors
+        return grad * derivative, None, None
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _frozen_forward(module: nn.Module, forward: Any):
+    """``module``'s forward through :class:`_FrozenDerivative` where its input needs a
+    graph (else the original forward).
+    """
+
+    def wrapped(x: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs or not isinstance(x, torch.Tensor) or not x.requires_grad:
+            return forward(x, *args, **kwargs)
+        # the derivative's own graph is temporary: not seen by the caller's saved-tensor
+        # hooks (the linearised operator counts what its graphs keep)
+        hooks = torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
+        with hooks, torch.enable_grad():
+            point = x.detach().requires_grad_(True)
+            y = forward(point)
+            if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+                return forward(x)
+            (derivative,) = torch.autograd.grad(y, point, torch.ones_like(y))
+        return _FrozenDerivative.apply(x, y.detach(), derivative)
+
+    return wrapped
+
+
+@contextlib.contextmanager
+def frozen_elementwise_derivatives(model: nn.Module) -> Iterator[int]:
+    """Inside the block, ``model``'s elementwise activation modules
+    (:func:`is_elementwise_activation`) build graphs whose backward multiplies by
+    their derivative at the point of the pass; yields how many were switched. The
+    modules' own ``forward`` is restored on exit, also when the block raises; graphs
+    built inside keep the frozen derivatives.
+    """
+    switched = [m for m in model.modules() if is_elementwise_activation(m)]
+    own = [m.__dict__.get("forward") for m in switched]  # an instance-level forward
+    try:
+        for module in switched:
+            module.forward = _frozen_forward(module, module.forward)
+        yield len(switched)
+    finally:
+        for module, previous in zip(switched, own, strict=True):
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
