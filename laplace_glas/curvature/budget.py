@@ -70,6 +70,7 @@ from laplace_glas.validation import ArgumentTypeError
 
 __all__ = [
     "DEFAULT_SHARE",
+    "HOST_SLACK",
     "Estimates",
     "MemoryBudgetError",
     "OverBudget",
@@ -84,6 +85,11 @@ __all__ = [
 
 DEFAULT_SHARE = 0.5
 """Share of the device's free memory that ``memory_budget=None`` grants a fit."""
+
+HOST_SLACK = 32 * 2**20
+"""Bytes a fit's measured host peak may exceed its budget by: what the process, not the
+fit, takes during it (libraries torch loads at a process's first product, memory the
+allocator keeps from an earlier step; see :class:`PeakMemory`)."""
 
 _FALLBACK_FREE = 4 * 2**30  # bytes assumed free where the system does not say
 
@@ -327,6 +333,7 @@ class Estimates:
         self.D, self.k = n_params, k
         self.estimates: dict[str, int | None] = {}
         self.streaming: tuple[int | None, int] | None = None  # the planner's cache
+        self.graph: int | None = None  # one batch's forward graph (bytes), once measured
 
     def record(self, strategy: str, peak: int | None) -> bool:
         """Record ``peak`` for ``strategy``; True when it fits (or is unknown)."""
@@ -358,6 +365,20 @@ class Estimates:
         column = 4 * graph + 3 * self.D * self.itemsize
         free = self.total - self.storage - graph
         return self.storage + graph + column, max(1, free // column)
+
+    def slice_size(self, graph: int, batch: int) -> tuple[int, tuple[int, int]]:
+        """The most examples ``c`` of a ``batch``-example batch whose forward graph
+        (``graph`` bytes, taken as ``graph c / batch``) keeps the streaming estimate
+        within the budget, ``c = floor((budget - B - 3 D s) batch / (5 graph))`` clipped
+        to ``[1, batch]`` and evened out (``ceil(batch / ceil(batch / c))``: as many
+        slices, of equal sizes), and :meth:`streaming_peak` of that slice (at ``c = 1``
+        the smallest budget streaming fits).
+        """
+        fixed = self.storage + 3 * self.D * self.itemsize
+        c = (self.total - fixed) * batch // (5 * graph) if graph > 0 else batch
+        c = int(min(batch, max(1, c)))
+        c = -(-batch // -(-batch // c))  # as many slices, of equal sizes
+        return c, self.streaming_peak(graph * c // batch)
 
     def refuse(self, what: str) -> MemoryBudgetError:
         """The error for a budget below every estimate (naming the smallest)."""

@@ -55,6 +55,13 @@ from laplace_glas.curvature.backends import (
     CurvatureChoice,
     _ef_loss,
 )
+from laplace_glas.curvature.batches import (
+    SubBatches,
+    XYBatches,
+    batch_size,
+    batch_to_device,
+    slices_agree,
+)
 from laplace_glas.curvature.budget import (
     Estimates,
     MemoryBudgetError,
@@ -80,7 +87,7 @@ from laplace_glas.curvature.operators.linearized import (
 )
 from laplace_glas.curvature.operators.torch_operator import ColumnChunks
 from laplace_glas.curvature.problem import CurvatureProblem
-from laplace_glas.curvature.solvers.gram import gram_fits, gram_flops
+from laplace_glas.curvature.solvers.gram import choose_solver
 
 __all__ = ["SOLVERS", "STRATEGIES", "MemoryBudgetError", "Plan", "choose_solver", "plan_solve"]
 
@@ -160,34 +167,32 @@ class Plan:
         }
 
 
-def lanczos_products(k: int) -> int:
-    """Products ARPACK typically spends on ``k`` pairs to machine precision."""
-    return 3 * max(2 * k + 1, 20) + k
-
-
-def choose_solver(operator, k: int, gram_budget: int | None = None) -> str:
-    """``'dual'`` or ``'lanczos'`` for ``solver='auto'``.
-
-    Dual when the operator is factored, ``K`` fits :func:`~.gram.gram_fits` (within
-    ``gram_budget`` bytes where given) and building and solving it (``gram_flops + k``
-    columns of ``S^T``) costs less than :func:`lanczos_products` factored products.
-    """
-    if not isinstance(operator, FactoredGGN) or not gram_fits(operator, k, gram_budget):
-        return "lanczos"
-    M = operator.n_examples * operator.n_rows
-    dual = gram_flops(operator) + 6 * M * M * max(2 * k + 1, 20) + k * operator.column_cost // 2
-    primal = lanczos_products(k) * operator.column_cost
-    return "dual" if dual <= primal else "lanczos"
-
-
 def _streaming(budget: Estimates, problem: CurvatureProblem) -> tuple[int | None, int]:
     """The streaming estimate and the columns a product may take at once (one forward
     pass of the first batch, made once per planning).
     """
     if budget.streaming is None:
-        graph = forward_graph_bytes(problem.model, problem.data, problem.device)
-        budget.streaming = budget.streaming_peak(graph)
+        budget.graph = forward_graph_bytes(problem.model, problem.data, problem.device)
+        budget.streaming = budget.streaming_peak(budget.graph)
     return budget.streaming
+
+
+def _sliced(problem: CurvatureProblem, budget: Estimates) -> CurvatureProblem:
+    """``problem`` on slices of its batches (:class:`~.batches.SubBatches`, as many as
+    :meth:`~.budget.Estimates.slice_size` says) where a whole batch's streaming estimate
+    exceeds the budget and the slices' outputs are the batch's, else ``problem``.
+    """
+    peak, _ = _streaming(budget, problem)
+    if peak is None or peak <= budget.total or problem.shards is not None:
+        return problem
+    X = batch_to_device(next(iter(problem.data))[0], problem.device)
+    b = batch_size(X, problem.dict_key_x)
+    size, streaming = budget.slice_size(budget.graph, b)
+    if size >= b or not slices_agree(problem.model, X, size, problem.dict_key_x):
+        return problem
+    budget.streaming = streaming
+    loader = SubBatches(problem.loader, size, problem.dict_key_x, problem.dict_key_y)
+    return replace(problem, loader=loader, data=XYBatches(loader, problem.dict_key_y))
 
 
 def plan_solve(
@@ -232,6 +237,7 @@ def plan_solve(
     budget = Estimates(total, storage, itemsize, problem.n_params, k)
     if curvature.kind != "ggn":
         return _curvlinops_plan(problem, solver, curvature, budget)
+    problem = _sliced(problem, budget)
     if solver == "lanczos":
         reference = problem.reference_operator()
         return _streaming_plan(problem, reference, "curvlinops", (), budget, base)
@@ -265,9 +271,7 @@ def plan_solve(
 
 
 def _distributed_fallback(problem: CurvatureProblem, budget: Estimates) -> tuple:
-    """``(max_columns, streaming_peak)`` for a data-parallel plan (whose ranks fall back
-    to streaming when one of them cannot factor), ``(None, None)`` otherwise.
-    """
+    """Streaming's ``(max_columns, peak)`` for a data-parallel plan, else ``(None, None)``."""
     if problem.shards is None:
         return None, None
     peak, columns = _streaming(budget, problem)
@@ -280,6 +284,8 @@ def _streaming_plan(problem, operator, name, reasons, budget: Estimates, solver:
     if not budget.record("streaming", peak):
         raise budget.refuse("this fit")
     operator = ColumnChunks(operator, columns, problem.dtype, problem.device)
+    if isinstance(problem.loader, SubBatches):
+        name = f"{name} (batches in slices of {problem.loader.size})"
     return Plan(
         operator, problem.scale, solver, name, problem.n_terms, "ggn", budget.total,
         tuple(reasons), "streaming", peak, budget.pairs(), columns, peak,
@@ -383,7 +389,10 @@ def _factored(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
         if isinstance(t, torch.Tensor)
     )
     M = built.n_examples * built.n_rows
-    widest = max([f.a.shape[0] * f.a.shape[1] * f.shape[0] for f in _outer(built)], default=1)
+    widest = max(
+        [f.a.shape[0] * f.a.shape[1] * f.shape[0] for f in built.factors if hasattr(f, "a")],
+        default=1,
+    )
     lanczos, dual = budget.factored_peaks(F, 0, widest, M)
     # the first batch's projection (with the join's layer) where one was made, so that
     # the estimate reported is the one decided on
@@ -405,10 +414,6 @@ def _factored(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
         built, 1.0, chosen, "factored", problem.n_terms, "ggn", budget.total, (),
         strategy, peak, budget.pairs(), *_distributed_fallback(problem, budget),
     )  # fmt: skip
-
-
-def _outer(op: FactoredGGN) -> list:
-    return [f for f in op.factors if hasattr(f, "a")]
 
 
 def _factored_solver(op: FactoredGGN, solver: str, k: int, lanczos: bool, dual: bool) -> str:
