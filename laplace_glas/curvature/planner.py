@@ -293,9 +293,10 @@ def _streaming_plan(problem, operator, name, reasons, budget: Estimates, solver:
 
 
 def _build(builder: Callable, problem: CurvatureProblem, budget: Estimates, **extra: Any):
-    """``builder`` (the Jacobian or the factored operator's) on ``problem``, its stored
-    data within what the budget leaves beside the solver's storage.
+    """``builder`` (the Jacobian or the factored operator's) on ``problem``, its data within
+    what the budget leaves beside the least solver storage (Lanczos's, or dual's 3kDs).
     """
+    s = budget.itemsize
     return builder(
         problem.model,
         problem.params,
@@ -306,7 +307,7 @@ def _build(builder: Callable, problem: CurvatureProblem, budget: Estimates, **ex
         dict_key_x=problem.dict_key_x,
         dict_key_y=problem.dict_key_y,
         device=problem.device,
-        budget_bytes=max(1, budget.total - budget.storage),
+        budget_bytes=max(1, budget.total - min(budget.storage, 3 * budget.k * budget.D * s)),
         loss_fn=problem.loss_fn,
         progress_bar=problem.progress_bar,
         **extra,

@@ -191,6 +191,17 @@ def test_a_budget_below_every_strategy_names_the_smallest_that_works():
     assert "streaming" in str(refused.value)
 
 
+def test_the_smallest_budget_named_works_where_it_is_the_dual_solves():
+    # many pairs of few examples: the Gram matrix is small, Lanczos's basis is not
+    _, _, problem = _mlp_problem(n=20, batch=10)
+    refused = _estimates(problem, k=20)
+    est = refused.estimates
+    assert refused.smallest == est["dual"] < min(est["factored"], est["streaming"])
+    plan = _plan(problem, refused.smallest, k=20)  # the factors' cap left no room before
+    assert (plan.strategy, plan.solver) == ("dual", "dual")
+    assert plan.estimated_peak <= refused.smallest
+
+
 def test_a_model_that_is_not_factored_linearises_then_streams():
     torch.manual_seed(0)
     model = _Recurrent().to(F64).eval()
