@@ -41,7 +41,10 @@ loader's batches:
   (:func:`~laplace_glas.curvature.operators.linearized.forward_graph_bytes`) plus per
   column ``4 g + 3 D s`` (tangents and gradients of the activations before and after
   the nonlinearities, the column in and out; measured about ``3.5 g`` on an MLP),
-  plus ``B``.
+  plus ``B``. Where that exceeds the budget, the batches are cut into equal slices of
+  ``c`` examples (:meth:`Estimates.slice_size`; ``g`` taken as ``g c / b`` for batches
+  of ``b``) and every strategy is estimated on the slices; one example's estimate is
+  the smallest budget named.
 
 :class:`PeakMemory` measures the peak of a fit above the memory in use when it starts:
 on CUDA ``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats``
@@ -51,7 +54,8 @@ high-water mark ``VmHWM`` of ``/proc/self/status``, reset by writing ``5`` to
 only when it exceeds the process's earlier high-water mark; otherwise, and off Linux,
 it is ``None`` (recorded as ``-1``). ``tracemalloc`` is no substitute: it sees neither
 torch's nor BLAS's allocations. The host figure counts the whole process (other
-threads, libraries loaded during the fit), so it can exceed the estimate.
+threads, libraries loaded during the fit, memory the allocator keeps), so it can
+exceed the estimate, by up to :data:`HOST_SLACK`.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@
      (:mod:`~laplace_glas.curvature.operators.linearized`: every batch's graph kept, no
      forward pass per product);
   3. ``'streaming'``: Lanczos on curvlinops' operator, which recomputes one batch's
-     graph per product (products of many columns in chunks that fit).
+     graph per product (or a slice's, where a batch's does not fit; many columns in chunks).
 
   A budget below every estimate raises :class:`~laplace_glas.curvature.budget.MemoryBudgetError`
   naming the smallest that works. The choice is recorded in ``la.lanczos_info.plan``
