@@ -14,6 +14,7 @@ import laplace_glas
 from laplace_glas import ActiveSubspaceLaplace, MemoryBudgetError
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature import budget as budget_module
+from laplace_glas.curvature.batches import SubBatches, slices_agree
 from laplace_glas.curvature.budget import PeakMemory, resolve_budget, solver_storage
 from laplace_glas.curvature.budget import parse_memory_budget as memory_budget
 from laplace_glas.curvature.operators.torch_operator import ColumnChunks
@@ -434,3 +435,24 @@ def test_a_model_whose_examples_interact_is_not_sliced():
         _plan(problem, whole - 1)
     assert refused.value.smallest == whole  # whole batches: no slice stands for them
     assert "slices" not in _plan(problem, whole).operator_name
+
+
+def test_sub_batches_cut_every_batch_into_its_examples_in_order():
+    X, y = torch.arange(10.0).view(10, 1), torch.arange(10)
+    sliced = SubBatches(loader(X, y, 4), 3)
+    parts = list(sliced)
+    assert [len(b) for _, b in parts] == [3, 1, 3, 1, 2] and len(sliced) == 6  # bound
+    assert torch.equal(torch.cat([x for x, _ in parts]), X)
+    assert torch.equal(torch.cat([b for _, b in parts]), y)
+    rows = [
+        {"input_ids": torch.tensor([i, i]), "labels": torch.tensor(i), "n": 7} for i in range(5)
+    ]
+    mapped = list(SubBatches(torch.utils.data.DataLoader(rows, batch_size=4), 2))
+    assert [m["labels"].tolist() for m in mapped] == [[0, 1], [2, 3], [4]]
+    assert mapped[0]["input_ids"].shape == (2, 2) and torch.equal(
+        mapped[0]["n"], torch.tensor([7, 7])
+    )
+    model = mlp([1, 4, 2], dtype=torch.float32).eval()
+    assert slices_agree(model, X, 3)
+    assert not slices_agree(lambda x: model(x) - model(x).mean(0), X, 3)  # examples interact
+    assert not slices_agree(lambda x: model(x).sum(0), X, 3)  # no batch axis out
