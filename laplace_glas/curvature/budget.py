@@ -26,7 +26,9 @@ loader's batches:
 
 * jacobian: the rows ``N R D s``
   (:func:`~laplace_glas.curvature.operators.jacobian.estimate_jacobian_bytes`, before
-  any pass over the data) in the factored formulas below, with ``M = N R``;
+  any pass over the data) in the factored formulas below, with ``M = N R`` and one
+  batch's build ``6 g`` (its factors, forward graph ``g`` and backward; 5.6 g measured
+  on the GPT-2 LoRA classifier of ``benchmarks/scale.py``) in place of a layer's join;
 * factored + Lanczos: the factors ``F`` plus one layer's (joining the batches), one
   column's GEMM temporaries ``2 W s`` (``W``: the widest layer's ``N T d_out``) and
   ``2 D s``, plus ``B``; the products of many columns then take the chunks the rest

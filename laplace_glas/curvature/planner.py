@@ -190,7 +190,7 @@ def _sliced(problem: CurvatureProblem, budget: Estimates) -> CurvatureProblem:
     size, streaming = budget.slice_size(budget.graph, b)
     if size >= b or not slices_agree(problem.model, X, size, problem.dict_key_x):
         return problem
-    budget.streaming = streaming
+    budget.streaming, budget.graph = streaming, budget.graph * size // b
     loader = SubBatches(problem.loader, size, problem.dict_key_x, problem.dict_key_y)
     return replace(problem, loader=loader, data=XYBatches(loader, problem.dict_key_y))
 
@@ -318,11 +318,10 @@ def _jacobian(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
     """The plan on stored Jacobians (dual or Lanczos) within the budget, or why not
     (``''`` where ``solver='factored'`` asks for the factored operator).
 
-    Tried first: no pass over the data when the estimate from
-    :func:`estimate_jacobian_bytes` (``N R D s`` in the factored formulas) exceeds the
-    budget; the build stops after the first batch when the Jacobians take more memory
-    than the factored operator's factors would. Its estimate is recorded (and so may be
-    named as the smallest budget that works) only once the build succeeded.
+    Tried first: no pass over the data when the estimate (:func:`estimate_jacobian_bytes`,
+    ``N R D s``, in the factored formulas with a batch's build, ``6 g``: its factors,
+    graph and backward, 5.6 g measured on GPT-2) exceeds the budget; the build stops after
+    the first batch when they outweigh the factors. Recorded (named) once built.
     """
     if solver == "factored":
         return ""
@@ -330,7 +329,8 @@ def _jacobian(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
     rows = estimate_jacobian_bytes(
         problem.n_terms, problem.out_shape, problem.likelihood, problem.n_params, s
     )
-    lanczos, dual = budget.factored_peaks(rows, 0, 1, rows // (problem.n_params * s))
+    build = 6 * (budget.graph or 0)
+    lanczos, dual = budget.factored_peaks(rows, build, 1, rows // (problem.n_params * s))
     best = min(lanczos, dual) if wants_dual and dual is not None else lanczos
     if best > budget.total:  # not recorded: the model may not allow this strategy at all
         return (
@@ -341,7 +341,7 @@ def _jacobian(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
     if isinstance(built, str):
         return built
     rows = built.J.numel() * built.J.element_size()
-    lanczos, dual = budget.factored_peaks(rows, 0, 1, built.n_examples * built.n_rows)
+    lanczos, dual = budget.factored_peaks(rows, build, 1, built.n_examples * built.n_rows)
     fits_lanczos = lanczos <= budget.total
     fits_dual = wants_dual and dual is not None and dual <= budget.total
     if not (fits_lanczos or fits_dual):
