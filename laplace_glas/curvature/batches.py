@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, Subset
 
 __all__ = [
     "MissingKeyError",
+    "SubBatches",
     "XYBatches",
     "batch_input",
     "batch_size",
@@ -24,6 +25,8 @@ __all__ = [
     "concatenate_inputs",
     "dataset_size",
     "scored_pair",
+    "slice_batch",
+    "slices_agree",
     "split_batch",
     "subsample_loader",
 ]
@@ -203,6 +206,73 @@ class XYBatches:
     def __len__(self) -> int:
         """The loader's number of batches (``TypeError`` if it has no length)."""
         return len(self.loader)
+
+
+class SubBatches:
+    """Re-iterable view of a loader whose batches are cut into slices of at most
+    ``size`` examples along the first axis (a memory bound: a product's graph is one
+    slice's).
+
+    Every tensor whose first axis has the batch's length is sliced (``X``, ``y``, the
+    entries of a mapping batch); other entries are passed whole. A summed (or per-
+    example averaged) loss has the same curvature on the slices as on their batch.
+    ``len`` is the loader's batches times the slices of a full one (an upper bound when
+    the last batch is shorter).
+    """
+
+    def __init__(
+        self, loader: Iterable, size: int, dict_key_x: str = "input_ids", dict_key_y: str = "labels"
+    ):
+        self.loader, self.size = loader, max(1, int(size))
+        self.dict_key_x, self.dict_key_y = dict_key_x, dict_key_y
+        self.full = getattr(loader, "batch_size", None)
+
+    def __iter__(self) -> Iterator[Any]:
+        for data in self.loader:
+            b = batch_size(split_batch(data, self.dict_key_y)[0], self.dict_key_x)
+            for start in range(0, b, self.size):
+                yield slice_batch(data, b, start, start + self.size)
+
+    def __len__(self) -> int:
+        """The number of slices (``TypeError`` if the loader has no length)."""
+        full = self.full or self.size
+        return len(self.loader) * -(-full // self.size)
+
+
+def slice_batch(value: Any, b: int, start: int, stop: int) -> Any:
+    """``value[start:stop]`` for the tensors of a batch whose first axis is ``b`` long
+    (mappings, tuples and lists entry by entry; anything else whole).
+    """
+    if isinstance(value, torch.Tensor):
+        return value[start:stop] if value.ndim > 0 and value.shape[0] == b else value
+    if isinstance(value, Mapping):
+        items = {k: slice_batch(v, b, start, stop) for k, v in value.items()}
+        try:
+            return type(value)(items)
+        except TypeError:
+            return items
+    if isinstance(value, tuple | list):
+        return type(value)(slice_batch(v, b, start, stop) for v in value)
+    return value
+
+
+def slices_agree(model: Any, X: Any, size: int, dict_key_x: str = "input_ids") -> bool:
+    """Whether ``model``'s outputs on the ``size``-example slices of the input batch
+    ``X`` (:func:`slice_batch`) are its outputs on ``X`` cut the same way (no
+    gradients): the check that the first axis is the batch axis and that the examples
+    do not interact, before :class:`SubBatches` may stand for the batches.
+    """
+    b = batch_size(X, dict_key_x)
+    with torch.no_grad():
+        whole = model(X)
+        if not isinstance(whole, torch.Tensor) or whole.ndim == 0 or whole.shape[0] != b:
+            return False
+        for start in range(0, b, size):
+            part = model(slice_batch(X, b, start, start + size))
+            atol = 1e-5 * float(whole.abs().max()) + 1e-30
+            if not torch.allclose(part, whole[start : start + size], rtol=1e-4, atol=atol):
+                return False
+    return True
 
 
 def dataset_size(

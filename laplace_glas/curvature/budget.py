@@ -27,7 +27,9 @@ loader's batches:
 
 * jacobian: the rows ``N R D s``
   (:func:`~laplace_glas.curvature.operators.jacobian.estimate_jacobian_bytes`, before
-  any pass over the data) in the factored formulas below, with ``M = N R``;
+  any pass over the data) in the factored formulas below, with ``M = N R`` and one
+  batch's build ``6 g`` (its factors, forward graph ``g`` and backward; 5.6 g measured
+  on the GPT-2 LoRA classifier of ``benchmarks/scale.py``) in place of a layer's join;
 * factored + Lanczos: the factors ``F`` plus one layer's (joining the batches), one
   column's GEMM temporaries ``2 W s`` (``W``: the widest layer's ``N T d_out``) and
   ``2 D s``, plus ``B``; the products of many columns then take the chunks the rest
@@ -42,7 +44,10 @@ loader's batches:
   (:func:`~laplace_glas.curvature.operators.linearized.forward_graph_bytes`) plus per
   column ``4 g + 3 D s`` (tangents and gradients of the activations before and after
   the nonlinearities, the column in and out; measured about ``3.5 g`` on an MLP),
-  plus ``B``.
+  plus ``B``. Where that exceeds the budget, the batches are cut into equal slices of
+  ``c`` examples (:meth:`Estimates.slice_size`; ``g`` taken as ``g c / b`` for batches
+  of ``b``) and every strategy is estimated on the slices; one example's estimate is
+  the smallest budget named.
 
 :class:`PeakMemory` measures the peak of a fit above the memory in use when it starts:
 on CUDA ``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats``
@@ -52,7 +57,8 @@ high-water mark ``VmHWM`` of ``/proc/self/status``, reset by writing ``5`` to
 only when it exceeds the process's earlier high-water mark; otherwise, and off Linux,
 it is ``None`` (recorded as ``-1``). ``tracemalloc`` is no substitute: it sees neither
 torch's nor BLAS's allocations. The host figure counts the whole process (other
-threads, libraries loaded during the fit), so it can exceed the estimate.
+threads, libraries loaded during the fit, memory the allocator keeps), so it can
+exceed the estimate, by up to :data:`HOST_SLACK`.
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ from laplace_glas.validation import ArgumentTypeError
 
 __all__ = [
     "DEFAULT_SHARE",
+    "HOST_SLACK",
     "Estimates",
     "MemoryBudgetError",
     "OverBudget",
@@ -85,6 +92,11 @@ __all__ = [
 
 DEFAULT_SHARE = 0.5
 """Share of the device's free memory that ``memory_budget=None`` grants a fit."""
+
+HOST_SLACK = 32 * 2**20
+"""Bytes a fit's measured host peak may exceed its budget by: what the process, not the
+fit, takes during it (libraries torch loads at a process's first product, memory the
+allocator keeps from an earlier step; see :class:`PeakMemory`)."""
 
 _FALLBACK_FREE = 4 * 2**30  # bytes assumed free where the system does not say
 
@@ -331,6 +343,7 @@ class Estimates:
         self.D, self.k = n_params, k
         self.estimates: dict[str, int | None] = {}
         self.streaming: tuple[int | None, int] | None = None  # the planner's cache
+        self.graph: int | None = None  # one batch's forward graph (bytes), once measured
 
     def record(self, strategy: str, peak: int | None) -> bool:
         """Record ``peak`` for ``strategy``; True when it fits (or is unknown)."""
@@ -362,6 +375,20 @@ class Estimates:
         column = 4 * graph + 3 * self.D * self.itemsize
         free = self.total - self.storage - graph
         return self.storage + graph + column, max(1, free // column)
+
+    def slice_size(self, graph: int, batch: int) -> tuple[int, tuple[int, int]]:
+        """The most examples ``c`` of a ``batch``-example batch whose forward graph
+        (``graph`` bytes, taken as ``graph c / batch``) keeps the streaming estimate
+        within the budget, ``c = floor((budget - B - 3 D s) batch / (5 graph))`` clipped
+        to ``[1, batch]`` and evened out (``ceil(batch / ceil(batch / c))``: as many
+        slices, of equal sizes), and :meth:`streaming_peak` of that slice (at ``c = 1``
+        the smallest budget streaming fits).
+        """
+        fixed = self.storage + 3 * self.D * self.itemsize
+        c = (self.total - fixed) * batch // (5 * graph) if graph > 0 else batch
+        c = int(min(batch, max(1, c)))
+        c = -(-batch // -(-batch // c))  # as many slices, of equal sizes
+        return c, self.streaming_peak(graph * c // batch)
 
     def refuse(self, what: str) -> MemoryBudgetError:
         """The error for a budget below every estimate (naming the smallest)."""

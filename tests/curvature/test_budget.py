@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import loader, mlp, output_jacobian
+from conftest import loader, mlp, output_jacobian, softmax_ggn
 from laplace import Laplace
 from torch import nn
 
@@ -14,6 +14,7 @@ import laplace_glas
 from laplace_glas import ActiveSubspaceLaplace, MemoryBudgetError
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature import budget as budget_module
+from laplace_glas.curvature.batches import SubBatches, slices_agree
 from laplace_glas.curvature.budget import PeakMemory, resolve_budget, solver_storage
 from laplace_glas.curvature.budget import parse_memory_budget as memory_budget
 from laplace_glas.curvature.operators.torch_operator import ColumnChunks
@@ -172,7 +173,11 @@ def test_the_planner_takes_the_fastest_strategy_that_fits_each_budget():
     )
     fast = min(est["dual"], est["factored"])
     below = _plan(problem, fast - 1)  # no factored solve fits: the next strategy that does
-    expected = "linearised" if est["linearised"] <= fast - 1 else "streaming"
+    # judged by the estimates at this budget: below the whole batches' streaming estimate
+    # (budget 1 above) every strategy projects from slices of the batches
+    at = dict(below.estimates)
+    assert at["dual"] > fast - 1 and at["factored"] > fast - 1
+    expected = "linearised" if at["linearised"] <= fast - 1 else "streaming"
     assert below.strategy == expected
     if est["linearised"] < fast:
         assert _plan(problem, est["linearised"]).strategy == "linearised"
@@ -193,6 +198,17 @@ def test_a_budget_below_every_strategy_names_the_smallest_that_works():
     assert "streaming" in str(refused.value)
 
 
+def test_the_smallest_budget_named_works_where_it_is_the_dual_solves():
+    # many pairs of few examples: the Gram matrix is small, Lanczos's basis is not
+    _, _, problem = _mlp_problem(n=20, batch=10)
+    refused = _estimates(problem, k=20)
+    est = refused.estimates
+    assert refused.smallest == est["dual"] < min(est["factored"], est["streaming"])
+    plan = _plan(problem, refused.smallest, k=20)  # the factors' cap left no room before
+    assert (plan.strategy, plan.solver) == ("dual", "dual")
+    assert plan.estimated_peak <= refused.smallest
+
+
 def test_a_model_that_is_not_factored_linearises_then_streams():
     torch.manual_seed(0)
     model = _Recurrent().to(F64).eval()
@@ -204,8 +220,13 @@ def test_a_model_that_is_not_factored_linearises_then_streams():
     refused = _estimates(problem)
     est = refused.estimates
     assert set(est) == {"linearised", "streaming"} and est["streaming"] < est["linearised"]
-    assert _plan(problem, est["linearised"]).strategy == "linearised"
-    assert _plan(problem, est["linearised"] - 1).strategy == "streaming"
+    # est: on one-example slices (no whole batch streams within 1 byte); the whole
+    # batches' estimates are those of a plan with room for them
+    whole = _plan(problem, est["linearised"])
+    assert whole.strategy == "linearised" and "slices" not in whole.operator_name
+    linearised = dict(whole.estimates)["linearised"]
+    assert _plan(problem, linearised).strategy == "linearised"
+    assert _plan(problem, linearised - 1).strategy == "streaming"
     assert _plan(problem, est["streaming"]).strategy == "streaming"
 
 
@@ -307,3 +328,137 @@ def test_a_fit_refused_by_its_budget_leaves_the_posterior_as_it_was():
     fitted.memory_budget = "256 MiB"
     fitted.fit(data)
     assert fitted.lanczos_info.memory_budget == 256 * 2**20
+
+
+# ---------------------------------------------------------------------- slices
+class _LoraAttention(nn.Module):
+    """A one-layer transformer classifier on mapping batches: frozen embedding and
+    attention block, a trainable low-rank adapter (LoRA-like) on the embeddings and a
+    trainable head.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.block = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        for p in self.parameters():
+            p.requires_grad_(False)
+        self.lora_A = nn.Linear(8, 2, bias=False)
+        self.lora_B = nn.Linear(2, 8, bias=False)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, X):
+        h = self.embed(X["input_ids"])
+        h = self.block(h + self.lora_B(self.lora_A(h)))
+        return self.head(h.mean(1))
+
+
+def _lora_problem(n: int = 24, batch: int = 8):
+    torch.manual_seed(0)
+    model = _LoraAttention().to(F64).eval()
+    g = torch.Generator().manual_seed(2)
+    ids, labels = torch.randint(0, 20, (n, 6), generator=g), torch.randint(0, 3, (n,), generator=g)
+    rows = [{"input_ids": ids[i], "labels": labels[i]} for i in range(n)]
+    data = torch.utils.data.DataLoader(rows, batch_size=batch)
+    params = [p for p in model.parameters() if p.requires_grad]
+    problem = CurvatureProblem.build(
+        model, params, data, "classification", torch.Size([3]), dtype=F64
+    )
+    return model, data, problem, ids, labels
+
+
+def test_a_budget_below_a_whole_batch_streams_slices_of_it_exactly():
+    model, data, problem, ids, labels = _lora_problem()
+    refused = _estimates(problem)
+    smallest = refused.smallest
+    whole = _plan(problem, 2**40, solver="lanczos").estimated_peak  # of whole batches
+    assert whole > smallest  # one batch's graph does not fit
+    tight = _plan(problem, smallest)
+    assert tight.strategy == "streaming" and "slices of 1)" in tight.operator_name
+    assert tight.estimated_peak == smallest
+    # a budget between: the fewest equal slices that fit (the reference solver streams)
+    mid = (smallest + whole) // 2
+    between = _plan(problem, mid, solver="lanczos")
+    assert between.strategy == "streaming" and between.estimated_peak <= mid
+    size = int(between.operator_name.rsplit("slices of ", 1)[1].rstrip(")"))
+    assert 1 < size < 8
+
+    def fit(**kwargs):
+        la = ActiveSubspaceLaplace(model, "classification", n_components=3, **kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            la.fit(data)
+        return la
+
+    free = fit()
+    for budget, solver in ((smallest, "auto"), (mid, "lanczos")):
+        la = fit(memory_budget=budget, solver=solver)
+        info = la.lanczos_info
+        assert info.strategy == "streaming" and "slices of" in str(info.operator)
+        torch.testing.assert_close(la.eigenvalues, free.eigenvalues, rtol=1e-6, atol=0)
+        if info.plan["peak_method"] == "VmHWM":  # the process warmed up by the fit above
+            assert info.measured_peak_bytes <= budget + budget_module.HOST_SLACK
+    X = {"input_ids": ids}
+    out, J = output_jacobian(model, X)
+    ggn, N = softmax_ggn(out, J, labels)
+    reference = torch.linalg.eigvalsh(ggn / N).flip(0)[:3]
+    torch.testing.assert_close(la.eigenvalues, reference, rtol=1e-6, atol=0)
+
+
+def test_a_budget_below_one_example_names_the_smallest_that_then_fits():
+    model, data, problem, _, _ = _lora_problem()
+    smallest = _estimates(problem).smallest
+    la = ActiveSubspaceLaplace(model, "classification", n_components=3, memory_budget=smallest - 1)
+    with pytest.raises(MemoryBudgetError, match=f"memory_budget={smallest} ") as refused:
+        la.fit(data)
+    assert refused.value.estimates["streaming"] == smallest
+    la.memory_budget = smallest
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la.fit(data)
+    assert la.lanczos_info.strategy == "streaming"
+    assert la.lanczos_info.estimated_peak_bytes <= smallest
+
+
+class _BatchCentred(_LoraAttention):
+    """Examples interact (the logits are centred over the batch): not to be sliced."""
+
+    def forward(self, X):
+        out = super().forward(X)
+        return out - out.mean(0)
+
+
+def test_a_model_whose_examples_interact_is_not_sliced():
+    model, data, problem, _, _ = _lora_problem()
+    centred = _BatchCentred().to(F64).eval()
+    centred.load_state_dict(model.state_dict())
+    params = [p for p in centred.parameters() if p.requires_grad]
+    problem = CurvatureProblem.build(
+        centred, params, data, "classification", torch.Size([3]), dtype=F64
+    )
+    whole = _plan(problem, 2**40, solver="lanczos").estimated_peak
+    with pytest.raises(MemoryBudgetError) as refused:
+        _plan(problem, whole - 1)
+    assert refused.value.smallest == whole  # whole batches: no slice stands for them
+    assert "slices" not in _plan(problem, whole).operator_name
+
+
+def test_sub_batches_cut_every_batch_into_its_examples_in_order():
+    X, y = torch.arange(10.0).view(10, 1), torch.arange(10)
+    sliced = SubBatches(loader(X, y, 4), 3)
+    parts = list(sliced)
+    assert [len(b) for _, b in parts] == [3, 1, 3, 1, 2] and len(sliced) == 6  # bound
+    assert torch.equal(torch.cat([x for x, _ in parts]), X)
+    assert torch.equal(torch.cat([b for _, b in parts]), y)
+    rows = [
+        {"input_ids": torch.tensor([i, i]), "labels": torch.tensor(i), "n": 7} for i in range(5)
+    ]
+    mapped = list(SubBatches(torch.utils.data.DataLoader(rows, batch_size=4), 2))
+    assert [m["labels"].tolist() for m in mapped] == [[0, 1], [2, 3], [4]]
+    assert mapped[0]["input_ids"].shape == (2, 2) and torch.equal(
+        mapped[0]["n"], torch.tensor([7, 7])
+    )
+    model = mlp([1, 4, 2], dtype=torch.float32).eval()
+    assert slices_agree(model, X, 3)
+    assert not slices_agree(lambda x: model(x) - model(x).mean(0), X, 3)  # examples interact
+    assert not slices_agree(lambda x: model(x).sum(0), X, 3)  # no batch axis out

@@ -171,6 +171,20 @@ def test_per_token_outputs_leave_ignored_targets_out():
     assert torch.allclose(G, reference, rtol=1e-10, atol=1e-12 * reference.abs().max())
 
 
+def test_the_budget_counts_the_stored_rows_once():
+    model = LoraSequence().to(F64).eval()
+    X, y = sequence_data(likelihood="regression")
+    data = loader(X, y, batch_size=4)  # batches of 4, 4, 2 written into one buffer
+    whole = build_jacobian_ggn(model, trainable(model), data, "regression", 10)
+    nbytes = whole.J.numel() * whole.J.element_size()
+    exact = build_jacobian_ggn(model, trainable(model), data, "regression", 10, budget_bytes=nbytes)
+    assert isinstance(exact, JacobianGGN) and torch.equal(exact.J, whole.J)
+    below = build_jacobian_ggn(
+        model, trainable(model), data, "regression", 10, budget_bytes=nbytes - 1
+    )
+    assert isinstance(below, str) and "memory budget" in below
+
+
 @pytest.mark.parametrize("solver", ["lanczos", "dual", "block"])
 def test_solvers_on_the_jacobian_operator_find_the_top_eigenpairs(solver):
     model = LoraSequence().to(F64).eval()

@@ -367,9 +367,10 @@ def _collect(route, capacity: int | None, budget_bytes: int) -> JacobianGGN | st
     for J in route:
         if isinstance(J, str):
             return J
-        used += J.numel() * J.element_size()
-        if buffer is None and capacity is not None:
-            used = max(used, capacity * J[0].numel() * J.element_size())
+        if buffer is None and capacity is not None:  # the buffer holds every batch
+            used = max(used + J.numel() * J.element_size(), capacity * J[0].nbytes)
+        elif buffer is None or filled + J.shape[0] > capacity:
+            used += J.numel() * J.element_size()
         if used > budget_bytes:
             return f"explicit Jacobians above the memory budget ({budget_bytes / 2**20:.0f} MiB)"
         if buffer is None and capacity is not None and capacity >= J.shape[0]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -48,7 +49,16 @@ from laplace_glas.curvature.operators.factored import (
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES
 from laplace_glas.curvature.solvers.block_krylov import block_krylov_eigenpairs
 
-__all__ = ["dual_eigenpairs", "gram_bytes", "gram_fits", "gram_flops", "gram_matrix"]
+__all__ = [
+    "choose_solver",
+    "dual_eigenpairs",
+    "factored_solver",
+    "gram_bytes",
+    "gram_fits",
+    "gram_flops",
+    "gram_matrix",
+    "lanczos_products",
+]
 
 GRAM_MIN_BUDGET = 768 * 2**20
 """Bytes the Gram matrix may always take (see :func:`gram_fits`)."""
@@ -367,3 +377,49 @@ def dual_eigenpairs(
         n_converged,
         1,
     )
+
+
+def lanczos_products(k: int) -> int:
+    """Products ARPACK typically spends on ``k`` pairs to machine precision."""
+    return 3 * max(2 * k + 1, 20) + k
+
+
+def choose_solver(operator, k: int, gram_budget: int | None = None) -> str:
+    """``'dual'`` or ``'lanczos'`` for ``solver='auto'``.
+
+    Dual when the operator is factored, ``K`` fits :func:`gram_fits` (within
+    ``gram_budget`` bytes where given) and building and solving it (``gram_flops + k``
+    columns of ``S^T``) costs less than :func:`lanczos_products` factored products.
+    """
+    if not isinstance(operator, FactoredGGN) or not gram_fits(operator, k, gram_budget):
+        return "lanczos"
+    M = operator.n_examples * operator.n_rows
+    dual = gram_flops(operator) + 6 * M * M * max(2 * k + 1, 20) + k * operator.column_cost // 2
+    primal = lanczos_products(k) * operator.column_cost
+    return "dual" if dual <= primal else "lanczos"
+
+
+def factored_solver(op: FactoredGGN, solver: str, k: int, lanczos: bool, dual: bool) -> str:
+    """The solver on the factored operator ``op`` for ``solver`` and ``k`` pairs: the
+    requested one where it fits (``lanczos`` / ``dual``: whether Lanczos's basis / the
+    Gram matrix fit the budget), else the one that fits (a warning where a requested
+    dual solve does not); ``'auto'``: the cheaper of those that fit
+    (:func:`choose_solver`).
+    """
+    if solver == "block":
+        return "block"
+    if solver == "dual" and not dual:
+        warnings.warn(
+            "solver='dual': the Gram matrix does not fit the memory budget; using Lanczos "
+            "on the factored operator.",
+            UserWarning,
+            stacklevel=4,
+        )
+        return "lanczos"
+    if solver == "dual" or not lanczos:
+        return "dual"
+    if solver == "factored" or not dual:
+        return "lanczos"
+    # the rule of a direct solve caps K too: beyond it, reading K for each of ARPACK's
+    # products is bound by memory bandwidth, which the flop count does not see
+    return choose_solver(op, k)
