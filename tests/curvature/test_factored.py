@@ -93,6 +93,11 @@ def problem(name: str, seed: int = 0):
     if name == "mlp-regression":
         model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
         return model, torch.randn(30, 3, generator=g), torch.randn(30, 2, generator=g), "regression"
+    if name == "mlp-scalar":  # R = 1: narrow-to-wide layers take the input side
+        model = nn.Sequential(
+            nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 12, bias=False), nn.Tanh(), nn.Linear(12, 1)
+        )
+        return model, torch.randn(30, 3, generator=g), torch.randn(30, 1, generator=g), "regression"
     if name == "mlp-classification":
         model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 4))
         y = torch.randint(0, 4, (30,), generator=g)
@@ -139,6 +144,7 @@ def problem(name: str, seed: int = 0):
 
 MODELS = [
     "mlp-regression",
+    "mlp-scalar",
     "mlp-classification",
     "cnn",
     "conv1d",

@@ -58,27 +58,72 @@ class OuterFactor:
         """Number of weights."""
         return self.shape[0] * self.shape[1]
 
+    @property
+    def _input_side(self) -> bool:
+        """One row per example (``R = T = 1``) and fewer inputs than outputs: contract
+        ``g`` with the weights first, so that the temporaries hold ``N d_in`` numbers
+        per column instead of ``N d_out`` (the same flops, less memory traffic).
+        """
+        return self.g.shape[1] == 1 and self.a.shape[1] == 1 and self.shape[1] < self.shape[0]
+
+    def _weights_and_bias(self, X: torch.Tensor) -> torch.Tensor:
+        """``(d_out, m (d_in + 1))``: the columns' ``W_j`` side by side, then their biases
+        (zero without a bias).
+        """
+        d_out, d_in = self.shape
+        m = X.shape[0]
+        W = X[:, self.offset : self.offset + self.numel].reshape(m, d_out, d_in)
+        if self.bias_offset is None:
+            b = X.new_zeros(m, d_out)
+        else:
+            b = X[:, self.bias_offset : self.bias_offset + d_out]
+        return torch.cat([W.permute(1, 0, 2).reshape(d_out, m * d_in), b.T], 1)
+
     def apply(self, X: torch.Tensor) -> torch.Tensor:
         """``(m, N, R)`` rows of ``S x`` for ``X`` of shape ``(m, D)``."""
         d_out, d_in = self.shape
         N, T = self.a.shape[:2]
         m = X.shape[0]
+        if self._input_side:  # (g_n^T W_j) a_n + g_n^T b_j
+            H = self.g.reshape(N, d_out) @ self._weights_and_bias(X)  # (N, m (d_in + 1))
+            Ha = torch.bmm(H[:, : m * d_in].view(N, m, d_in), self.a.view(N, d_in, 1))
+            return (Ha.view(N, m) + H[:, m * d_in :]).T.unsqueeze(2)
         W = X[:, self.offset : self.offset + self.numel].reshape(m, d_out, d_in)
         # one GEMM: P[n, t, j, o] = a_nt . W_j[o, :]
         P = self.a.reshape(N * T, d_in) @ W.reshape(m * d_out, d_in).T
         if self.bias_offset is not None:
             b = X[:, self.bias_offset : self.bias_offset + d_out]
             P = P.view(N * T, m, d_out).add_(b).view(N * T, m * d_out)
-        P = P.view(N, T, m, d_out).permute(0, 1, 3, 2).reshape(N, T * d_out, m)
-        return torch.bmm(self.g.reshape(N, -1, T * d_out), P).permute(2, 0, 1)
+        if T == 1:  # (N, m, d_out) is a view
+            P = P.view(N, m, d_out)
+        else:
+            P = P.view(N, T, m, d_out).transpose(1, 2).reshape(N, m, T * d_out)
+        # (N, R, m); the transposed operand needs no copy
+        return torch.bmm(self.g.reshape(N, -1, T * d_out), P.transpose(1, 2)).permute(2, 0, 1)
 
     def apply_transpose(self, Y: torch.Tensor, out: torch.Tensor) -> None:
         """Add ``S^T y`` to ``out (m, D)`` for ``Y`` of shape ``(m, N, R)``."""
         d_out, d_in = self.shape
         N, T = self.a.shape[:2]
-        m = Y.shape[0]
-        Q = torch.bmm(Y.permute(1, 0, 2), self.g.reshape(N, -1, T * d_out))  # (N, m, T*o)
-        Q = Q.view(N, m, T, d_out).transpose(1, 2).reshape(N * T, m * d_out)
+        m, R = Y.shape[0], Y.shape[2]
+        if self._input_side:  # W_j += g^T diag(y_j) a, b_j += g^T y_j: one GEMM
+            y = Y.reshape(m, N).T.contiguous()  # (N, m)
+            Ay = torch.cat([(y.unsqueeze(2) * self.a.view(N, 1, d_in)).view(N, -1), y], 1)
+            M = Ay.T @ self.g.reshape(N, d_out)  # (m (d_in + 1), d_out)
+            W = out[:, self.offset : self.offset + self.numel].view(m, d_out, d_in)
+            W += M[: m * d_in].view(m, d_in, d_out).transpose(1, 2)
+            if self.bias_offset is not None:
+                out[:, self.bias_offset : self.bias_offset + d_out] += M[m * d_in :]
+            return
+        g = self.g.reshape(N, R, T * d_out)
+        if R == 1:  # an outer product per example: broadcast, not N tiny GEMMs
+            Q = Y.permute(1, 0, 2).contiguous() * g  # (N, m, T*o)
+        else:
+            Q = torch.bmm(Y.permute(1, 0, 2), g)
+        if T == 1:
+            Q = Q.view(N, m * d_out)
+        else:
+            Q = Q.view(N, m, T, d_out).transpose(1, 2).reshape(N * T, m * d_out)
         grad = Q.T @ self.a.reshape(N * T, d_in)  # (m * d_out, d_in): row-major W_j
         out[:, self.offset : self.offset + self.numel] += grad.view(m, -1)
         if self.bias_offset is not None:
