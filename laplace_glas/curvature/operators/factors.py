@@ -60,9 +60,8 @@ class OuterFactor:
 
     @property
     def _input_side(self) -> bool:
-        """One row per example (``R = T = 1``) and fewer inputs than outputs: contract
-        ``g`` with the weights first, so that the temporaries hold ``N d_in`` numbers
-        per column instead of ``N d_out`` (the same flops, less memory traffic).
+        """One row per example (``R = T = 1``), fewer inputs than outputs: contract ``g``
+        with the weights first (temporaries of ``N d_in``, not ``N d_out``, numbers).
         """
         return self.g.shape[1] == 1 and self.a.shape[1] == 1 and self.shape[1] < self.shape[0]
 
@@ -73,10 +72,8 @@ class OuterFactor:
         d_out, d_in = self.shape
         m = X.shape[0]
         W = X[:, self.offset : self.offset + self.numel].reshape(m, d_out, d_in)
-        if self.bias_offset is None:
-            b = X.new_zeros(m, d_out)
-        else:
-            b = X[:, self.bias_offset : self.bias_offset + d_out]
+        off = self.bias_offset
+        b = X.new_zeros(m, d_out) if off is None else X[:, off : off + d_out]
         return torch.cat([W.permute(1, 0, 2).reshape(d_out, m * d_in), b.T], 1)
 
     def apply(self, X: torch.Tensor) -> torch.Tensor:
