@@ -50,6 +50,8 @@ factors holds one layer's twice, not all of them.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -394,7 +396,30 @@ def build_factored_ggn(
         recorder.remove()
     if R is None:
         return "an empty loader"
-    return FactoredGGN(_concatenate(all_layers, all_explicit), n_params, R)
+    _return_freed_memory()  # the batches' temporaries, before the join
+    return FactoredGGN(_concatenate(all_layers, all_explicit, _return_freed_memory), n_params, R)
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's ``malloc_trim``; nothing
+    elsewhere).
+
+    The batches' factors are small blocks that glibc's adaptive ``mmap`` threshold
+    puts on the heap; freed while the layers are joined, they would stay resident
+    beside the joined copies (mlp16k: the build's peak 184 MiB above its start for
+    74 MiB of factors; 114 MiB, the factors plus one layer's, with the trim).
+    """
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None)  # the process's own symbols, libc's among them
+    except OSError:
+        return None
 
 
 def _sizes(loader: Iterable, layers: dict, explicit: list, out: torch.Tensor, R: int):

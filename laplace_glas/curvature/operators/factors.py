@@ -190,8 +190,6 @@ class ExplicitFactor:
         """Flops of one column of ``S`` and of ``S^T`` together."""
         return 4 * self.J.numel()
 
-    # ---------------------------------------------------------------------- support
-
 
 def _owners(model: nn.Module) -> dict[int, tuple[str, nn.Module, str]]:
     """``id(parameter) -> (qualified name, owning module, attribute)``."""
@@ -476,9 +474,10 @@ def _pad_positions(tensors: list[torch.Tensor], axis: int) -> list[torch.Tensor]
     return out
 
 
-def _concatenate(all_layers: dict, all_explicit: list) -> list:
+def _concatenate(all_layers: dict, all_explicit: list, release=lambda: None) -> list:
     """Join the batches' factors along the example axis (emptying ``all_layers``, so
-    that the peak is the factors plus one layer's, not twice the factors).
+    that the peak is the factors plus one layer's, not twice the factors; ``release()``
+    runs after each layer, once its batches are freed).
     """
     layers = {}
     for module in list(all_layers):  # popped: each layer's batches are freed once joined
@@ -492,6 +491,8 @@ def _concatenate(all_layers: dict, all_explicit: list) -> list:
             idx = torch.cat(_pad_positions([m[3] for m in merged], 1))
             g = torch.cat(_pad_positions([m[4] for m in merged], 2))
             layers[module] = [(kind, off, merged[0][2], idx, g)]
+        del merged
+        release()
     factors = _assemble(layers, [])
     if all_explicit and all_explicit[0]:
         per_batch = [_assemble({}, e)[0] for e in all_explicit]
