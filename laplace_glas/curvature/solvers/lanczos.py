@@ -19,9 +19,9 @@ recorded, ``X`` and ``Y = s A X``, and the images recombined from them,
 
     U = X C + \\Delta , \\qquad s A U \\approx Y C ,
 
-with ``C`` the least-squares coefficients (a QR of ``X``), at no further product.
-Where the recombination cannot vouch for its accuracy (``||Delta||`` or the
-amplification ``||C||`` too large, see :class:`_ProductRecord`), where the record
+with ``C`` the least-squares coefficients, at no further product. Where the
+recombination cannot vouch for its accuracy (``||Delta||`` or the amplification
+``||C||`` too large, see :meth:`_ProductRecord.images`), where the record
 would exceed ``record_bytes``, or for an operator that passes over the data per
 product (curvlinops, streaming; data-parallel), the images are one fresh product
 with ``k`` columns: only a fresh product sees products that change between passes
