@@ -145,8 +145,8 @@ class ActiveSubspaceLaplace(
     block_size : int, optional
         Columns per data pass of the block solver (default ``max(k, 8)``).
     tol : float, default=0.0
-        Relative tolerance (``0``: machine precision of the model's dtype for Lanczos;
-        1e-5 / 1e-8 in float32 / float64 for the block solver).
+        Relative tolerance (``0``: 1e-5 in float32, machine precision in float64 for
+        Lanczos; 1e-5 / 1e-8 in float32 / float64 for the block solver).
     maxiter : int, optional
         Lanczos restarts allowed (ARPACK's default ``10 * D``); block solver: data
         passes (default ``50 * ceil(max(k, 8) / block_size)``).

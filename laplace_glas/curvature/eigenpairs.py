@@ -56,7 +56,10 @@ class Eigenpairs:
         ``(D, k)`` orthonormal eigenvectors, column ``j`` belongs to ``values[j]``.
     residuals : torch.Tensor
         ``(k,)`` relative residuals ``||G u_j - lambda_j u_j|| / lambda_j`` of the raw
-        Ritz pairs (``inf`` where ``lambda_j`` is zero).
+        Ritz pairs (``inf`` where ``lambda_j`` is zero). Lanczos takes ``G U`` from one
+        fresh product with ``k`` columns, or, on the factored and Jacobian operators
+        (whose products are fixed functions of stored factors), recombines it from the
+        solve's recorded products (:mod:`~laplace_glas.curvature.solvers.lanczos`).
     below_threshold : torch.Tensor
         ``(k,)`` bool mask of the eigenpairs whose raw eigenvalue fell below
         ``rank_threshold * lambda_1``.
@@ -64,7 +67,8 @@ class Eigenpairs:
         ``(k,)`` the Ritz values as returned by the solver (descending).
     n_products : int
         Operator-vector products spent (a matrix product with m columns counts m),
-        including the ``k`` products of the residual check.
+        including the ``k`` products of a fresh residual check (none where its images
+        were recombined from the recorded products).
     n_requested : int
         The number of eigenpairs asked for.
     n_converged : int
@@ -79,7 +83,7 @@ class Eigenpairs:
         Name of the solver (``'lanczos'``, ``'block'`` or ``'dual'``, the Gram solve).
     n_passes : int
         Operator calls, i.e. passes over the data (a ``matmat`` with many columns is
-        one pass), including the residual check. The factored operator needs one
+        one pass), including a fresh residual check. The factored operator needs one
         data pass in all, to build its factors; its calls are counted all the same.
     operator : str
         ``'curvlinops'``, ``'factored'``, or ``'curvlinops (not factored: why)'``.

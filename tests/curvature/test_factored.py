@@ -93,6 +93,11 @@ def problem(name: str, seed: int = 0):
     if name == "mlp-regression":
         model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
         return model, torch.randn(30, 3, generator=g), torch.randn(30, 2, generator=g), "regression"
+    if name == "mlp-scalar":  # R = 1: narrow-to-wide layers take the input side
+        model = nn.Sequential(
+            nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 12, bias=False), nn.Tanh(), nn.Linear(12, 1)
+        )
+        return model, torch.randn(30, 3, generator=g), torch.randn(30, 1, generator=g), "regression"
     if name == "mlp-classification":
         model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 4))
         y = torch.randint(0, 4, (30,), generator=g)
@@ -139,6 +144,7 @@ def problem(name: str, seed: int = 0):
 
 MODELS = [
     "mlp-regression",
+    "mlp-scalar",
     "mlp-classification",
     "cnn",
     "conv1d",
@@ -380,3 +386,43 @@ def test_subsample_uses_factored_operator():
     ours.fit(dl)
     assert ours.lanczos_info.n_data == 20 and ours.lanczos_info.operator == "factored"
     assert_same_eigenpairs(ours.lanczos_info, ref.lanczos_info)
+
+
+def test_join_frees_each_layers_batches_before_releasing_memory():
+    """``_concatenate`` joins layer by layer and calls ``release`` (the fit's
+    ``malloc_trim``) only once that layer's batch pieces are gone, so that the heap
+    pages it hands back are the freed pieces; the joined factors equal the batches'.
+    """
+    import weakref
+
+    from laplace_glas.curvature.operators.factor_join import _concatenate
+
+    gen = torch.Generator().manual_seed(0)
+    modules = [nn.Linear(3, 4), nn.Linear(4, 2)]
+    batches = {
+        m: [
+            [
+                (
+                    "outer",
+                    10 * i,
+                    torch.randn(5, 1, 3 + i, generator=gen),
+                    torch.randn(5, 1, 1, 4 - 2 * i, generator=gen),
+                    None,
+                )
+            ]
+            for _ in range(3)
+        ]
+        for i, m in enumerate(modules)
+    }
+    expected = {
+        m: (torch.cat([b[0][2] for b in bs]), torch.cat([b[0][3] for b in bs]))
+        for m, bs in batches.items()
+    }
+    refs = {m: [weakref.ref(b[0][2]) for b in bs] for m, bs in batches.items()}
+    seen = []
+    release = lambda: seen.append([all(r() is None for r in refs[m]) for m in modules])  # noqa: E731
+    factors = _concatenate(batches, [], release)
+    assert seen == [[True, False], [True, True]]
+    for f, m in zip(factors, modules):
+        torch.testing.assert_close(f.a, expected[m][0])
+        torch.testing.assert_close(f.g, expected[m][1])

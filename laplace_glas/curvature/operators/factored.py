@@ -59,22 +59,25 @@ from torch.func import functional_call, jvp
 from tqdm.auto import tqdm
 
 from laplace_glas.curvature.batches import batch_size, split_batch
+from laplace_glas.curvature.operators.factor_join import (
+    _assemble,
+    _concatenate,
+    _layer_nbytes,
+    _nbytes,
+    _return_freed_memory,
+    _widest,
+)
 from laplace_glas.curvature.operators.factors import (
     _CONV,
     _SUPPORTED,
     EmbeddingFactor,
     ExplicitFactor,
     OuterFactor,
-    _assemble,
     _batch_factors,
-    _concatenate,
-    _layer_nbytes,
-    _nbytes,
     _owners,
     _parameter_offsets,
     _Recorder,
     _Unsupported,
-    _widest,
 )
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES, TorchOperator
 
@@ -394,7 +397,8 @@ def build_factored_ggn(
         recorder.remove()
     if R is None:
         return "an empty loader"
-    return FactoredGGN(_concatenate(all_layers, all_explicit), n_params, R)
+    _return_freed_memory()  # the batches' temporaries, before the join
+    return FactoredGGN(_concatenate(all_layers, all_explicit, _return_freed_memory), n_params, R)
 
 
 def _sizes(loader: Iterable, layers: dict, explicit: list, out: torch.Tensor, R: int):

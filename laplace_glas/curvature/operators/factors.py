@@ -7,7 +7,8 @@ gradients ``g`` (:class:`OuterFactor`); an ``nn.Embedding`` has a one-hot input 
 (:class:`ExplicitFactor`). Each factor applies its block of ``S`` and ``S^T``;
 :class:`~laplace_glas.curvature.operators.factored.FactoredGGN` sums them. The helpers
 here run one batch's forward pass with hooks and its batched backward pass over the
-``R`` rows of ``Lambda^{1/2}``, and join the batches' factors.
+``R`` rows of ``Lambda^{1/2}``; :mod:`~laplace_glas.curvature.operators.factor_join`
+joins the batches' factors.
 """
 
 from __future__ import annotations
@@ -62,27 +63,69 @@ class OuterFactor:
         """Number of weights."""
         return self.shape[0] * self.shape[1]
 
+    @property
+    def _input_side(self) -> bool:
+        """One row per example (``R = T = 1``), fewer inputs than outputs: contract ``g``
+        with the weights first (temporaries of ``N d_in``, not ``N d_out``, numbers).
+        """
+        return self.g.shape[1] == 1 and self.a.shape[1] == 1 and self.shape[1] < self.shape[0]
+
+    def _weights_and_bias(self, X: torch.Tensor) -> torch.Tensor:
+        """``(d_out, m (d_in + 1))``: the columns' ``W_j`` side by side, then their biases
+        (zero without a bias).
+        """
+        d_out, d_in = self.shape
+        m = X.shape[0]
+        W = X[:, self.offset : self.offset + self.numel].reshape(m, d_out, d_in)
+        off = self.bias_offset
+        b = X.new_zeros(m, d_out) if off is None else X[:, off : off + d_out]
+        return torch.cat([W.permute(1, 0, 2).reshape(d_out, m * d_in), b.T], 1)
+
     def apply(self, X: torch.Tensor) -> torch.Tensor:
         """``(m, N, R)`` rows of ``S x`` for ``X`` of shape ``(m, D)``."""
         d_out, d_in = self.shape
         N, T = self.a.shape[:2]
         m = X.shape[0]
+        if self._input_side:  # (g_n^T W_j) a_n + g_n^T b_j
+            H = self.g.reshape(N, d_out) @ self._weights_and_bias(X)  # (N, m (d_in + 1))
+            Ha = torch.bmm(H[:, : m * d_in].view(N, m, d_in), self.a.view(N, d_in, 1))
+            return (Ha.view(N, m) + H[:, m * d_in :]).T.unsqueeze(2)
         W = X[:, self.offset : self.offset + self.numel].reshape(m, d_out, d_in)
         # one GEMM: P[n, t, j, o] = a_nt . W_j[o, :]
         P = self.a.reshape(N * T, d_in) @ W.reshape(m * d_out, d_in).T
         if self.bias_offset is not None:
             b = X[:, self.bias_offset : self.bias_offset + d_out]
             P = P.view(N * T, m, d_out).add_(b).view(N * T, m * d_out)
-        P = P.view(N, T, m, d_out).permute(0, 1, 3, 2).reshape(N, T * d_out, m)
-        return torch.bmm(self.g.reshape(N, -1, T * d_out), P).permute(2, 0, 1)
+        if T == 1:  # (N, m, d_out) is a view
+            P = P.view(N, m, d_out)
+        else:
+            P = P.view(N, T, m, d_out).transpose(1, 2).reshape(N, m, T * d_out)
+        # (N, R, m); the transposed operand needs no copy
+        return torch.bmm(self.g.reshape(N, -1, T * d_out), P.transpose(1, 2)).permute(2, 0, 1)
 
     def apply_transpose(self, Y: torch.Tensor, out: torch.Tensor) -> None:
         """Add ``S^T y`` to ``out (m, D)`` for ``Y`` of shape ``(m, N, R)``."""
         d_out, d_in = self.shape
         N, T = self.a.shape[:2]
-        m = Y.shape[0]
-        Q = torch.bmm(Y.permute(1, 0, 2), self.g.reshape(N, -1, T * d_out))  # (N, m, T*o)
-        Q = Q.view(N, m, T, d_out).transpose(1, 2).reshape(N * T, m * d_out)
+        m, R = Y.shape[0], Y.shape[2]
+        if self._input_side:  # W_j += g^T diag(y_j) a, b_j += g^T y_j: one GEMM
+            y = Y.reshape(m, N).T.contiguous()  # (N, m)
+            Ay = torch.cat([(y.unsqueeze(2) * self.a.view(N, 1, d_in)).view(N, -1), y], 1)
+            M = Ay.T @ self.g.reshape(N, d_out)  # (m (d_in + 1), d_out)
+            W = out[:, self.offset : self.offset + self.numel].view(m, d_out, d_in)
+            W += M[: m * d_in].view(m, d_in, d_out).transpose(1, 2)
+            if self.bias_offset is not None:
+                out[:, self.bias_offset : self.bias_offset + d_out] += M[m * d_in :]
+            return
+        g = self.g.reshape(N, R, T * d_out)
+        if R == 1:  # an outer product per example: broadcast, not N tiny GEMMs
+            Q = Y.permute(1, 0, 2).contiguous() * g  # (N, m, T*o)
+        else:
+            Q = torch.bmm(Y.permute(1, 0, 2), g)
+        if T == 1:
+            Q = Q.view(N, m * d_out)
+        else:
+            Q = Q.view(N, m, T, d_out).transpose(1, 2).reshape(N * T, m * d_out)
         grad = Q.T @ self.a.reshape(N * T, d_in)  # (m * d_out, d_in): row-major W_j
         out[:, self.offset : self.offset + self.numel] += grad.view(m, -1)
         if self.bias_offset is not None:
@@ -151,8 +194,6 @@ class ExplicitFactor:
     def cost(self) -> int:
         """Flops of one column of ``S`` and of ``S^T`` together."""
         return 4 * self.J.numel()
-
-    # ---------------------------------------------------------------------- support
 
 
 def _owners(model: nn.Module) -> dict[int, tuple[str, nn.Module, str]]:
@@ -348,76 +389,6 @@ def _batch_factors(
     return out.detach(), rows, layers, explicit, R
 
 
-def _merge_calls(calls: list) -> tuple:
-    """Several calls of one module: concatenate the positions (axis ``T``)."""
-    if len(calls) == 1:
-        return calls[0]
-    kind, off = calls[0][:2]
-    if kind == "outer":
-        a = torch.cat([c[2] for c in calls], 1)
-        return kind, off, a, torch.cat([c[3] for c in calls], 2), calls[0][4]
-    return (
-        kind,
-        off,
-        calls[0][2],
-        torch.cat([c[3] for c in calls], 1),
-        torch.cat([c[4] for c in calls], 2),
-    )
-
-
-def _call_positions(calls: list) -> int | None:
-    """The positions ``T_c`` shared by every call in ``calls`` (None if they differ)."""
-    sizes = {c[2].shape[1] for c in calls}
-    return sizes.pop() if len(sizes) == 1 else None
-
-
-def _assemble(layers: dict, explicit: list, positions: dict | None = None) -> list:
-    """Factor objects of one batch (or of the concatenated batches, whose calls'
-    ``positions`` per module the caller gives).
-    """
-    factors = []
-    for module, calls in layers.items():
-        merged = _merge_calls(calls)
-        if merged[0] == "outer":
-            T = _call_positions(calls) if positions is None else positions[module]
-            factors.append(
-                OuterFactor(merged[1], merged[2].contiguous(), merged[3].contiguous(), merged[4], T)
-            )
-        else:
-            factors.append(EmbeddingFactor(merged[1], merged[2], merged[3], merged[4].contiguous()))
-    if explicit:
-        summed: dict[int, torch.Tensor] = {}
-        for off, J in explicit:  # repeated calls of one module add up
-            summed[off] = summed[off] + J if off in summed else J
-        offs = sorted(summed)
-        J = torch.cat([summed[o] for o in offs], dim=-1)
-        index = torch.cat([torch.arange(o, o + summed[o].shape[-1]) for o in offs]).to(J.device)
-        factors.append(ExplicitFactor(index, J.contiguous()))
-    return factors
-
-
-def _nbytes(layers: dict, explicit: list) -> int:
-    total = sum(J.numel() * J.element_size() for _, J in explicit)
-    return total + sum(_layer_nbytes(calls) for calls in layers.values())
-
-
-def _layer_nbytes(calls: list) -> int:
-    """Bytes of one layer's factors (all its calls)."""
-    return sum(
-        t.numel() * t.element_size() for c in calls for t in c if isinstance(t, torch.Tensor)
-    )
-
-
-def _widest(layers: dict) -> int:
-    """Largest ``B T d_out`` of a weight layer: numbers per column of a product's GEMM."""
-    widest = 1
-    for calls in layers.values():
-        for c in calls:
-            if c[0] == "outer":
-                widest = max(widest, c[2].shape[0] * c[2].shape[1] * c[3].shape[-1])
-    return widest
-
-
 def _parameter_offsets(
     model: nn.Module, params: list[torch.Tensor]
 ) -> tuple[dict[nn.Module, dict[str, int]], list[str], int]:
@@ -432,42 +403,3 @@ def _parameter_offsets(
         offsets.setdefault(module, {})[attr] = start
         start += p.numel()
     return offsets, [owners[id(p)][0] for p in params], start
-
-
-def _pad_positions(tensors: list[torch.Tensor], axis: int) -> list[torch.Tensor]:
-    """Zero-pad the position axis to the longest batch (sequences of varying length)."""
-    T = max(t.shape[axis] for t in tensors)
-    out = []
-    for t in tensors:
-        if t.shape[axis] < T:
-            shape = list(t.shape)
-            shape[axis] = T - t.shape[axis]
-            t = torch.cat([t, t.new_zeros(shape)], axis)
-        out.append(t)
-    return out
-
-
-def _concatenate(all_layers: dict, all_explicit: list) -> list:
-    """Join the batches' factors along the example axis (emptying ``all_layers``, so
-    that the peak is the factors plus one layer's, not twice the factors).
-    """
-    layers, positions = {}, {}
-    for module in list(all_layers):  # popped: each layer's batches are freed once joined
-        per_batch = all_layers.pop(module)
-        if per_batch[0][0][0] == "outer":
-            positions[module] = _call_positions([c for calls in per_batch for c in calls])
-        merged = [_merge_calls(calls) for calls in per_batch]
-        kind, off = merged[0][:2]
-        if kind == "outer":
-            a = torch.cat(_pad_positions([m[2] for m in merged], 1))
-            g = torch.cat(_pad_positions([m[3] for m in merged], 2))
-            layers[module] = [(kind, off, a, g, merged[0][4])]
-        else:
-            idx = torch.cat(_pad_positions([m[3] for m in merged], 1))
-            g = torch.cat(_pad_positions([m[4] for m in merged], 2))
-            layers[module] = [(kind, off, merged[0][2], idx, g)]
-    factors = _assemble(layers, [], positions)
-    if all_explicit and all_explicit[0]:
-        per_batch = [_assemble({}, e)[0] for e in all_explicit]
-        factors.append(ExplicitFactor(per_batch[0].index, torch.cat([f.J for f in per_batch])))
-    return factors

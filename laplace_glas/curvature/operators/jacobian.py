@@ -48,6 +48,9 @@ from torch.func import functional_call, jacrev, vmap
 from tqdm.auto import tqdm
 
 from laplace_glas.curvature.batches import batch_size, split_batch
+from laplace_glas.curvature.operators.factor_join import (
+    _assemble,
+)
 from laplace_glas.curvature.operators.factored import (
     FactoredGGN,
     _check_first_batch,
@@ -57,7 +60,6 @@ from laplace_glas.curvature.operators.factors import (
     EmbeddingFactor,
     ExplicitFactor,
     OuterFactor,
-    _assemble,
     _batch_factors,
     _parameter_offsets,
     _Recorder,
