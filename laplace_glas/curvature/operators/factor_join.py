@@ -129,7 +129,7 @@ def _concatenate(all_layers: dict, all_explicit: list, release=lambda: None) -> 
             idx = torch.cat(_pad_positions([m[3] for m in merged], 1))
             g = torch.cat(_pad_positions([m[4] for m in merged], 2))
             layers[module] = [(kind, off, merged[0][2], idx, g)]
-        del merged
+        del merged, per_batch
         release()
     factors = _assemble(layers, [], positions)
     if all_explicit and all_explicit[0]:
