@@ -7,7 +7,7 @@ concatenated along the example axis (positions zero-padded to the longest), and 
 result is assembled into :class:`~laplace_glas.curvature.operators.factors.OuterFactor`,
 :class:`~laplace_glas.curvature.operators.factors.EmbeddingFactor` and
 :class:`~laplace_glas.curvature.operators.factors.ExplicitFactor`. The sizes helpers
-(:func:`_nbytes`, :func:`_layer_nbytes`, :func:`_widest`) feed the memory budget.
+(``_nbytes``, ``_layer_nbytes``, ``_widest``) feed the memory budget.
 """
 
 from __future__ import annotations
