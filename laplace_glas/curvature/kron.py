@@ -187,14 +187,9 @@ def ggn_kron(
         error = err
     step = "computing KFAC's factors of complement='kron'"
     flag_failure(shards, device, error, step, "no rank fits")
-    summed = all_reduce_sum(torch.cat([F.reshape(-1) for block in blocks for F in block]), shards)
-    start, reduced = 0, []
-    for block in blocks:
-        reduced.append([])
-        for F in block:
-            reduced[-1].append(summed[start : start + F.numel()].view_as(F))
-            start += F.numel()
-    return Kron(reduced)
+    flat = torch.cat([F.reshape(-1) for block in blocks for F in block])
+    pieces = iter(all_reduce_sum(flat, shards).split([F.numel() for b in blocks for F in b]))
+    return Kron([[next(pieces).view_as(F) for F in block] for block in blocks])
 
 
 def _local_factors(

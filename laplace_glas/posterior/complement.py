@@ -176,8 +176,9 @@ class ProjectedComplementPosterior:
         """``Sigma^{-1} = E + [U, EU R] blockdiag(diag(a + tau), -diag(1/mu))
         [U, EU R]^T`` with ``U^T E U = R diag(mu) R^T`` (matrix-free).
         """
-        mu, R = torch.linalg.eigh(self._projected_precision())
-        V = torch.cat([self.U, self.power_of_E(self.U.T, 1.0).T @ R], dim=1)
+        EU = self.power_of_E(self.U.T, 1.0).T
+        mu, R = torch.linalg.eigh(self.U.T @ EU)  # U^T E U, with E U formed once
+        V = torch.cat([self.U, EU @ R], dim=1)
         return self._precision_operator(V, torch.cat([self.a + self.tau, -1.0 / mu]))
 
     @property
