@@ -34,8 +34,8 @@ loader's batches:
   column's GEMM temporaries ``2 W s`` (``W``: the widest layer's ``N T d_out``) and
   ``2 D s``, plus ``B``; the products of many columns then take the chunks the rest
   of the budget allows (at most ``2^25`` numbers), added to the recorded estimate;
-* dual: ``F`` plus the Gram matrix, one layer's block and its input-side Hadamard
-  factor ``3 M^2 s`` (``M = N R``), its eigen-solve's
+* dual: ``F`` plus the Gram matrix and its build's temporaries (:func:`gram_build_numbers`:
+  ``(M^2 + 2 min(M^2, 2^20)) s`` on the CPU, ``3 M^2 s`` elsewhere; ``M = N R``), its eigen-solve's
   ``(4 k + 40) M`` float64 numbers and ``3 k D s`` for the eigenvectors;
 * linearised: every batch's kept graphs plus one batch's for a product's temporaries
   (:func:`~laplace_glas.curvature.operators.linearized.build_linearized_ggn`), ``2 D s``
@@ -330,6 +330,21 @@ def with_measured_peak(eig, peak: PeakMemory):
     return replace(eig, plan={**(eig.plan or {}), **measured})
 
 
+GRAM_CHUNK_ELEMENTS = 2**20
+"""Numbers in one chunk of the dual solve's Gram build on the CPU (4 MiB of float32,
+kept in cache for the Hadamard product)."""
+
+
+def gram_build_numbers(M: int, device: torch.device | str = "cpu") -> int:
+    """Numbers held while the dual solve builds its ``M x M`` Gram matrix ``K``: on the
+    CPU ``K`` plus two chunks (``M^2 + 2 min(M^2, 2^20)``), elsewhere ``K``, a layer's
+    block and its Hadamard factor (``3 M^2``).
+    """
+    if torch.device(device).type == "cpu":
+        return M * M + 2 * min(M * M, GRAM_CHUNK_ELEMENTS)
+    return 3 * M * M
+
+
 class Estimates:
     """The budget of one planning and the estimated peaks made so far (bytes).
 
@@ -338,9 +353,17 @@ class Estimates:
     estimate with :meth:`record` (``None``: unknown) and learns whether it fits.
     """
 
-    def __init__(self, total: int, storage: int, itemsize: int, n_params: int, k: int):
+    def __init__(
+        self,
+        total: int,
+        storage: int,
+        itemsize: int,
+        n_params: int,
+        k: int,
+        device: torch.device | str = "cpu",
+    ):
         self.total, self.storage, self.itemsize = total, storage, itemsize
-        self.D, self.k = n_params, k
+        self.D, self.k, self.device = n_params, k, device
         self.estimates: dict[str, int | None] = {}
         self.streaming: tuple[int | None, int] | None = None  # the planner's cache
         self.graph: int | None = None  # one batch's forward graph (bytes), once measured
@@ -363,7 +386,7 @@ class Estimates:
         lanczos = F + layer + 2 * widest * s + 2 * D * s + self.storage
         if k >= M:
             return lanczos, None
-        gram = 3 * M * M * s + (4 * k + 40) * M * 8
+        gram = gram_build_numbers(M, self.device) * s + (4 * k + 40) * M * 8
         return lanczos, F + max(layer, gram) + 3 * k * D * s
 
     def streaming_peak(self, graph: int | None) -> tuple[int | None, int]:

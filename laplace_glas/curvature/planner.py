@@ -238,7 +238,7 @@ def plan_solve(
     itemsize = torch.finfo(problem.dtype).bits // 8
     total = resolve_budget(memory_budget, problem.device)
     storage = solver_storage(base, problem.n_params, k, itemsize, ncv=ncv, block_size=block_size)
-    budget = Estimates(total, storage, itemsize, problem.n_params, k)
+    budget = Estimates(total, storage, itemsize, problem.n_params, k, problem.device)
     if curvature.kind != "ggn":
         return _curvlinops_plan(problem, solver, curvature, budget)
     problem = _sliced(problem, budget)

@@ -426,3 +426,33 @@ def test_join_frees_each_layers_batches_before_releasing_memory():
     for f, m in zip(factors, modules):
         torch.testing.assert_close(f.a, expected[m][0])
         torch.testing.assert_close(f.g, expected[m][1])
+
+
+@pytest.mark.parametrize("outputs, bias", [(1, True), (3, True), (2, False)])
+def test_gram_built_in_chunks_equals_explicit_rows(monkeypatch, outputs, bias):
+    """The CPU Gram build (upper triangle, a column chunk of examples at a time, uneven
+    last chunk) against ``S S^T`` with ``S``'s rows formed by the factors' products.
+    """
+    import laplace_glas.curvature.solvers.gram as gram
+
+    g = torch.Generator().manual_seed(3)
+    N = 23
+    X = torch.randn(N, 4, generator=g, dtype=F64)
+    y = torch.randn(N, outputs, generator=g, dtype=F64)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 6, bias=bias), nn.Tanh(), nn.Linear(6, outputs, bias=bias)
+    ).double()
+    op = build_factored_ggn(model, list(model.parameters()), loader(X, y, 7), "regression", N)
+    M = N * op.n_rows
+    # chunks of 5 examples: 5 chunks, the last of 3
+    monkeypatch.setattr(gram, "GRAM_CHUNK_ELEMENTS", M * op.n_rows * 5)
+    built = gram.gram_matrix(op)
+    K = torch.from_numpy(built.K)
+    eye = torch.eye(op.shape[0], dtype=F64)
+    S = sum(f.apply(eye) for f in op.factors).reshape(op.shape[0], M).T  # (M, D)
+    reference = S @ S.T
+    assert torch.allclose(torch.triu(K), torch.triu(reference), rtol=1e-12, atol=1e-12)
+    W = torch.randn(M, 3, generator=g, dtype=F64)
+    product = torch.from_numpy(built.matmat(W.numpy()))  # reads the upper triangle
+    assert torch.allclose(product, reference @ W, rtol=1e-12, atol=1e-12)

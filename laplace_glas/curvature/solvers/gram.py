@@ -21,8 +21,9 @@ The residual of each pair needs no product in ``D`` dimensions:
 ``G_1 u - lambda u = S^T (K w - lambda w) / sqrt(lambda)``, so
 ``||G_1 u - lambda u||^2 = e^T K e / lambda`` with ``e = K w - lambda w``.
 
-Memory: ``K`` in float64 plus one layer's block in the factors' precision, ``12 M^2``
-bytes at most (float32 factors), and the ``(D, k)`` eigenvectors;
+Memory: ``K`` in the factors' precision plus its build's temporaries (on the CPU two
+chunks of at most ``2^20`` numbers: the upper triangle is built a column chunk at a time;
+elsewhere a layer's block and its Hadamard factor), and the ``(D, k)`` eigenvectors;
 the planner counts them in the dual strategy's estimate (:func:`gram_fits` is the rule
 for a solve called on an operator directly).
 """
@@ -40,6 +41,7 @@ import torch
 from scipy.linalg import blas
 from scipy.sparse.linalg import LinearOperator, eigsh
 
+from laplace_glas.curvature.budget import GRAM_CHUNK_ELEMENTS, gram_build_numbers
 from laplace_glas.curvature.operators.factored import (
     EmbeddingFactor,
     ExplicitFactor,
@@ -115,11 +117,10 @@ def _itemsize(op: FactoredGGN) -> int:
 
 
 def gram_bytes(op: FactoredGGN) -> int:
-    """Peak bytes of :func:`gram_matrix`: ``K`` and one layer's block, in the
-    factors' precision.
+    """Peak bytes of :func:`gram_matrix` in the factors' precision: ``K`` and its
+    build's temporaries (:func:`~laplace_glas.curvature.budget.gram_build_numbers`).
     """
-    M = op.n_examples * op.n_rows
-    return 2 * M * M * _itemsize(op)
+    return gram_build_numbers(op.n_examples * op.n_rows, op.device) * _itemsize(op)
 
 
 def gram_fits(op: FactoredGGN, k: int, budget: int | None = None) -> bool:
@@ -170,29 +171,47 @@ class SymmetricGram:
         else:
             self.K = torch.zeros(M, M, dtype=dtype, device=device)
 
-    def rank_update(self, X: torch.Tensor, hadamard: torch.Tensor | None = None, R: int = 1):
-        """``K += X X^T`` or, with ``hadamard`` (``N x N``), ``K += (X X^T) o
-        (hadamard expanded over the R x R blocks)``.
+    def rank_update(self, X: torch.Tensor) -> None:
+        """``K += X X^T``."""
+        if not self.cpu:
+            self.K += X @ X.T
+            return
+        # X^T is Fortran-ordered when X is C-ordered: trans=1 reads it without a copy
+        Xn = X.detach().cpu().numpy()
+        self.K = self._syrk(1.0, Xn.T, beta=1.0, c=self.K, trans=1, overwrite_c=1)
+
+    def hadamard_update(self, X: torch.Tensor, A: torch.Tensor, R: int = 1) -> None:
+        """``K += (X X^T) o (A A^T expanded over the R x R blocks)``.
+
+        ``X`` is ``(N R, d_out)`` (rows example-major), ``A`` is ``(N, d_in)``. On the
+        CPU the upper triangle is built in column chunks of ``c`` examples,
+        ``K[:j1, j0:j1] += (X[:j1] X[j0:j1]^T) o (A[:n1] A[n0:n1]^T)``: the same flops as
+        two ``syrk`` calls, but the chunk's two blocks stay in cache for the Hadamard
+        product and no ``M x M`` temporary is allocated (fresh ``M x M`` arrays cost a
+        page fault per 4 KiB on first touch, half the build's time in a new process).
         """
+        N = A.shape[0]
         if not self.cpu:
             block = X @ X.T
-            if hadamard is not None:
-                N = hadamard.shape[0]
-                block = (block.view(N, R, N, R) * hadamard[:, None, :, None]).view(self.M, self.M)
-            self.K += block
+            block = block.view(N, R, N, R) * (A @ A.T)[:, None, :, None]
+            self.K += block.view(self.M, self.M)
             return
-        Xn = X.detach().cpu().numpy()
-        if hadamard is None:
-            self.K = self._syrk(1.0, Xn, beta=1.0, c=self.K, overwrite_c=1)
-            return
-        block = self._syrk(1.0, Xn)  # upper triangle, Fortran order
-        H = hadamard.cpu().numpy()
-        if R == 1:
-            block *= H
-        else:  # block.T is C-ordered: its (N, R, N, R) view is free
-            N = H.shape[0]
-            block.T.reshape(N, R, N, R)[...] *= H.T[:, None, :, None]
-        self.K += block
+        K = torch.from_numpy(self.K)  # Fortran order: column chunks are contiguous
+        X = X.detach().cpu().to(K.dtype)
+        A = A.detach().cpu().to(K.dtype)
+        chunk = max(1, min(N, GRAM_CHUNK_ELEMENTS // (self.M * R)))
+        blocks = X.new_empty(self.M * chunk * R)  # reused: no page faults after the first
+        hadamards = A.new_empty(N * chunk)
+        for n0 in range(0, N, chunk):
+            n1 = min(N, n0 + chunk)
+            block = torch.mm(
+                X[: n1 * R],
+                X[n0 * R : n1 * R].T,
+                out=blocks[: n1 * R * (n1 - n0) * R].view(n1 * R, (n1 - n0) * R),
+            )
+            H = torch.mm(A[:n1], A[n0:n1].T, out=hadamards[: n1 * (n1 - n0)].view(n1, n1 - n0))
+            block.view(n1, R, n1 - n0, R).mul_(H[:, None, :, None])
+            K[: n1 * R, n0 * R : n1 * R] += block
 
     def add(self, block: torch.Tensor) -> None:
         """``K += block`` for a full symmetric ``block``."""
@@ -200,12 +219,6 @@ class SymmetricGram:
             self.K += block.cpu().numpy()
         else:
             self.K += block
-
-    def hadamard_factor(self, a: torch.Tensor) -> torch.Tensor:
-        """``a a^T`` (upper triangle suffices on the CPU)."""
-        if self.cpu:
-            return torch.from_numpy(self._syrk(1.0, a.detach().cpu().numpy()))
-        return a @ a.T
 
     def matmat(self, W: np.ndarray) -> np.ndarray:
         """``K W`` in float64 NumPy (``W`` of shape ``(M,)`` or ``(M, p)``)."""
@@ -223,15 +236,12 @@ class SymmetricGram:
 def _outer_update(K: SymmetricGram, f: OuterFactor, N: int, R: int) -> None:
     d_out, d_in = f.shape
     M = N * R
-    if f.a.shape[1] == 1:
-        H = K.hadamard_factor(f.a[:, 0])
-        if f.bias_offset is not None:
-            H += 1.0  # the bias: a constant input 1
-        K.rank_update(f.g[:, :, 0].reshape(M, d_out), H, R)
-        return
     a = f.a
-    if f.bias_offset is not None:
+    if f.bias_offset is not None:  # the bias: a constant input 1
         a = torch.cat([a, a.new_ones(*a.shape[:2], 1)], -1)
+    if f.a.shape[1] == 1:
+        K.hadamard_update(f.g[:, :, 0].reshape(M, d_out), a[:, 0], R)
+        return
     chunk = max(1, _CHUNK_ELEMENTS // max(1, M * (d_in + 1)))
     for o in range(0, d_out, chunk):
         K.rank_update(torch.einsum("nrto,nti->nroi", f.g[..., o : o + chunk], a).reshape(M, -1))
