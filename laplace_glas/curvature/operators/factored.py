@@ -93,7 +93,7 @@ __all__ = [
     "unsupported_reason",
 ]
 
-_CHUNK_ELEMENTS = 2**25  # temporaries of one product chunk: 128 MiB in float32
+_CHUNK_ELEMENTS = 2**22  # temporaries of one product chunk: 16 MiB in float32 (larger was slower)
 _PREDICTIVE_BUDGET = 2**29  # factors of one prediction batch: 512 MiB
 
 
