@@ -27,6 +27,7 @@ from laplace_glas.validation import check_model_output
 __all__ = ["EmbeddingFactor", "ExplicitFactor", "OuterFactor"]
 
 _MAX_ROWS = 1024  # R = output rows per example above which the factors are not built
+_CACHE_ELEMENTS = 2**19  # numbers of a product's per-chunk temporaries kept in cache
 _CONV = (nn.Conv1d, nn.Conv2d)
 _NORM = (nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d)
 _SUPPORTED = (nn.Linear, *_CONV, *_NORM, nn.Embedding)
@@ -90,18 +91,26 @@ class OuterFactor:
             H = self.g.reshape(N, d_out) @ self._weights_and_bias(X)  # (N, m (d_in + 1))
             Ha = torch.bmm(H[:, : m * d_in].view(N, m, d_in), self.a.view(N, d_in, 1))
             return (Ha.view(N, m) + H[:, m * d_in :]).T.unsqueeze(2)
-        W = X[:, self.offset : self.offset + self.numel].reshape(m, d_out, d_in)
-        # one GEMM: P[n, t, j, o] = a_nt . W_j[o, :]
-        P = self.a.reshape(N * T, d_in) @ W.reshape(m * d_out, d_in).T
-        if self.bias_offset is not None:
-            b = X[:, self.bias_offset : self.bias_offset + d_out]
-            P = P.view(N * T, m, d_out).add_(b).view(N * T, m * d_out)
-        if T == 1:  # (N, m, d_out) is a view
-            P = P.view(N, m, d_out)
-        else:
-            P = P.view(N, T, m, d_out).transpose(1, 2).reshape(N, m, T * d_out)
-        # (N, R, m); the transposed operand needs no copy
-        return torch.bmm(self.g.reshape(N, -1, T * d_out), P.transpose(1, 2)).permute(2, 0, 1)
+        W = X[:, self.offset : self.offset + self.numel].reshape(m * d_out, d_in).T
+        b = None if self.bias_offset is None else X[:, self.bias_offset :][:, :d_out]
+        g = self.g.reshape(N, -1, T * d_out)
+        out = X.new_empty(N, g.shape[1], m)
+        # examples in chunks whose P (below) stays in cache: one GEMM over all N rows
+        # wrote P to memory and read it back (41 ms against 21 ms at N = 16,000, 300 x 300)
+        rows = max(1, _CACHE_ELEMENTS // (T * m * d_out))
+        for n0 in range(0, N, rows):
+            n1 = min(N, n0 + rows)
+            # one GEMM: P[n, t, j, o] = a_nt . W_j[o, :]
+            P = self.a[n0:n1].reshape(-1, d_in) @ W
+            if b is not None:
+                P = P.view(-1, m, d_out).add_(b).view(-1, m * d_out)
+            if T == 1:  # (n, m, d_out) is a view
+                P = P.view(n1 - n0, m, d_out)
+            else:
+                P = P.view(n1 - n0, T, m, d_out).transpose(1, 2).reshape(n1 - n0, m, T * d_out)
+            # (n, R, m); the transposed operand needs no copy
+            torch.bmm(g[n0:n1], P.transpose(1, 2), out=out[n0:n1])
+        return out.permute(2, 0, 1)
 
     def apply_transpose(self, Y: torch.Tensor, out: torch.Tensor) -> None:
         """Add ``S^T y`` to ``out (m, D)`` for ``Y`` of shape ``(m, N, R)``."""
