@@ -165,8 +165,8 @@ class SymmetricGram:
         self.M, self.dtype, self.device = M, dtype, device
         if self.cpu:
             self.K = np.zeros((M, M), dtype=NUMPY_DTYPES[dtype], order="F")
-            self._syrk, self._symv, self._symm = blas.get_blas_funcs(
-                ("syrk", "symv", "symm"), (self.K,)
+            self._syrk, self._symv, self._symm, self._gemm = blas.get_blas_funcs(
+                ("syrk", "symv", "symm", "gemm"), (self.K,)
             )
         else:
             self.K = torch.zeros(M, M, dtype=dtype, device=device)
@@ -185,10 +185,11 @@ class SymmetricGram:
 
         ``X`` is ``(N R, d_out)`` (rows example-major), ``A`` is ``(N, d_in)``. On the
         CPU the upper triangle is built in column chunks of ``c`` examples,
-        ``K[:j1, j0:j1] += (X[:j1] X[j0:j1]^T) o (A[:n1] A[n0:n1]^T)``: the same flops as
-        two ``syrk`` calls, but the chunk's two blocks stay in cache for the Hadamard
-        product and no ``M x M`` temporary is allocated (fresh ``M x M`` arrays cost a
-        page fault per 4 KiB on first touch, half the build's time in a new process).
+        ``K[:j1, j0:j1] += (X[:j1] X[j0:j1]^T) o (A[:n1] A[n0:n1]^T)`` (BLAS ``gemm``):
+        about the flops of two ``syrk`` calls, but the chunk's two blocks stay in cache
+        for the Hadamard product and no ``M x M`` temporary is allocated (fresh
+        ``M x M`` arrays cost a page fault per 4 KiB on first touch, half the build's
+        time in a new process).
         """
         N = A.shape[0]
         if not self.cpu:
@@ -196,22 +197,27 @@ class SymmetricGram:
             block = block.view(N, R, N, R) * (A @ A.T)[:, None, :, None]
             self.K += block.view(self.M, self.M)
             return
-        K = torch.from_numpy(self.K)  # Fortran order: column chunks are contiguous
-        X = X.detach().cpu().to(K.dtype)
-        A = A.detach().cpu().to(K.dtype)
+        # single-threaded BLAS (see _single_threaded_openblas): threaded GEMMs on small
+        # chunks stall at every synchronisation when another process holds a core
+        Xt = X.detach().cpu().numpy().T  # (d_out, M), Fortran-ordered: no copy
+        At = A.detach().cpu().numpy().T
+        dtype = self.K.dtype
+        Xt, At = Xt.astype(dtype, copy=False), At.astype(dtype, copy=False)
         chunk = max(1, min(N, GRAM_CHUNK_ELEMENTS // (self.M * R)))
-        blocks = X.new_empty(self.M * chunk * R)  # reused: no page faults after the first
-        hadamards = A.new_empty(N * chunk)
+        blocks = np.empty(self.M * chunk * R, dtype)  # reused: no page faults after the first
+        hadamards = np.empty(N * chunk, dtype)
         for n0 in range(0, N, chunk):
             n1 = min(N, n0 + chunk)
-            block = torch.mm(
-                X[: n1 * R],
-                X[n0 * R : n1 * R].T,
-                out=blocks[: n1 * R * (n1 - n0) * R].view(n1 * R, (n1 - n0) * R),
-            )
-            H = torch.mm(A[:n1], A[n0:n1].T, out=hadamards[: n1 * (n1 - n0)].view(n1, n1 - n0))
-            block.view(n1, R, n1 - n0, R).mul_(H[:, None, :, None])
-            K[: n1 * R, n0 * R : n1 * R] += block
+            j0, j1 = n0 * R, n1 * R
+            block = blocks[: j1 * (j1 - j0)].reshape((j1, j1 - j0), order="F")
+            block = self._gemm(1.0, Xt[:, :j1], Xt[:, j0:j1], trans_a=1, c=block, overwrite_c=1)
+            H = hadamards[: n1 * (n1 - n0)].reshape((n1, n1 - n0), order="F")
+            H = self._gemm(1.0, At[:, :n1], At[:, n0:n1], trans_a=1, c=H, overwrite_c=1)
+            if R == 1:
+                block *= H
+            else:  # block.T is C-ordered: its (n, R, n1, R) view is free
+                block.T.reshape(n1 - n0, R, n1, R)[...] *= H.T[:, None, :, None]
+            self.K[:j1, j0:j1] += block
 
     def add(self, block: torch.Tensor) -> None:
         """``K += block`` for a full symmetric ``block``."""
