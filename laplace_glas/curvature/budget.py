@@ -331,14 +331,19 @@ def with_measured_peak(eig, peak: PeakMemory):
 
 
 GRAM_CHUNK_ELEMENTS = 2**20
-"""Numbers in one chunk of the dual solve's Gram build on the CPU (4 MiB of float32,
-kept in cache for the Hadamard product)."""
+"""Numbers in the chunks of the dual solve's Gram build on the CPU, all threads together
+(4 MiB of float32; each thread's chunk is kept in cache for the Hadamard product)."""
+
+
+def gram_workers() -> int:
+    """Threads of the CPU Gram build: torch's intra-op thread count."""
+    return max(1, torch.get_num_threads())
 
 
 def gram_build_numbers(M: int, device: torch.device | str = "cpu") -> int:
     """Numbers held while the dual solve builds its ``M x M`` Gram matrix ``K``: on the
-    CPU ``K`` plus two chunks (``M^2 + 2 min(M^2, 2^20)``), elsewhere ``K``, a layer's
-    block and its Hadamard factor (``3 M^2``).
+    CPU ``K`` plus two chunks per thread (``M^2 + 2 min(M^2, 2^20)`` at most), elsewhere
+    ``K``, a layer's block and its Hadamard factor (``3 M^2``).
     """
     if torch.device(device).type == "cpu":
         return M * M + 2 * min(M * M, GRAM_CHUNK_ELEMENTS)

@@ -428,10 +428,12 @@ def test_join_frees_each_layers_batches_before_releasing_memory():
         torch.testing.assert_close(f.g, expected[m][1])
 
 
+@pytest.mark.parametrize("workers", [1, 3])
 @pytest.mark.parametrize("outputs, bias", [(1, True), (3, True), (2, False)])
-def test_gram_built_in_chunks_equals_explicit_rows(monkeypatch, outputs, bias):
+def test_gram_built_in_chunks_equals_explicit_rows(monkeypatch, outputs, bias, workers):
     """The CPU Gram build (upper triangle, a column chunk of examples at a time, uneven
-    last chunk) against ``S S^T`` with ``S``'s rows formed by the factors' products.
+    last chunk, one thread or a pool) against ``S S^T`` with ``S``'s rows formed by the
+    factors' products.
     """
     import laplace_glas.curvature.solvers.gram as gram
 
@@ -446,7 +448,8 @@ def test_gram_built_in_chunks_equals_explicit_rows(monkeypatch, outputs, bias):
     op = build_factored_ggn(model, list(model.parameters()), loader(X, y, 7), "regression", N)
     M = N * op.n_rows
     # chunks of 5 examples: 5 chunks, the last of 3
-    monkeypatch.setattr(gram, "GRAM_CHUNK_ELEMENTS", M * op.n_rows * 5)
+    monkeypatch.setattr(gram, "GRAM_CHUNK_ELEMENTS", M * op.n_rows * 5 * workers)
+    monkeypatch.setattr(gram, "gram_workers", lambda: workers)
     built = gram.gram_matrix(op)
     K = torch.from_numpy(built.K)
     eye = torch.eye(op.shape[0], dtype=F64)

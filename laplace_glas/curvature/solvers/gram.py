@@ -33,15 +33,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import queue
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 from scipy.linalg import blas
 from scipy.sparse.linalg import LinearOperator, eigsh
 
-from laplace_glas.curvature.budget import GRAM_CHUNK_ELEMENTS, gram_build_numbers
+from laplace_glas.curvature.budget import GRAM_CHUNK_ELEMENTS, gram_build_numbers, gram_workers
 from laplace_glas.curvature.operators.factored import (
     EmbeddingFactor,
     ExplicitFactor,
@@ -165,8 +167,8 @@ class SymmetricGram:
         self.M, self.dtype, self.device = M, dtype, device
         if self.cpu:
             self.K = np.zeros((M, M), dtype=NUMPY_DTYPES[dtype], order="F")
-            self._syrk, self._symv, self._symm, self._gemm = blas.get_blas_funcs(
-                ("syrk", "symv", "symm", "gemm"), (self.K,)
+            self._syrk, self._symv, self._symm = blas.get_blas_funcs(
+                ("syrk", "symv", "symm"), (self.K,)
             )
         else:
             self.K = torch.zeros(M, M, dtype=dtype, device=device)
@@ -185,11 +187,12 @@ class SymmetricGram:
 
         ``X`` is ``(N R, d_out)`` (rows example-major), ``A`` is ``(N, d_in)``. On the
         CPU the upper triangle is built in column chunks of ``c`` examples,
-        ``K[:j1, j0:j1] += (X[:j1] X[j0:j1]^T) o (A[:n1] A[n0:n1]^T)`` (BLAS ``gemm``):
-        about the flops of two ``syrk`` calls, but the chunk's two blocks stay in cache
-        for the Hadamard product and no ``M x M`` temporary is allocated (fresh
-        ``M x M`` arrays cost a page fault per 4 KiB on first touch, half the build's
-        time in a new process).
+        ``K[:j1, j0:j1] += (X[:j1] X[j0:j1]^T) o (A[:n1] A[n0:n1]^T)`` (one ``gemm``
+        each), by :func:`~laplace_glas.curvature.budget.gram_workers` threads: about the
+        flops of two ``syrk`` calls, but the chunk's two blocks stay in cache for the
+        Hadamard product and no ``M x M`` temporary is allocated (fresh ``M x M`` arrays
+        cost a page fault per 4 KiB on first touch, half the build's time in a new
+        process).
         """
         N = A.shape[0]
         if not self.cpu:
@@ -197,27 +200,44 @@ class SymmetricGram:
             block = block.view(N, R, N, R) * (A @ A.T)[:, None, :, None]
             self.K += block.view(self.M, self.M)
             return
-        # single-threaded BLAS (see _single_threaded_openblas): threaded GEMMs on small
-        # chunks stall at every synchronisation when another process holds a core
+        # single-threaded BLAS calls (see _single_threaded_openblas) from a pool of
+        # threads taking chunks from a queue: threaded GEMMs on small chunks stall at every
+        # synchronisation when another process holds a core, a queue of chunks does not
         Xt = X.detach().cpu().numpy().T  # (d_out, M), Fortran-ordered: no copy
         At = A.detach().cpu().numpy().T
         dtype = self.K.dtype
         Xt, At = Xt.astype(dtype, copy=False), At.astype(dtype, copy=False)
-        chunk = max(1, min(N, GRAM_CHUNK_ELEMENTS // (self.M * R)))
-        blocks = np.empty(self.M * chunk * R, dtype)  # reused: no page faults after the first
-        hadamards = np.empty(N * chunk, dtype)
-        for n0 in range(0, N, chunk):
+        workers = gram_workers()
+        chunk = GRAM_CHUNK_ELEMENTS // (self.M * R * workers)
+        chunk = max(1, min(chunk, -(-N // (4 * workers))))  # >= 4 chunks a worker
+        buffers: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(workers):  # reused: no page faults after the first chunk
+            buffers.put((np.empty(self.M * chunk * R, dtype), np.empty(N * chunk, dtype)))
+
+        def update(n0: int) -> None:
             n1 = min(N, n0 + chunk)
             j0, j1 = n0 * R, n1 * R
-            block = blocks[: j1 * (j1 - j0)].reshape((j1, j1 - j0), order="F")
-            block = self._gemm(1.0, Xt[:, :j1], Xt[:, j0:j1], trans_a=1, c=block, overwrite_c=1)
-            H = hadamards[: n1 * (n1 - n0)].reshape((n1, n1 - n0), order="F")
-            H = self._gemm(1.0, At[:, :n1], At[:, n0:n1], trans_a=1, c=H, overwrite_c=1)
+            blocks, hadamards = buffers.get()
+            # NumPy's matmul releases the GIL (SciPy's BLAS wrappers do not); the
+            # transposed products fill C-ordered buffers, i.e. Fortran-ordered blocks
+            block = blocks[: j1 * (j1 - j0)].reshape(j1 - j0, j1)
+            block = np.matmul(Xt[:, j0:j1].T, Xt[:, :j1], out=block).T  # (j1, j1 - j0)
+            H = hadamards[: n1 * (n1 - n0)].reshape(n1 - n0, n1)
+            H = np.matmul(At[:, n0:n1].T, At[:, :n1], out=H).T
             if R == 1:
                 block *= H
             else:  # block.T is C-ordered: its (n, R, n1, R) view is free
                 block.T.reshape(n1 - n0, R, n1, R)[...] *= H.T[:, None, :, None]
-            self.K[:j1, j0:j1] += block
+            self.K[:j1, j0:j1] += block  # chunks write disjoint columns
+            buffers.put((blocks, hadamards))
+
+        starts = range(0, N, chunk)[::-1]  # the largest (rightmost) chunks first
+        if workers == 1:
+            for n0 in starts:
+                update(n0)
+            return
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(update, starts))  # re-raises a worker's exception
 
     def add(self, block: torch.Tensor) -> None:
         """``K += block`` for a full symmetric ``block``."""
