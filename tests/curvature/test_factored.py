@@ -459,3 +459,30 @@ def test_gram_built_in_chunks_equals_explicit_rows(monkeypatch, outputs, bias, w
     W = torch.randn(M, 3, generator=g, dtype=F64)
     product = torch.from_numpy(built.matmat(W.numpy()))  # reads the upper triangle
     assert torch.allclose(product, reference @ W, rtol=1e-12, atol=1e-12)
+
+
+def test_gram_build_error_in_a_chunk_is_raised_not_waited_on(monkeypatch):
+    """Chunks failing (X with fewer rows than K: the two rightmost chunks) raise from
+    the pool; chunks that kept their buffers on an error would leave the others
+    waiting forever."""
+    import threading
+
+    import laplace_glas.curvature.solvers.gram as gram
+
+    monkeypatch.setattr(gram, "gram_workers", lambda: 2)
+    monkeypatch.setattr(gram, "GRAM_CHUNK_ELEMENTS", 20 * 2 * 2)  # chunks of 2 examples
+    K = gram.SymmetricGram(20, torch.float32, torch.device("cpu"))
+    X, A = torch.randn(17, 3), torch.randn(20, 2)
+    raised = []
+
+    def build():
+        try:
+            K.hadamard_update(X, A)
+        except ValueError as err:
+            raised.append(err)
+
+    worker = threading.Thread(target=build, daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    assert not worker.is_alive(), "the Gram build hung after a failed chunk"
+    assert raised

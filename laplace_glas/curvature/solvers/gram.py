@@ -218,18 +218,20 @@ class SymmetricGram:
             n1 = min(N, n0 + chunk)
             j0, j1 = n0 * R, n1 * R
             blocks, hadamards = buffers.get()
-            # NumPy's matmul releases the GIL (SciPy's BLAS wrappers do not); the
-            # transposed products fill C-ordered buffers, i.e. Fortran-ordered blocks
-            block = blocks[: j1 * (j1 - j0)].reshape(j1 - j0, j1)
-            block = np.matmul(Xt[:, j0:j1].T, Xt[:, :j1], out=block).T  # (j1, j1 - j0)
-            H = hadamards[: n1 * (n1 - n0)].reshape(n1 - n0, n1)
-            H = np.matmul(At[:, n0:n1].T, At[:, :n1], out=H).T
-            if R == 1:
-                block *= H
-            else:  # block.T is C-ordered: its (n, R, n1, R) view is free
-                block.T.reshape(n1 - n0, R, n1, R)[...] *= H.T[:, None, :, None]
-            self.K[:j1, j0:j1] += block  # chunks write disjoint columns
-            buffers.put((blocks, hadamards))
+            try:  # the buffers go back even on an error: no other chunk waits forever
+                # NumPy's matmul releases the GIL (SciPy's BLAS wrappers do not); the
+                # transposed products fill C-ordered buffers, i.e. Fortran-ordered blocks
+                block = blocks[: j1 * (j1 - j0)].reshape(j1 - j0, j1)
+                block = np.matmul(Xt[:, j0:j1].T, Xt[:, :j1], out=block).T  # (j1, j1 - j0)
+                H = hadamards[: n1 * (n1 - n0)].reshape(n1 - n0, n1)
+                H = np.matmul(At[:, n0:n1].T, At[:, :n1], out=H).T
+                if R == 1:
+                    block *= H
+                else:  # block.T is C-ordered: its (n, R, n1, R) view is free
+                    block.T.reshape(n1 - n0, R, n1, R)[...] *= H.T[:, None, :, None]
+                self.K[:j1, j0:j1] += block  # chunks write disjoint columns
+            finally:
+                buffers.put((blocks, hadamards))
 
         starts = range(0, N, chunk)[::-1]  # the largest (rightmost) chunks first
         if workers == 1:
