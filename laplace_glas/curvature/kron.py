@@ -99,14 +99,17 @@ class _ScoredBatches:
                 yield X, y
 
 
+KFAC_LAYERS = (nn.Linear, nn.Conv2d)
+"""The layers curvlinops' ``KFACLinearOperator`` covers (its documented list)."""
+
+
 def kron_refusal(model: nn.Module, shards: Shards | None = None) -> str | None:
     """Why :func:`ggn_kron` cannot serve ``model`` (None: it can): a trainable parameter
     outside the layers curvlinops' KFAC covers (``nn.Linear``, ``nn.Conv2d``). A
     data-parallel fit (``shards``) is served: the factors are summed over the ranks.
     """
-    covered = KFACLinearOperator._SUPPORTED_MODULES
     for name, module in model.named_modules():
-        if isinstance(module, covered):
+        if isinstance(module, KFAC_LAYERS):
             continue
         for param_name, param in module.named_parameters(recurse=False):
             if param.requires_grad:
@@ -228,12 +231,16 @@ def _local_factors(
             "parameter must sit in an nn.Linear or nn.Conv2d. Use complement='diag', "
             "'zero' or 'prior'."
         ) from err
+    # through curvlinops' public interface: the layer -> parameter-position mapping and
+    # the factors of its state dict
+    state = linop.state_dict()
+    inputs, gradients = state["input_covariances"], state["gradient_covariances"]
     blocks: list[list[torch.Tensor] | None] = [None] * len(params)
-    for name, positions in linop._mapping.items():
-        B = _symmetric(linop._gradient_covariances[name].detach()) * factor
+    for name, positions in KFACLinearOperator.compute_parameter_mapping(params, model).items():
+        B = _symmetric(gradients[name].detach()) * factor
         for kind, position in positions.items():
             if kind == "weight":
-                blocks[position] = [B, _symmetric(linop._input_covariances[name].detach())]
+                blocks[position] = [B, _symmetric(inputs[name].detach())]
             else:
                 blocks[position] = [B]
     return blocks
