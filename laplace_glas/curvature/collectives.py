@@ -25,6 +25,11 @@ from laplace_glas.curvature.distributed import Shards, flagged_sum
 __all__ = ["gridsearch", "reduce_coverage_rows"]
 
 
+def _not_distributed() -> bool:
+    """A torchmetrics ``distributed_available_fn`` that sees no process group."""
+    return False
+
+
 def reduce_coverage_rows(
     rows: Sequence[Any] | None,
     n_local: int,
@@ -75,7 +80,9 @@ def _local_grid(
     """
     if isinstance(loss, torchmetrics.Metric):
         loss = copy.deepcopy(loss)
-        loss.sync_on_compute, loss._to_sync = False, False
+        # public attributes only: the constructor's ``sync_on_compute`` and
+        # ``distributed_available_fn`` (compute's sync returns early without a group)
+        loss.sync_on_compute, loss.distributed_available_fn = False, _not_distributed
     results = []
     for tau in interval:
         la.prior_precision = tau
