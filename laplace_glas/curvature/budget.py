@@ -33,7 +33,7 @@ loader's batches:
 * factored + Lanczos: the factors ``F`` plus one layer's (joining the batches), one
   column's GEMM temporaries ``2 W s`` (``W``: the widest layer's ``N T d_out``) and
   ``2 D s``, plus ``B``; the products of many columns then take the chunks the rest
-  of the budget allows (at most ``2^22`` numbers), added to the recorded estimate;
+  of the budget allows (at most ``2^25`` numbers), added to the recorded estimate;
 * dual: ``F`` plus the Gram matrix and its build's temporaries (:func:`gram_build_numbers`:
   ``(M^2 + 2 min(M^2, 2^20)) s`` on the CPU, ``3 M^2 s`` elsewhere; ``M = N R``), its eigen-solve's
   ``(4 k + 40) M`` float64 numbers and ``3 k D s`` for the eigenvectors;

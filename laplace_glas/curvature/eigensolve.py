@@ -154,7 +154,7 @@ def _record_bytes(operator: GGNLinearOperator | LinearOperator, dtype: torch.dty
     """Bytes Lanczos may keep of its products to recombine the residual check's images
     from them (:mod:`~laplace_glas.curvature.solvers.lanczos`): for the factored and
     Jacobian operators, whose products are fixed functions of their stored factors,
-    the temporaries a fresh ``k``-column product would take (``2 s chunk_elements``);
+    the temporaries the budget allows a product (``2 s chunk_elements``);
     0 (a fresh product) for operators that pass over the data per product.
     """
     if not isinstance(operator, FactoredGGN):

@@ -286,7 +286,7 @@ def factored_kron_refusal(
         own = dict(module.named_parameters(recurse=False))
         if not any(p.requires_grad for p in own.values()):
             continue
-        if not isinstance(module, (nn.Linear, nn.Conv2d)):
+        if not isinstance(module, KFAC_LAYERS):
             return f"a {type(module).__name__} ({name})"
         if isinstance(module, nn.Conv2d) and (
             isinstance(module.padding, str) or module.groups != 1
