@@ -335,11 +335,6 @@ GRAM_CHUNK_ELEMENTS = 2**20
 (4 MiB of float32; each thread's chunk is kept in cache for the Hadamard product)."""
 
 
-def gram_workers() -> int:
-    """Threads of the CPU Gram build: torch's intra-op thread count."""
-    return max(1, torch.get_num_threads())
-
-
 def gram_build_numbers(M: int, device: torch.device | str = "cpu") -> int:
     """Numbers held while the dual solve builds its ``M x M`` Gram matrix ``K``: on the
     CPU ``K`` plus two chunks per thread (``M^2 + 2 min(M^2, 2^20)`` at most), elsewhere

@@ -43,7 +43,7 @@ import torch
 from scipy.linalg import blas
 from scipy.sparse.linalg import LinearOperator, eigsh
 
-from laplace_glas.curvature.budget import GRAM_CHUNK_ELEMENTS, gram_build_numbers, gram_workers
+from laplace_glas.curvature.budget import GRAM_CHUNK_ELEMENTS, gram_build_numbers
 from laplace_glas.curvature.operators.factored import (
     EmbeddingFactor,
     ExplicitFactor,
@@ -61,6 +61,7 @@ __all__ = [
     "gram_fits",
     "gram_flops",
     "gram_matrix",
+    "gram_workers",
     "lanczos_products",
 ]
 
@@ -112,6 +113,11 @@ def _single_threaded_openblas() -> Iterator[None]:
     finally:
         for (_, put), n in zip(controls, before):
             put(n)
+
+
+def gram_workers() -> int:
+    """Threads of the CPU Gram build: torch's intra-op thread count."""
+    return max(1, torch.get_num_threads())
 
 
 def _itemsize(op: FactoredGGN) -> int:
@@ -188,7 +194,7 @@ class SymmetricGram:
         ``X`` is ``(N R, d_out)`` (rows example-major), ``A`` is ``(N, d_in)``. On the
         CPU the upper triangle is built in column chunks of ``c`` examples,
         ``K[:j1, j0:j1] += (X[:j1] X[j0:j1]^T) o (A[:n1] A[n0:n1]^T)`` (one ``gemm``
-        each), by :func:`~laplace_glas.curvature.budget.gram_workers` threads: about the
+        each), by :func:`gram_workers` threads: about the
         flops of two ``syrk`` calls, but the chunk's two blocks stay in cache for the
         Hadamard product and no ``M x M`` temporary is allocated (fresh ``M x M`` arrays
         cost a page fault per 4 KiB on first touch, half the build's time in a new
