@@ -181,3 +181,31 @@ def test_one_column_passes_are_lanczos_on_arpacks_basis_with_their_own_pass_limi
             generator=torch.Generator().manual_seed(0),
         )  # fmt: skip
     assert basis == [45, 61]
+
+
+def test_a_basis_as_large_as_the_space_never_overflows():
+    """dim < k + 2 p caps the basis at dim; the round-off of float32 products of a
+    rank-deficient Gram matrix keeps more directions in the last orthogonalisation than
+    the space has room for after a restart. The block is cut to the room left instead
+    of overflowing the basis (this case raised a shape error before)."""
+    dim, k, seed = 60, 20, 5
+    g = torch.Generator().manual_seed(seed)
+    S = torch.randn(dim, 50, generator=g, dtype=torch.float64)
+    K32 = (S * torch.logspace(0, -2, 50, dtype=torch.float64)).float()
+    K32 = K32 @ K32.T  # rank 50 < dim, as the Gram matrix of a small network
+
+    def matmat(V):
+        return (K32 @ V.float()).double()
+
+    res = block_krylov_eigenpairs(
+        matmat,
+        dim,
+        k,
+        block_size=28,
+        tol=1e-5,
+        rank_threshold=100 * torch.finfo(torch.float32).eps,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    expected = torch.linalg.eigvalsh(K32.double()).flip(0)[:k]
+    assert res.values.shape == (k,) and res.converged.all()
+    torch.testing.assert_close(res.values, expected, rtol=1e-5, atol=1e-5 * expected[0].item())

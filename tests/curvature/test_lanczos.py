@@ -19,8 +19,8 @@ from laplace_glas.curvature import eigensolve
 from laplace_glas.curvature.eigensolve import compute_eigenpairs
 from laplace_glas.curvature.operators.factored import FactoredGGN, build_factored_ggn
 from laplace_glas.curvature.solvers import lanczos
-from laplace_glas.curvature.solvers.gram import _openblas_thread_controls
 from laplace_glas.curvature.solvers.lanczos import solve_lanczos
+from laplace_glas.curvature.solvers.threads import _openblas_thread_controls
 
 
 def test_lanczos_runs_on_one_openblas_thread_and_restores_the_count():

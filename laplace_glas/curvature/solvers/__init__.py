@@ -4,9 +4,10 @@
   many GGN columns per data pass.
 * :mod:`~laplace_glas.curvature.solvers.gram`: the dual eigen-solve of the factored GGN
   through the ``NR x NR`` Gram matrix ``K = S S^T``.
-
 * :mod:`~laplace_glas.curvature.solvers.lanczos`: ARPACK's implicitly restarted Lanczos
   (``scipy.sparse.linalg.eigsh``), the reference.
+* :mod:`~laplace_glas.curvature.solvers.threads`: one BLAS/LAPACK thread for the
+  solvers' many small calls.
 
 :func:`laplace_glas.curvature.eigensolve.compute_eigenpairs` drives all three.
 """

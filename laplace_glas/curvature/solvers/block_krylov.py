@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from laplace_glas.curvature.solvers.threads import single_threaded_torch
 from laplace_glas.validation import positive_int
 
 __all__ = ["BlockKrylovResult", "block_krylov_eigenpairs"]
@@ -97,13 +98,15 @@ def _orthonormalize(block: torch.Tensor, basis: torch.Tensor | None, drop: float
     if block.shape[1] == 0:
         return block
     scale = torch.linalg.vector_norm(block, dim=0).max().clamp(min=torch.finfo(block.dtype).tiny)
-    Q, R = torch.linalg.qr(block)
+    with single_threaded_torch():  # MKL's threaded geqrf is slower on thin blocks
+        Q, R = torch.linalg.qr(block)
     del block
     keep = R.diagonal().abs() > drop * scale
     Q = Q[:, keep]
     if basis is not None and basis.shape[1] and Q.shape[1]:
         Q.addmm_(basis, basis.T @ Q, alpha=-1)
-        Q, _ = torch.linalg.qr(Q)
+        with single_threaded_torch():
+            Q, _ = torch.linalg.qr(Q)
     return Q
 
 
@@ -232,7 +235,12 @@ def block_krylov_eigenpairs(
             new = _orthonormalize(new, space.Q, drop)
             if new.shape[1] == 0:
                 break
-        Q = new[:, :p]
+        # the room left: short of a block only where the basis may hold the whole space
+        # (max_basis = dim < k + 2 p), and round-off kept more directions than remain
+        room = max_basis - space.m
+        if room == 0:
+            break
+        Q = new[:, : min(p, room)]
         del new
         space.append(Q, matmat(Q))
         newest = Q.shape[1]
@@ -308,7 +316,8 @@ class _KrylovBasis:
 
     def ritz(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Ritz values (descending) and the coefficients of the Ritz vectors."""
-        theta, S = torch.linalg.eigh(self.T[: self.m, : self.m])
+        with single_threaded_torch():  # a small eigen-problem: threads only synchronise
+            theta, S = torch.linalg.eigh(self.T[: self.m, : self.m])
         return theta.flip(0), S.flip(1)
 
     def residual_norms(self, S: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:

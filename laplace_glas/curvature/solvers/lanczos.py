@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from laplace_glas.curvature.eigenpairs import _ZERO_GGN, LanczosConvergenceWarning
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES
-from laplace_glas.curvature.solvers.gram import _single_threaded_openblas
+from laplace_glas.curvature.solvers.threads import single_threaded_openblas
 
 __all__ = ["solve_lanczos"]
 
@@ -212,7 +212,7 @@ def solve_lanczos(
         # OpenBLAS thread: idle OpenBLAS workers spin between its many small calls and
         # take the cores from torch's threads computing the products (on 2 busy cores a
         # Lanczos fit ran 3x slower with two OpenBLAS threads).
-        with _single_threaded_openblas():
+        with single_threaded_openblas():
             values, vectors = eigsh(
                 counting, k=k, which="LA", tol=tol, maxiter=maxiter, ncv=ncv, v0=v0
             )
