@@ -249,7 +249,7 @@ class SubspaceOperator(FactoredMatrix):
         """A copy with cloned factors (``torch.Tensor.clone``'s contract)."""
         return SubspaceOperator(self.vectors.clone(), self.values.clone(), self.complement.clone())
 
-    def _dense_or_low_rank(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def dense_or_low_rank(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(U diag(d) U^T + c (I - U U^T), c)`` with the complement term left out when
         ``c`` is infinite (then two operators are equal when their ``c`` and this
         part are).
@@ -285,7 +285,7 @@ class SubspaceOperator(FactoredMatrix):
 
 def _comparable(x: SubspaceOperator | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(x, SubspaceOperator):
-        return x._dense_or_low_rank()
+        return x.dense_or_low_rank()
     x = torch.as_tensor(x)
     return x, torch.zeros((), dtype=x.dtype, device=x.device)
 

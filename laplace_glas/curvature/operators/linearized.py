@@ -150,7 +150,7 @@ class LinearizedGGN(TorchOperator):
     def _product(self, lin: _Linearization, V: torch.Tensor, batched: bool) -> torch.Tensor:
         """``c J_b^T Lambda_b J_b V`` for ``V (D, m)``, as ``(m, D)``."""
         m = V.shape[1]
-        tangents = self._tangents(lin, V)
+        tangents = self.parameter_tangents(lin, V)
         if not batched:
             tangents = [t[0] for t in tangents]
         (Jv,) = torch.autograd.grad(
@@ -168,7 +168,7 @@ class LinearizedGGN(TorchOperator):
             out[:, self.offsets[i] : self.offsets[i + 1]] = grad.reshape(m, -1)
         return out
 
-    def _tangents(self, lin: _Linearization, V: torch.Tensor) -> list[torch.Tensor]:
+    def parameter_tangents(self, lin: _Linearization, V: torch.Tensor) -> list[torch.Tensor]:
         """The columns of ``V (D, m)`` as ``(m, *shape)`` tensors of the used parameters."""
         columns = V.T.split(self.sizes, dim=1)
         return [columns[i].reshape(V.shape[1], *self.shapes[i]) for i in lin.used]
@@ -345,7 +345,7 @@ def _adjoint_check(operator: LinearizedGGN, lin: _Linearization) -> str | None:
     options = {"dtype": operator.torch_dtype, "device": operator.device}
     u = torch.randn(lin.outputs.shape, generator=generator, **options)
     v = torch.randn(operator.shape[0], 1, generator=generator, **options)
-    tangents = [t[0] for t in operator._tangents(lin, v)]
+    tangents = [t[0] for t in operator.parameter_tangents(lin, v)]
     used = [operator.params[i] for i in lin.used]
     try:
         (Jv,) = torch.autograd.grad(lin.pullback, lin.dummy, tangents, retain_graph=True)
