@@ -54,9 +54,10 @@ class ProjectedInverse:
     ``complement='diag'`` (``E = diag(c + tau)``) and ``'kron'`` (``E = C + tau I``),
     applied to the last axis of ``W (..., D)``.
 
-    :meth:`root` is ``W P E^{-1/2}`` (``B = R R^T`` with ``R = P E^{-1/2}``), so that
-    ``J B J^T = (J R)(J R)^T`` is formed as a Gram matrix, positive semi-definite in
-    floating point.
+    :meth:`root` is ``W P F`` for a factor ``F F^T = E^{-1}`` (``B = R R^T`` with
+    ``R = P F``), so that ``J B J^T = (J R)(J R)^T`` is formed as a Gram matrix,
+    positive semi-definite in floating point. ``F`` need not be symmetric: KFAC's
+    ``F = Q diag((lambda + tau)^{-1/2})`` skips the rotation back by ``Q^T``.
 
     Parameters
     ----------
@@ -64,18 +65,26 @@ class ProjectedInverse:
         ``(D, k)`` orthonormal.
     power_of_E : callable
         ``(W, p) -> W E^p`` on the last axis of ``W`` (``E`` symmetric positive definite).
+    factor_of_E : callable, optional
+        ``(W, p) -> W F`` with ``F F^T = E^p``; default ``W E^{p/2}``.
 
     """
 
-    def __init__(self, U: torch.Tensor, power_of_E: Callable[[torch.Tensor, float], torch.Tensor]):
+    def __init__(
+        self,
+        U: torch.Tensor,
+        power_of_E: Callable[[torch.Tensor, float], torch.Tensor],
+        factor_of_E: Callable[[torch.Tensor, float], torch.Tensor] | None = None,
+    ):
         self.U, self.power_of_E = U, power_of_E
+        self.factor_of_E = factor_of_E or (lambda W, p: power_of_E(W, p / 2))
 
     def _project(self, W: torch.Tensor) -> torch.Tensor:
         return W - (W @ self.U) @ self.U.T
 
     def root(self, W: torch.Tensor) -> torch.Tensor:
-        """``W P E^{-1/2}``."""
-        return self.power_of_E(self._project(W), -0.5)
+        """``W P F`` with ``F F^T = E^{-1}``, so that ``W B W^T`` is its Gram matrix."""
+        return self.factor_of_E(self._project(W), -1.0)
 
     def __call__(self, W: torch.Tensor) -> torch.Tensor:
         """``W P E^{-1} P`` (``B`` is symmetric: also ``(B W^T)^T``)."""
@@ -119,6 +128,10 @@ class ProjectedComplementPosterior:
         """``W E^power`` on the last axis of ``W (..., D)``."""
         raise NotImplementedError
 
+    def factor_of_E(self, W: torch.Tensor, power: float) -> torch.Tensor:
+        """``W F`` with ``F F^T = E^power`` (default: the symmetric ``F = E^{power/2}``)."""
+        return self.power_of_E(W, power / 2)
+
     def log_det_E(self) -> torch.Tensor:
         """``log det E``."""
         raise NotImplementedError
@@ -138,10 +151,15 @@ class ProjectedComplementPosterior:
 
     def covariance_factors(self) -> tuple[torch.Tensor, torch.Tensor, ProjectedInverse]:
         """``(U, v, B)`` with ``Sigma = U diag(v) U^T + B`` and ``B = P E^{-1} P``
-        (:class:`ProjectedInverse`, whose ``root`` gives ``J P E^{-1/2}``): two positive
-        semi-definite terms, so a predictive variance cannot round below zero.
+        (:class:`ProjectedInverse`, whose ``root`` gives ``J P F`` with ``F F^T =
+        E^{-1}``): two positive semi-definite terms, so a predictive variance cannot
+        round below zero.
         """
-        return self.U, self.subspace_variances, ProjectedInverse(self.U, self.power_of_E)
+        return (
+            self.U,
+            self.subspace_variances,
+            ProjectedInverse(self.U, self.power_of_E, self.factor_of_E),
+        )
 
     def _low_rank_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(V, w)`` with ``Sigma = E^{-1} + V diag(w) V^T``: ``V = [U, E^{-1}U] Q`` and

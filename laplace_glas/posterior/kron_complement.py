@@ -40,6 +40,7 @@ import math
 import torch
 from laplace.utils.matrix import Kron
 
+from laplace_glas.curvature.solvers.threads import eigh_threads
 from laplace_glas.posterior.closed_forms import FactoredMatrix, proper_tau
 from laplace_glas.posterior.complement import ProjectedComplementPosterior
 
@@ -73,7 +74,8 @@ class KronCurvature:
         for factors in kron.kfacs:
             Qs, ls = [], []
             for F in factors:
-                values, vectors = torch.linalg.eigh(F.to(device, dtype))
+                with eigh_threads(F.shape[0]):  # small: threads only synchronise
+                    values, vectors = torch.linalg.eigh(F.to(device, dtype))
                 Qs.append(vectors)
                 ls.append(values.clamp(min=0))
             blocks.append((Qs, ls))
@@ -100,6 +102,22 @@ class KronCurvature:
 
     def apply(self, W: torch.Tensor, tau: torch.Tensor, exponent: float = 1.0) -> torch.Tensor:
         """``(C + tau I)^exponent`` applied to the last axis of ``W`` ``(..., D)``."""
+        return self._blockwise(W, tau, exponent, rotate_back=True)
+
+    def factor(self, W: torch.Tensor, tau: torch.Tensor, exponent: float = 1.0) -> torch.Tensor:
+        """``W F`` for the factor ``F = Q diag((lambda + tau)^(exponent / 2))`` of
+        ``(C + tau I)^exponent = F F^T`` (``Q`` the blocks' Kronecker eigenvectors).
+
+        Half the work of :meth:`apply` with ``exponent / 2``: ``(W F)(W F)^T`` equals
+        ``W (C + tau I)^exponent W^T`` without rotating back to the weights' basis
+        (``F`` is not symmetric, so ``W F`` is not ``W (C + tau I)^(exponent / 2)``).
+        """
+        return self._blockwise(W, tau, exponent / 2, rotate_back=False)
+
+    def _blockwise(
+        self, W: torch.Tensor, tau: torch.Tensor, exponent: float, rotate_back: bool
+    ) -> torch.Tensor:
+        """``W Q diag((lambda + tau)^exponent)``, times ``Q^T`` if ``rotate_back``."""
         lead, D = W.shape[:-1], W.shape[-1]
         W = W.reshape(-1, D)
         out, start = [], 0
@@ -108,13 +126,16 @@ class KronCurvature:
             if len(Qs) == 1:
                 (Q,) = Qs
                 part = W[:, start : start + len(ls[0])]
-                out.append(((part @ Q) * scaled) @ Q.T)
+                rotated = (part @ Q) * scaled
+                out.append(rotated @ Q.T if rotate_back else rotated)
             else:
                 QB, QA = Qs
                 part = W[:, start : start + len(ls[0]) * len(ls[1])]
                 part = part.reshape(-1, len(ls[0]), len(ls[1]))
                 rotated = (QB.T @ part @ QA) * scaled
-                out.append((QB @ rotated @ QA.T).reshape(part.shape[0], -1))
+                if rotate_back:
+                    rotated = QB @ rotated @ QA.T
+                out.append(rotated.reshape(part.shape[0], -1))
             start += scaled.numel()
         return torch.cat(out, dim=1).reshape(*lead, D)
 
@@ -219,6 +240,12 @@ class KronComplementPosterior(ProjectedComplementPosterior):
     def power_of_E(self, W: torch.Tensor, power: float) -> torch.Tensor:
         """``W (C + tau I)^power`` through the factors' eigen-decompositions."""
         return self.C.apply(W, self.tau, power)
+
+    def factor_of_E(self, W: torch.Tensor, power: float) -> torch.Tensor:
+        """``W F`` with ``F F^T = (C + tau I)^power``, in the factors' eigenbasis
+        (:meth:`KronCurvature.factor`: half the work of the symmetric root).
+        """
+        return self.C.factor(W, self.tau, power)
 
     def log_det_E(self) -> torch.Tensor:
         """``sum log(s lambda_B lambda_A / T + tau)`` over the factors' eigenvalues."""

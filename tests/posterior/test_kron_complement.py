@@ -75,6 +75,22 @@ def test_the_kron_curvature_is_the_dense_kronecker_product(parts):
     torch.testing.assert_close(half @ half, torch.linalg.inv(dense + tau * eye))
 
 
+@pytest.mark.parametrize("exponent", [-1.0, 1.0])
+def test_the_kron_factor_is_a_non_symmetric_root(parts, exponent):
+    """``F = Q diag((lambda + tau)^(e/2))``: ``F F^T = (C + tau I)^e`` (the dense
+    Kronecker product), in the eigenbasis, not the symmetric root."""
+    U, _, tau, kron, s = parts
+    C = KronCurvature(KronCurvature.decompose(kron, DOUBLE, U.device), s)
+    eye = torch.eye(11, dtype=DOUBLE)
+    expected = torch.linalg.matrix_power(s * dense_kron(kron) + tau * eye, int(exponent))
+    F = C.factor(eye, tau, exponent)
+    torch.testing.assert_close(F @ F.T, expected)
+    assert not torch.allclose(F, C.to_dense(tau, exponent / 2))
+    W = torch.randn(4, 2, 11, generator=torch.Generator().manual_seed(1), dtype=DOUBLE)
+    WF = C.factor(W, tau, exponent)
+    torch.testing.assert_close(WF @ WF.transpose(-1, -2), W @ expected @ W.transpose(-1, -2))
+
+
 def test_every_form_equals_the_dense_posterior(parts):
     post, sigma = posterior_of(parts)
     U, tau, D = parts[0], parts[2], 11
@@ -404,7 +420,7 @@ def test_conv_factors_follow_the_weights_flattening():
 
 
 def test_the_complement_covariance_is_a_gram_of_its_root(parts):
-    """``B = P E^{-1} P = R R^T`` with ``R = P E^{-1/2}``: ``J B J^T`` formed as
+    """``B = P E^{-1} P = R R^T`` with ``R = P F``, ``F F^T = E^{-1}``: ``J B J^T`` formed as
     ``(J R)(J R)^T`` (positive semi-definite in floating point)."""
     post, sigma = posterior_of(parts)
     U, D = parts[0], 11
