@@ -101,7 +101,7 @@ class ComplementPass:
         setting = self._complement_setting
         if setting == "auto":
             return self._auto_complement(loader, shards, show, update, problem)
-        refusal = self._complement_refusal(setting, shards, update)
+        refusal = self._complement_refusal(setting, update)
         if refusal is not None:
             raise ValueError(refusal)
         if setting == "kron" and self._may_take_factors(problem, loader, shards, update):
@@ -125,7 +125,7 @@ class ComplementPass:
         """``'auto'`` over ``candidates`` (``reasons``: the refusals so far)."""
         reasons, shape = list(reasons or []), tuple(self.prior_precision.shape)
         for candidate in candidates:
-            refusal = self._complement_refusal(candidate, shards, update)
+            refusal = self._complement_refusal(candidate, update)
             if refusal is None and not self._scalar_prior():
                 refusal = f"complement={candidate!r} takes a scalar prior, got shape {shape}."
             if refusal is None and candidate == "kron":

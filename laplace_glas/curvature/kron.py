@@ -103,10 +103,10 @@ KFAC_LAYERS = (nn.Linear, nn.Conv2d)
 """The layers curvlinops' ``KFACLinearOperator`` covers (its documented list)."""
 
 
-def kron_refusal(model: nn.Module, shards: Shards | None = None) -> str | None:
+def kron_refusal(model: nn.Module) -> str | None:
     """Why :func:`ggn_kron` cannot serve ``model`` (None: it can): a trainable parameter
     outside the layers curvlinops' KFAC covers (``nn.Linear``, ``nn.Conv2d``). A
-    data-parallel fit (``shards``) is served: the factors are summed over the ranks.
+    data-parallel fit is served too: the factors are summed over the ranks.
     """
     for name, module in model.named_modules():
         if isinstance(module, KFAC_LAYERS):
@@ -167,7 +167,7 @@ def ggn_kron(
         others.
 
     """
-    refusal = kron_refusal(model, shards)
+    refusal = kron_refusal(model)
     if refusal is not None:
         raise ValueError(refusal)
     params = [p for p in model.parameters() if p.requires_grad]

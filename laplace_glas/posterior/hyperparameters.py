@@ -123,7 +123,7 @@ class PosteriorHyperparameters:
             )
         return None
 
-    def _complement_refusal(self, complement: str, shards: Any, update: bool) -> str | None:
+    def _complement_refusal(self, complement: str, update: bool) -> str | None:
         """Why ``fit`` cannot compute ``complement``'s curvature here (None: it can): the
         class, curvature and loss (:meth:`_static_complement_refusal`), then for ``'kron'``
         an update (``fit(override=False)``) or :func:`~laplace_glas.curvature.kron.kron_refusal`,
@@ -133,7 +133,7 @@ class PosteriorHyperparameters:
         if refusal is not None or complement not in ("diag", "kron"):
             return refusal
         if complement == "kron":
-            return kron_refusal(self.model, shards) if not update else (
+            return kron_refusal(self.model) if not update else (
                 "fit(override=False) with complement='kron' is not supported yet (KFAC's "
                 "factors of two data sets do not add up to the union's): refit with "
                 "override=True on all of the data."

@@ -187,7 +187,7 @@ def test_an_unknown_complement_names_auto(mlp_model):
         ActiveSubspaceLaplace(mlp_model, "regression", n_components=3, complement="kfac")
 
 
-def test_kron_refusal_accepts_a_data_parallel_fit(mlp_model):
-    # the factors are summed over the ranks (tests/curvature/test_distributed.py)
+def test_kron_refusal_accepts_linear_layers(mlp_model):
+    # data-parallel fits are served too: the factors are summed over the ranks
+    # (tests/curvature/test_distributed.py)
     assert kron_refusal(mlp_model) is None
-    assert kron_refusal(mlp_model, shards=object()) is None
