@@ -52,13 +52,8 @@ from laplace_glas.predictive.subspace_predictive import (
     FittedWeightsChangedWarning,
     SubspacePredictive,
 )
-from laplace_glas.validation import (
-    choice,
-    grid_validation_data,
-    laplace_arguments,
-    solver_settings,
-    trainable_size_and_dtype,
-)
+from laplace_glas.settings import laplace_arguments, solver_settings
+from laplace_glas.validation import choice, grid_validation_data, trainable_size_and_dtype
 
 __all__ = ["ActiveSubspaceLaplace", "FittedWeightsChangedWarning", "NotFittedError"]
 

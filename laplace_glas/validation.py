@@ -26,7 +26,6 @@ __all__ = [
     "homoscedastic_noise",
     "integer",
     "lanczos_basis_size",
-    "laplace_arguments",
     "parameter_dtype",
     "positive_int",
     "positive_scalar",
@@ -106,9 +105,6 @@ def scalar_value(name: str, value: Any) -> float:
     raise ArgumentTypeError(
         f"{name} must be a real number, got {type(value).__name__} ({value!r})."
     )
-
-
-_checked_seed = seed  # the check, under a name that the parameter `seed` does not hide
 
 
 def finite_number(name: str, value: Any, low: float = -math.inf, high: float = math.inf) -> float:
@@ -342,89 +338,6 @@ def trainable_size_and_dtype(model: Any) -> tuple[int, torch.dtype]:
             "The model has no parameters that require grad: there is nothing to put a posterior on."
         )
     return n_params, parameter_dtype(trainable)
-
-
-def solver_settings(
-    n_components: int,
-    n_params: int,
-    *,
-    solver: str,
-    block_size: Any,
-    tol: Any,
-    maxiter: Any,
-    ncv: Any,
-    seed: Any,
-    generator: Any,
-    subsample_size: Any,
-    rank_threshold: Any,
-    jvp_chunk_size: Any,
-    sample_chunk_size: Any,
-    ignore_index: Any,
-    progress_bar: Any,
-    memory_budget: Any = None,
-) -> dict[str, Any]:
-    """The eigen-solve's and the predictive's settings of the constructor, checked:
-    a mapping from attribute name to value (``solver`` is checked by the caller).
-    """
-    from laplace_glas.curvature.budget import parse_memory_budget  # imports this module
-
-    if generator is not None and (
-        not isinstance(generator, torch.Generator) or generator.device.type != "cpu"
-    ):
-        raise ValueError(f"generator must be a CPU torch.Generator or None, got {generator!r}.")
-    block_size, maxiter, ncv, subsample_size, jvp_chunk_size = (
-        positive_int(name, value)
-        for name, value in (
-            ("block_size", block_size),
-            ("maxiter", maxiter),
-            ("ncv", ncv),
-            ("subsample_size", subsample_size),
-            ("jvp_chunk_size", jvp_chunk_size),
-        )
-    )
-    lanczos_basis_size(ncv, n_components, n_params)
-    if rank_threshold is not None:
-        rank_threshold = finite_number("rank_threshold", rank_threshold, 0.0, 1.0)
-    return {
-        "solver": solver,
-        "block_size": block_size,
-        "tol": tolerance(tol),
-        "maxiter": maxiter,
-        "ncv": ncv,
-        "seed": _checked_seed(seed),
-        "generator": generator,
-        "subsample_size": subsample_size,
-        "rank_threshold": rank_threshold,
-        "jvp_chunk_size": jvp_chunk_size,
-        "sample_chunk_size": positive_int("sample_chunk_size", sample_chunk_size, allow_none=False),
-        "ignore_index": integer("ignore_index", ignore_index),
-        "progress_bar": flag("progress_bar", progress_bar),
-        "memory_budget": parse_memory_budget(memory_budget),
-    }
-
-
-def laplace_arguments(
-    likelihood: Any,
-    likelihoods: tuple[str, ...],
-    *,
-    sigma_noise: Any,
-    dtype: torch.dtype,
-    enable_backprop: Any,
-    dict_key_x: Any,
-    dict_key_y: Any,
-) -> tuple[str, bool]:
-    """The checked laplace-torch arguments of the constructor: the likelihood (one of
-    ``likelihoods``) and ``enable_backprop``; ``dict_key_x`` / ``dict_key_y`` must be
-    strings and ``sigma_noise`` one homoscedastic noise (checked here because
-    laplace-torch compares it with 1 before its setter runs, a crash for a tensor).
-    """
-    likelihood = choice("likelihood", likelihood, likelihoods)
-    enable_backprop = flag("enable_backprop", enable_backprop)
-    for name, key in (("dict_key_x", dict_key_x), ("dict_key_y", dict_key_y)):
-        if not isinstance(key, str):
-            raise ArgumentTypeError(f"{name} must be a str, got {key!r}.")
-    homoscedastic_noise(sigma_noise, dtype, likelihood)
-    return likelihood, enable_backprop
 
 
 def finite_targets(loader: Iterable, dict_key_y: str, what: str) -> None:

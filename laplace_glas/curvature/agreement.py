@@ -38,7 +38,6 @@ __all__ = [
     "FitAgreement",
     "Setting",
     "agree_on_fit",
-    "failed_ranks",
     "generator_checksum",
     "shard_is_empty",
     "weights_checksum",
@@ -213,11 +212,6 @@ def agree_on_fit(
             f"The ranks' model weights differ ({values}): a data-parallel fit needs the same "
             "weights on every rank (e.g. broadcast rank 0's state_dict before fit)."
         )
-
-
-def failed_ranks(flags: torch.Tensor) -> list[int]:
-    """The ranks whose entry of an all-reduced one-hot failure vector is set."""
-    return [int(r) for r in torch.nonzero(flags.detach().cpu() != 0).reshape(-1)]
 
 
 class FitAgreement:

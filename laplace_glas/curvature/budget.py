@@ -63,17 +63,11 @@ exceed the estimate, by up to :data:`HOST_SLACK`.
 
 from __future__ import annotations
 
-import math
-import numbers
 import os
-import re
 import types
 from dataclasses import replace
-from typing import Any
 
 import torch
-
-from laplace_glas.validation import ArgumentTypeError
 
 __all__ = [
     "DEFAULT_SHARE",
@@ -84,7 +78,6 @@ __all__ = [
     "PeakMemory",
     "format_bytes",
     "free_memory",
-    "parse_memory_budget",
     "resolve_budget",
     "solver_storage",
     "with_measured_peak",
@@ -99,55 +92,6 @@ fit, takes during it (libraries torch loads at a process's first product, memory
 allocator keeps from an earlier step; see :class:`PeakMemory`)."""
 
 _FALLBACK_FREE = 4 * 2**30  # bytes assumed free where the system does not say
-
-
-_BYTE_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_BUDGET_FORMS = (
-    "a positive int of bytes, or a string of a positive number and a unit: B, kB, MB, GB, "
-    "TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '512MB', '1.5GiB', "
-    "'64 MiB' (units case-insensitive); or None for half of the free memory of the "
-    "model's device"
-)
-
-
-def parse_memory_budget(value: Any) -> int | None:
-    """``memory_budget`` in bytes (``None`` stays ``None``: the default share).
-
-    Accepts a number of bytes ``>= 1`` (numpy numbers included, bools not) or a string such
-    as ``'512MB'``, ``'1.5GiB'``, ``'64 MiB'`` or ``'1000000'``: a positive number, an
-    optional space and an optional unit, ``B``, ``kB``, ``MB``, ``GB``, ``TB`` (powers
-    of 1000) or ``KiB``, ``MiB``, ``GiB``, ``TiB`` (powers of 1024), case-insensitive.
-    Fractions of a byte are rounded down; the result must be at least 1 byte.
-    """
-    if value is None:
-        return None
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        if not (math.isfinite(value) and value >= 1):
-            raise ValueError(f"memory_budget must be {_BUDGET_FORMS}; got {value!r}.")
-        return int(value)
-    if not isinstance(value, str):
-        raise ArgumentTypeError(
-            f"memory_budget must be {_BUDGET_FORMS}; got {type(value).__name__} ({value!r})."
-        )
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
-    unit = match.group(2).lower() if match else None
-    if unit is not None and unit not in _BYTE_UNITS and unit != "":
-        match = None
-    if match is not None:
-        number = float(match.group(1)) * _BYTE_UNITS[unit or "b"]
-        if math.isfinite(number) and number >= 1:
-            return int(number)
-    raise ValueError(f"memory_budget must be {_BUDGET_FORMS}; got {value!r}.")
 
 
 class MemoryBudgetError(ValueError):

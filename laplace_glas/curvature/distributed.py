@@ -73,7 +73,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from laplace_glas.curvature.agreement import failed_ranks
 from laplace_glas.curvature.fitting import MapLoss
 from laplace_glas.curvature.operators.factored import FactoredGGN
 from laplace_glas.curvature.operators.torch_operator import (
@@ -90,6 +89,7 @@ __all__ = [
     "broadcast_eigenpairs",
     "data_parallel",
     "distribute_operator",
+    "failed_ranks",
     "flag_failure",
     "flagged_sum",
     "reduce_map_loss",
@@ -113,6 +113,11 @@ class Shards:
         if self.group is None:
             return 0
         return dist.get_global_rank(self.group, 0)
+
+
+def failed_ranks(flags: torch.Tensor) -> list[int]:
+    """The ranks whose entry of an all-reduced one-hot failure vector is set."""
+    return [int(r) for r in torch.nonzero(flags.detach().cpu() != 0).reshape(-1)]
 
 
 def data_parallel(process_group: Any = None) -> Shards | None:

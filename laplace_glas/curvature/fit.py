@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature.agreement import FitAgreement
-from laplace_glas.curvature.budget import PeakMemory, parse_memory_budget, with_measured_peak
+from laplace_glas.curvature.budget import PeakMemory, with_measured_peak
 from laplace_glas.curvature.complement_pass import ComplementCurvature, ComplementPass
 from laplace_glas.curvature.distributed import (
     Shards,
@@ -44,6 +44,7 @@ from laplace_glas.curvature.fitting import MapLoss, loss_at_map
 from laplace_glas.curvature.operators.updated import StoredCurvature, add_stored_curvature
 from laplace_glas.curvature.planner import Plan, plan_solve
 from laplace_glas.curvature.problem import CurvatureProblem
+from laplace_glas.settings import parse_memory_budget
 from laplace_glas.validation import (
     flag,
     lanczos_basis_size,

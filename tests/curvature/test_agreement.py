@@ -9,11 +9,11 @@ import torch
 
 from laplace_glas.curvature.agreement import (
     Setting,
-    failed_ranks,
     generator_checksum,
     shard_is_empty,
     weights_checksum,
 )
+from laplace_glas.curvature.distributed import failed_ranks
 
 
 @pytest.mark.parametrize(

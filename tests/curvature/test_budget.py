@@ -16,10 +16,10 @@ from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature import budget as budget_module
 from laplace_glas.curvature.batches import SubBatches, slices_agree
 from laplace_glas.curvature.budget import PeakMemory, resolve_budget, solver_storage
-from laplace_glas.curvature.budget import parse_memory_budget as memory_budget
 from laplace_glas.curvature.operators.torch_operator import ColumnChunks
 from laplace_glas.curvature.planner import STRATEGIES, plan_solve
 from laplace_glas.curvature.problem import CurvatureProblem
+from laplace_glas.settings import parse_memory_budget as memory_budget
 from laplace_glas.validation import ArgumentTypeError
 
 F64 = torch.float64
