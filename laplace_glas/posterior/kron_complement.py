@@ -105,7 +105,7 @@ class KronCurvature:
         return self._blockwise(W, tau, exponent, rotate_back=True)
 
     def factor(self, W: torch.Tensor, tau: torch.Tensor, exponent: float = 1.0) -> torch.Tensor:
-        """``W F`` for the factor ``F = Q diag((lambda + tau)^(exponent / 2))`` of
+        """``W F`` for the factor ``F = Q diag((s lambda + tau)^(exponent / 2))`` of
         ``(C + tau I)^exponent = F F^T`` (``Q`` the blocks' Kronecker eigenvectors).
 
         Half the work of :meth:`apply` with ``exponent / 2``: ``(W F)(W F)^T`` equals
@@ -117,7 +117,9 @@ class KronCurvature:
     def _blockwise(
         self, W: torch.Tensor, tau: torch.Tensor, exponent: float, rotate_back: bool
     ) -> torch.Tensor:
-        """``W Q diag((lambda + tau)^exponent)``, times ``Q^T`` if ``rotate_back``."""
+        """``W Q diag((s lambda + tau)^exponent)``, times ``Q^T`` if ``rotate_back``
+        (``s lambda``: the blocks' scaled eigenvalues).
+        """
         lead, D = W.shape[:-1], W.shape[-1]
         W = W.reshape(-1, D)
         out, start = [], 0

@@ -183,7 +183,7 @@ def test_one_column_passes_are_lanczos_on_arpacks_basis_with_their_own_pass_limi
     assert basis == [45, 61]
 
 
-def test_a_basis_as_large_as_the_space_never_overflows():
+def test_a_basis_as_large_as_the_space_never_overflows(monkeypatch):
     """dim < k + 2 p caps the basis at dim; the round-off of float32 products of a
     rank-deficient Gram matrix keeps more directions in the last orthogonalisation than
     the space has room for after a restart. The block is cut to the room left instead
@@ -197,6 +197,14 @@ def test_a_basis_as_large_as_the_space_never_overflows():
     def matmat(V):
         return (K32 @ V.float()).double()
 
+    filled = []  # basis sizes after each append: the cut fills it to exactly dim
+    append = block_krylov._KrylovBasis.append
+
+    def recording_append(self, Q, GQ):
+        append(self, Q, GQ)
+        filled.append(self.m)
+
+    monkeypatch.setattr(block_krylov._KrylovBasis, "append", recording_append)
     res = block_krylov_eigenpairs(
         matmat,
         dim,
@@ -209,3 +217,4 @@ def test_a_basis_as_large_as_the_space_never_overflows():
     expected = torch.linalg.eigvalsh(K32.double()).flip(0)[:k]
     assert res.values.shape == (k,) and res.converged.all()
     torch.testing.assert_close(res.values, expected, rtol=1e-5, atol=1e-5 * expected[0].item())
+    assert max(filled) == dim  # the case the cut serves did occur

@@ -263,8 +263,8 @@ def test_solvers_match_lanczos_reference(name, solver):
 
 @pytest.mark.parametrize("precision", ["float64", "float32"])
 def test_dual_block_krylov_for_many_pairs_matches_lanczos(precision):
-    """k above ARPACK's share of the dual solve: block Krylov on K, its basis in K's
-    precision, the residuals from its own images."""
+    """k above ARPACK's share of the dual solve: block Krylov on K (a float64 basis for
+    float32 and float64 K), against Lanczos on curvlinops' float64 GGN."""
     model, X, y, likelihood = problem("mlp-regression")  # D = 50, M = N R = 60
     model64, X64, y64 = as64(model, X, y)
     ref = fitted(model64, X64, y64, likelihood, "lanczos", k=20).lanczos_info

@@ -58,3 +58,34 @@ def test_block_krylov_factorises_on_one_thread_and_multiplies_on_all(
     torch.testing.assert_close(result.values, values[:5], rtol=1e-8, atol=0)
     assert seen == {"qr": {1}, "eigh": {1}, "matmat": {2}}
     assert torch.get_num_threads() == 2
+
+
+def test_eigh_threads_serves_small_problems_on_one_thread(two_torch_threads):
+    with threads.eigh_threads(threads.SMALL_EIGH):
+        assert torch.get_num_threads() == 1
+    with threads.eigh_threads(threads.SMALL_EIGH + 1):
+        assert torch.get_num_threads() == 2
+    assert torch.get_num_threads() == 2
+
+
+def test_kfac_factors_are_decomposed_on_one_thread(two_torch_threads, monkeypatch):
+    from laplace.utils.matrix import Kron
+
+    from laplace_glas.posterior import kron_complement
+
+    seen = []
+    eigh = torch.linalg.eigh
+
+    def counting_eigh(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return eigh(*args, **kwargs)
+
+    monkeypatch.setattr(kron_complement.torch.linalg, "eigh", counting_eigh)
+    g = torch.Generator().manual_seed(0)
+    B, A = torch.randn(4, 4, generator=g), torch.randn(3, 3, generator=g)
+    kron = Kron([[B @ B.T, A @ A.T]])
+    blocks = kron_complement.KronCurvature.decompose(kron, torch.float64, torch.device("cpu"))
+    assert seen == [1, 1] and torch.get_num_threads() == 2
+    (QB, QA), (lB, lA) = blocks[0]
+    torch.testing.assert_close(QB @ torch.diag(lB) @ QB.T, (B @ B.T).double())
+    torch.testing.assert_close(QA @ torch.diag(lA) @ QA.T, (A @ A.T).double())

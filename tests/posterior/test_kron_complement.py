@@ -428,6 +428,8 @@ def test_the_complement_covariance_is_a_gram_of_its_root(parts):
     eye = torch.eye(D, dtype=DOUBLE)
     R = base.root(eye)
     projector = eye - U @ U.T
+    # the root is P F with KFAC's eigenbasis factor F (no rotation back by Q^T)
+    torch.testing.assert_close(R, projector @ post.C.factor(eye, post.tau, -1.0))
     torch.testing.assert_close(R @ R.T, base(eye))
     subspace = U @ torch.diag(post.subspace_variances) @ U.T
     torch.testing.assert_close(R @ R.T, projector @ (sigma - subspace) @ projector)

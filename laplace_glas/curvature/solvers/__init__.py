@@ -9,5 +9,5 @@
 * :mod:`~laplace_glas.curvature.solvers.threads`: one BLAS/LAPACK thread for the
   solvers' many small calls.
 
-:func:`laplace_glas.curvature.eigensolve.compute_eigenpairs` drives all three.
+:func:`laplace_glas.curvature.eigensolve.compute_eigenpairs` drives the three solvers.
 """

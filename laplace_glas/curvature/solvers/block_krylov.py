@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from laplace_glas.curvature.solvers.threads import single_threaded_torch
+from laplace_glas.curvature.solvers.threads import eigh_threads, single_threaded_torch
 from laplace_glas.validation import positive_int
 
 __all__ = ["BlockKrylovResult", "block_krylov_eigenpairs"]
@@ -98,7 +98,8 @@ def _orthonormalize(block: torch.Tensor, basis: torch.Tensor | None, drop: float
     if block.shape[1] == 0:
         return block
     scale = torch.linalg.vector_norm(block, dim=0).max().clamp(min=torch.finfo(block.dtype).tiny)
-    with single_threaded_torch():  # MKL's threaded geqrf is slower on thin blocks
+    # MKL's threaded geqrf is no faster on blocks of up to 250 columns (see threads)
+    with single_threaded_torch():
         Q, R = torch.linalg.qr(block)
     del block
     keep = R.diagonal().abs() > drop * scale
@@ -177,10 +178,12 @@ def block_krylov_eigenpairs(
     generator : torch.Generator, optional
         Source of the random starting block.
     dtype, device :
-        Precision and device of the basis, in which it is orthogonalised. The
-        operator's own precision suffices (GLAS uses it): a float64 basis for float32
-        products doubles the orthogonalisation's cost (half of a solve at D ~ 1e5)
-        for directions the products cannot resolve.
+        Precision and device of the basis, in which it is orthogonalised. For the
+        GGN's own products the operator's precision suffices (GLAS uses it there): a
+        float64 basis for float32 products doubles the orthogonalisation's cost (half
+        of a solve at D ~ 1e5) for directions the products cannot resolve. The dual
+        solve's small Gram matrix keeps float64 (see
+        :mod:`~laplace_glas.curvature.solvers.gram`), where it is cheap.
     image_dtype : torch.dtype, optional
         Precision in which the images ``G Q`` are stored (default ``dtype``); the
         operator's own precision halves their memory without losing accuracy.
@@ -316,7 +319,7 @@ class _KrylovBasis:
 
     def ritz(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Ritz values (descending) and the coefficients of the Ritz vectors."""
-        with single_threaded_torch():  # a small eigen-problem: threads only synchronise
+        with eigh_threads(self.m):  # a small eigen-problem: threads only synchronise
             theta, S = torch.linalg.eigh(self.T[: self.m, : self.m])
         return theta.flip(0), S.flip(1)
 
