@@ -26,9 +26,13 @@ the memory allocated before ``fit``); GLAS's operator, solver and plan
 (``la.lanczos_info``); the largest relative difference between the budgeted and the
 default fit's eigenvalues. ``--load N`` runs N CPU-bound processes (single-threaded
 NumPy matrix products) beside the fits; several values (``--load 0 2``) measure each
-level in one run and end with the change of each ratio to Kron. Example::
+level in one run and end with the change of each ratio to Kron. ``--wait-policy unset
+passive`` runs the fits' processes without ``OMP_WAIT_POLICY`` (OpenMP's default) and
+with ``PASSIVE`` in one run and ends with the ratios side by side (``PASSIVE`` slowed
+KronLaplace's fits 1.6-2.6x on these workloads). Example::
 
     python benchmarks/scale.py                      # the five default workloads
+    python benchmarks/scale.py --cases c1-k10 --wait-policy unset passive
     python benchmarks/scale.py --cases c1-k50 --load 0 2
     python benchmarks/scale.py --cases lora-tokens  # ~15-25 min on 2 cores
 """
@@ -53,6 +57,7 @@ BUDGET = 64 * 2**20
 DEFAULT_CASES = ["lora-seqcls", "mlp16k", "c1-k10", "c1-k50", "c10-k10"]
 ALL_CASES = [*DEFAULT_CASES, "lora-tokens"]
 METHODS = ["glas", "glas-budget", "kron"]
+WAIT_POLICIES = ("inherit", "unset", "passive", "active")
 BUSY = "import numpy as np\na = np.random.rand(200, 200)\nwhile True:\n    a @ a\n"
 
 
@@ -244,13 +249,28 @@ def run_one(case: str, method: str, args) -> dict:
     return out
 
 
-def spawn(case: str, method: str, args, cache: Path | None) -> dict:
+def child_env(policy: str) -> dict[str, str]:
+    """The environment of a fit's process under OpenMP wait ``policy``: ``'inherit'``
+    (this process's), ``'unset'`` (OpenMP's default: workers spin a while, then sleep),
+    ``'passive'`` or ``'active'``.
+    """
+    env = dict(os.environ)
+    if policy == "unset":
+        env.pop("OMP_WAIT_POLICY", None)
+    elif policy != "inherit":
+        env["OMP_WAIT_POLICY"] = policy.upper()
+    return env
+
+
+def spawn(case: str, method: str, args, cache: Path | None, policy: str = "inherit") -> dict:
     """One fit in a fresh interpreter; its JSON line, or ``{'error': ...}``."""
     cmd = [sys.executable, __file__, "--one", case, method, "--device", args.device]
     cmd += ["--steps", str(args.steps)] + (["--quick"] if args.quick else [])
     cmd += ["--complement", args.complement] if args.complement is not None else []
     cmd += ["--cache", str(cache)] if cache is not None else []
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=args.timeout, env=child_env(policy)
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -354,7 +374,9 @@ def start_load(n: int) -> list[subprocess.Popen]:
     ]
 
 
-def measure(cases: list[str], caches: dict, load: int, args) -> list[tuple[str, dict]]:
+def measure(
+    cases: list[str], caches: dict, load: int, args, policy: str = "inherit"
+) -> list[tuple[str, dict]]:
     busy = start_load(load)
     try:
         time.sleep(0.5 if busy else 0.0)
@@ -366,7 +388,7 @@ def measure(cases: list[str], caches: dict, load: int, args) -> list[tuple[str, 
                     if m == "glas-budget" and not args.budget_supported:
                         runs[m].append({"na": True})
                         continue
-                    runs[m].append(spawn(case, m, args, caches.get(case)))
+                    runs[m].append(spawn(case, m, args, caches.get(case), policy))
             rows.append((case, {m: best(v) for m, v in runs.items()}))
             print(f"  {case} (load {load}) done", file=sys.stderr, flush=True)
         return rows
@@ -390,6 +412,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--complement",
         default=None,
         help="GLAS's complement (default: the library's; 'zero' times the eigen-solve alone)",
+    )
+    parser.add_argument(
+        "--wait-policy",
+        nargs="+",
+        default=["inherit"],
+        choices=WAIT_POLICIES,
+        help="OMP_WAIT_POLICY of the fits' processes ('unset': OpenMP's default); several "
+        "values are measured in one run",
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per fit")
     parser.add_argument("--one", nargs=2, metavar=("CASE", "METHOD"), help=argparse.SUPPRESS)
@@ -429,22 +459,62 @@ def main(argv=None) -> None:
             except RuntimeError as err:
                 print(f"{case}: skipped ({err})\n")
         cases = [c for c in cases if c in caches]
-        for load in args.load:
-            rows = measure(cases, caches, load, args)
-            results[load] = dict(rows)
-            print(f"### {load} CPU-bound processes beside the fits\n\n{table(rows)}\n", flush=True)
+        for policy in args.wait_policy:
+            for load in args.load:
+                rows = measure(cases, caches, load, args, policy)
+                results[policy, load] = dict(rows)
+                print(
+                    f"### {load} CPU-bound processes beside the fits, OMP_WAIT_POLICY "
+                    f"{policy_name(policy)}\n\n{table(rows)}\n",
+                    flush=True,
+                )
     if len(args.load) > 1:
-        quiet, *others = args.load
-        print(f"GLAS / Kron time ratio under load, relative to its value at load {quiet}:\n")
-        print("| case | " + " | ".join(f"load {n}" for n in others) + " |")
-        print("| --- |" + " ---: |" * len(others))
-        for case in cases:
-            base = ratio(results[quiet][case]["glas"], results[quiet][case]["kron"], "time")
-            cells = [
-                ratio(results[n][case]["glas"], results[n][case]["kron"], "time") / base
-                for n in others
-            ]
-            print(f"| {case} | " + " | ".join(times(c) for c in cells) + " |")
+        for policy in args.wait_policy:
+            load_changes(results, cases, args.load, policy)
+    if len(args.wait_policy) > 1:
+        policy_changes(results, cases, args.wait_policy, args.load[0])
+
+
+def policy_name(policy: str) -> str:
+    """How a table's heading names the fits' wait policy."""
+    if policy == "inherit":
+        return os.environ.get("OMP_WAIT_POLICY", "unset") + " (inherited)"
+    return policy.upper() if policy != "unset" else "unset (OpenMP's default)"
+
+
+def load_changes(results: dict, cases: list[str], loads: list[int], policy: str) -> None:
+    """Each GLAS / Kron time ratio under load relative to its value at the first load."""
+    quiet, *others = loads
+    print(
+        f"GLAS / Kron time ratio under load, relative to its value at load {quiet} "
+        f"(OMP_WAIT_POLICY {policy_name(policy)}):\n"
+    )
+    print("| case | " + " | ".join(f"load {n}" for n in others) + " |")
+    print("| --- |" + " ---: |" * len(others))
+    for case in cases:
+        quiet_row = results[policy, quiet][case]
+        base = ratio(quiet_row["glas"], quiet_row["kron"], "time")
+        cells = [
+            ratio(results[policy, n][case]["glas"], results[policy, n][case]["kron"], "time") / base
+            for n in others
+        ]
+        print(f"| {case} | " + " | ".join(times(c) for c in cells) + " |")
+    print()
+
+
+def policy_changes(results: dict, cases: list[str], policies: list[str], load: int) -> None:
+    """GLAS / Kron time ratios and both sides' times under each wait policy, side by side."""
+    print(f"GLAS / Kron time ratio by OMP_WAIT_POLICY (load {load}; GLAS s / Kron s):\n")
+    print("| case | " + " | ".join(policy_name(p) for p in policies) + " |")
+    print("| --- |" + " ---: |" * len(policies))
+    for case in cases:
+        cells = []
+        for policy in policies:
+            row = results[policy, load][case]
+            glas, kron = row["glas"].get("time"), row["kron"].get("time")
+            seconds = f" ({glas:.2f} / {kron:.2f})" if glas and kron else ""
+            cells.append(times(ratio(row["glas"], row["kron"], "time")) + seconds)
+        print(f"| {case} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
