@@ -65,8 +65,9 @@ class ProjectedInverse:
         ``(D, k)`` orthonormal.
     power_of_E : callable
         ``(W, p) -> W E^p`` on the last axis of ``W`` (``E`` symmetric positive definite).
-    factor_of_E : callable, optional
-        ``(W, p) -> W F`` with ``F F^T = E^p``; default ``W E^{p/2}``.
+    factor_of_E : callable
+        ``(W, p) -> W F`` with ``F F^T = E^p``
+        (:meth:`ProjectedComplementPosterior.factor_of_E`).
 
     """
 
@@ -74,10 +75,9 @@ class ProjectedInverse:
         self,
         U: torch.Tensor,
         power_of_E: Callable[[torch.Tensor, float], torch.Tensor],
-        factor_of_E: Callable[[torch.Tensor, float], torch.Tensor] | None = None,
+        factor_of_E: Callable[[torch.Tensor, float], torch.Tensor],
     ):
-        self.U, self.power_of_E = U, power_of_E
-        self.factor_of_E = factor_of_E or (lambda W, p: power_of_E(W, p / 2))
+        self.U, self.power_of_E, self.factor_of_E = U, power_of_E, factor_of_E
 
     def _project(self, W: torch.Tensor) -> torch.Tensor:
         return W - (W @ self.U) @ self.U.T

@@ -92,7 +92,8 @@ class OuterFactor:
             Ha = torch.bmm(H[:, : m * d_in].view(N, m, d_in), self.a.view(N, d_in, 1))
             return (Ha.view(N, m) + H[:, m * d_in :]).T.unsqueeze(2)
         W = X[:, self.offset : self.offset + self.numel].reshape(m * d_out, d_in).T
-        b = None if self.bias_offset is None else X[:, self.bias_offset :][:, :d_out]
+        off = self.bias_offset
+        b = None if off is None else X[:, off : off + d_out]
         g = self.g.reshape(N, -1, T * d_out)
         out = X.new_empty(N, g.shape[1], m)
         # examples in chunks whose P (below) stays in cache: one GEMM over all N rows
