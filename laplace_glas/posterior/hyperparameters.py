@@ -292,7 +292,7 @@ class PosteriorHyperparameters:
         """
         other = copy.copy(self)
         other.loss_scaling = loss_scaling
-        other._prior_precision = self._prior_precision.clone()
+        other.prior_precision = self.prior_precision.clone()  # the checked setter
         return other
 
     @property
