@@ -23,6 +23,8 @@
   factored, linearised and all-reduced operators.
 * :mod:`~laplace_glas.curvature.planner`: which operator and solver a fit uses (a
   ``Plan`` for a ``CurvatureProblem``), within the memory budget.
+* :mod:`~laplace_glas.curvature.streaming`: the planner's streaming strategy (the
+  factors rebuilt per product, or curvlinops' products) and slices of batches.
 * :mod:`~laplace_glas.curvature.budget`: the memory budget's default, the solvers'
   storage and the measured peak of a fit.
 * :mod:`~laplace_glas.curvature.backends`: laplace-torch's ``backend`` as curvlinops'

@@ -47,7 +47,13 @@ loader's batches:
   plus ``B``. Where that exceeds the budget, the batches are cut into equal slices of
   ``c`` examples (:meth:`Estimates.slice_size`; ``g`` taken as ``g c / b`` for batches
   of ``b``) and every strategy is estimated on the slices; one example's estimate is
-  the smallest budget named.
+  the smallest budget named. For a model the factored operator covers, streaming
+  rebuilds one batch's factors per product instead
+  (:class:`~laplace_glas.curvature.operators.streamed.StreamedFactoredGGN`): the graph
+  ``g``, the batch's factors ``F_b`` and as much again for its batched backward, plus
+  per column ``4 D s`` (the column in and out, a batch's partial product and the
+  GEMMs' temporaries), plus ``B`` (:meth:`Estimates.factor_streaming_peak`); where
+  that exceeds the budget and curvlinops' streaming does not, curvlinops streams.
 
 :class:`PeakMemory` measures the peak of a fit above the memory in use when it starts:
 on CUDA ``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats``
@@ -311,6 +317,7 @@ class Estimates:
         self.estimates: dict[str, int | None] = {}
         self.streaming: tuple[int | None, int] | None = None  # the planner's cache
         self.graph: int | None = None  # one batch's forward graph (bytes), once measured
+        self.factor_batch: int | None = None  # one batch's factors (bytes), once built
 
     def record(self, strategy: str, peak: int | None) -> bool:
         """Record ``peak`` for ``strategy``; True when it fits (or is unknown)."""
@@ -342,6 +349,18 @@ class Estimates:
         column = 4 * graph + 3 * self.D * self.itemsize
         free = self.total - self.storage - graph
         return self.storage + graph + column, max(1, free // column)
+
+    def factor_streaming_peak(self, graph: int | None, factors: int) -> tuple[int | None, int]:
+        """The peak of streaming on one batch's rebuilt factors (``factors`` bytes) and
+        forward graph (``graph``), and the columns a product may take at once:
+        ``B + g + 2 F_b`` fixed and ``4 D s`` per column (``(None, 1)`` for an unknown
+        graph).
+        """
+        if graph is None:
+            return None, 1
+        fixed = self.storage + graph + 2 * factors
+        column = 4 * self.D * self.itemsize
+        return fixed + column, max(1, (self.total - fixed) // column)
 
     def slice_size(self, graph: int, batch: int) -> tuple[int, tuple[int, int]]:
         """The most examples ``c`` of a ``batch``-example batch whose forward graph

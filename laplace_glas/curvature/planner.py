@@ -23,9 +23,11 @@
      (:mod:`~laplace_glas.curvature.operators.linearized`: every batch's graph kept, no
      forward pass per product), as the one-column block solver (fully re-orthogonalised,
      images kept; ARPACK in a data-parallel fit);
-  3. ``'streaming'``: Lanczos (as in 2.) on curvlinops' operator, which recomputes one
-     batch's graph per product (or a slice's, where a batch's does not fit; many
-     columns in chunks).
+  3. ``'streaming'``: Lanczos (as in 2.) on an operator that recomputes one batch's
+     graph per product (or a slice's, where a batch's does not fit; many columns in
+     chunks): the factored operator rebuilt batch by batch
+     (:mod:`~laplace_glas.curvature.operators.streamed`) where the model qualifies
+     for factors that do not fit, else curvlinops' operator.
 
   A budget below every estimate raises :class:`~laplace_glas.curvature.budget.MemoryBudgetError`
   naming the smallest that works. The choice is recorded in ``la.lanczos_info.plan``
@@ -59,10 +61,6 @@ from laplace_glas.curvature.backends import (
 )
 from laplace_glas.curvature.batches import (
     SubBatches,
-    XYBatches,
-    batch_size,
-    batch_to_device,
-    slices_agree,
 )
 from laplace_glas.curvature.budget import (
     Estimates,
@@ -84,11 +82,16 @@ from laplace_glas.curvature.operators.jacobian import (
 )
 from laplace_glas.curvature.operators.linearized import (
     build_linearized_ggn,
-    forward_graph_bytes,
 )
 from laplace_glas.curvature.operators.torch_operator import ColumnChunks
 from laplace_glas.curvature.problem import CurvatureProblem
 from laplace_glas.curvature.solvers.gram import choose_solver, factored_solver
+from laplace_glas.curvature.streaming import (
+    choose_streaming,
+    sliced_problem,
+    streamed_factored,
+    streaming_estimate,
+)
 
 __all__ = ["SOLVERS", "STRATEGIES", "MemoryBudgetError", "Plan", "choose_solver", "plan_solve"]
 
@@ -171,34 +174,6 @@ class Plan:
         }
 
 
-def _streaming(budget: Estimates, problem: CurvatureProblem) -> tuple[int | None, int]:
-    """The streaming estimate and the columns a product may take at once (one forward
-    pass of the first batch, made once per planning).
-    """
-    if budget.streaming is None:
-        budget.graph = forward_graph_bytes(problem.model, problem.data, problem.device)
-        budget.streaming = budget.streaming_peak(budget.graph)
-    return budget.streaming
-
-
-def _sliced(problem: CurvatureProblem, budget: Estimates) -> CurvatureProblem:
-    """``problem`` on slices of its batches (:class:`~.batches.SubBatches`, as many as
-    :meth:`~.budget.Estimates.slice_size` says) where a whole batch's streaming estimate
-    exceeds the budget and the slices' outputs are the batch's, else ``problem``.
-    """
-    peak, _ = _streaming(budget, problem)
-    if peak is None or peak <= budget.total or problem.shards is not None:
-        return problem
-    X = batch_to_device(next(iter(problem.data))[0], problem.device)
-    b = batch_size(X, problem.dict_key_x)
-    size, streaming = budget.slice_size(budget.graph, b)
-    if size >= b or not slices_agree(problem.model, X, size, problem.dict_key_x):
-        return problem
-    budget.streaming, budget.graph = streaming, budget.graph * size // b
-    loader = SubBatches(problem.loader, size, problem.dict_key_x, problem.dict_key_y)
-    return replace(problem, loader=loader, data=XYBatches(loader, problem.dict_key_y))
-
-
 def plan_solve(
     problem: CurvatureProblem,
     k: int,
@@ -241,7 +216,7 @@ def plan_solve(
     budget = Estimates(total, storage, itemsize, problem.n_params, k, problem.device)
     if curvature.kind != "ggn":
         return _curvlinops_plan(problem, solver, curvature, budget)
-    problem = _sliced(problem, budget)
+    problem = sliced_problem(problem, budget)
     if solver == "lanczos":
         reference = problem.reference_operator()
         return _streaming_plan(problem, reference, "curvlinops", (), budget, base)
@@ -272,7 +247,10 @@ def plan_solve(
             budget.estimates["linearised"], budget.pairs(),
             *_distributed_fallback(problem, budget),
         ), **size)  # fmt: skip
-    plan = _streaming_plan(problem, problem.reference_operator(), name, reasons, budget, base)
+    streamed = streamed_factored(problem, built, linearized)
+    plan = _streaming_plan(
+        problem, problem.reference_operator(), name, reasons, budget, base, streamed
+    )
     return replace(plan, **size)
 
 
@@ -280,20 +258,26 @@ def _distributed_fallback(problem: CurvatureProblem, budget: Estimates) -> tuple
     """Streaming's ``(max_columns, peak)`` for a data-parallel plan, else ``(None, None)``."""
     if problem.shards is None:
         return None, None
-    peak, columns = _streaming(budget, problem)
+    peak, columns = streaming_estimate(budget, problem)
     return columns, peak
 
 
-def _streaming_plan(problem, operator, name, reasons, budget: Estimates, solver: str) -> Plan:
-    """Curvlinops' ``operator`` in column chunks that fit, or the budget error."""
-    peak, columns = _streaming(budget, problem)
+def _streaming_plan(
+    problem, operator, name, reasons, budget: Estimates, solver: str, streamed=None
+) -> Plan:
+    """Streaming in column chunks that fit (:func:`~.streaming.choose_streaming`:
+    ``streamed``, the factors rebuilt per product, else curvlinops' ``operator``), or
+    the budget error.
+    """
+    chosen = choose_streaming(budget, problem, operator, name, streamed)
+    peak, columns, operator, name, scale = chosen
     if not budget.record("streaming", peak):
         raise budget.refuse("this fit")
     operator = ColumnChunks(operator, columns, problem.dtype, problem.device)
     if isinstance(problem.loader, SubBatches):
         name = f"{name} (batches in slices of {problem.loader.size})"
     return Plan(
-        operator, problem.scale, solver, name, problem.n_terms, "ggn", budget.total,
+        operator, scale, solver, name, problem.n_terms, "ggn", budget.total,
         tuple(reasons), "streaming", peak, budget.pairs(), columns, peak,
     )  # fmt: skip
 
@@ -368,6 +352,7 @@ def _factored(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
     wants_dual = solver in ("auto", "dual")
 
     def check(sizes: FactorSizes) -> str | None:
+        budget.factor_batch = sizes.batch_bytes  # for streaming, should the factors not fit
         if sizes.n_batches is None:
             return None  # the cumulative cap below applies
         n = sizes.n_batches

@@ -60,6 +60,7 @@ from torch.func import functional_call, jvp
 from tqdm.auto import tqdm
 
 from laplace_glas.curvature.batches import batch_size, split_batch
+from laplace_glas.curvature.budget import OverBudget
 from laplace_glas.curvature.operators.factor_join import (
     _assemble,
     _concatenate,
@@ -389,7 +390,7 @@ def build_factored_ggn(
                 if reason is not None:
                     return reason
             if used > budget:
-                return (
+                return OverBudget(
                     f"factors above the memory budget ({budget / 2**20:.0f} MiB) for the "
                     "factored operator"
                 )

@@ -1,0 +1,113 @@
+"""The planner's streaming strategy: what a product recomputes, and what it may hold.
+
+Streaming recomputes one batch's graph per product, so that the fit holds one batch
+and the solver's ``O(k D)`` basis (:mod:`~laplace_glas.curvature.budget` gives the
+estimates). Two operators stream:
+
+* the factored operator rebuilt batch by batch
+  (:class:`~laplace_glas.curvature.operators.streamed.StreamedFactoredGGN`), for a
+  model whose factors qualified but do not fit: a product is one forward and one
+  batched backward pass per batch, and a block of columns shares them;
+* curvlinops' GGN operator, for every other model: a forward, a forward-mode and a
+  backward pass per batch and column.
+
+:func:`choose_streaming` takes the first whose estimate fits; :func:`sliced_problem`
+cuts the batches into slices where not even one batch's graph fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from laplace_glas.curvature.batches import (
+    SubBatches,
+    XYBatches,
+    batch_size,
+    batch_to_device,
+    slices_agree,
+)
+from laplace_glas.curvature.budget import Estimates, OverBudget
+from laplace_glas.curvature.operators.linearized import forward_graph_bytes
+from laplace_glas.curvature.operators.streamed import StreamedFactoredGGN
+from laplace_glas.curvature.problem import CurvatureProblem
+
+__all__ = ["choose_streaming", "sliced_problem", "streamed_factored", "streaming_estimate"]
+
+
+def streaming_estimate(budget: Estimates, problem: CurvatureProblem) -> tuple[int | None, int]:
+    """Curvlinops' streaming estimate and the columns a product may take at once (one
+    forward pass of the first batch, made once per planning).
+    """
+    if budget.streaming is None:
+        budget.graph = forward_graph_bytes(problem.model, problem.data, problem.device)
+        budget.streaming = budget.streaming_peak(budget.graph)
+    return budget.streaming
+
+
+def sliced_problem(problem: CurvatureProblem, budget: Estimates) -> CurvatureProblem:
+    """``problem`` on slices of its batches (:class:`~.batches.SubBatches`, as many as
+    :meth:`~.budget.Estimates.slice_size` says) where a whole batch's streaming estimate
+    exceeds the budget and the slices' outputs are the batch's, else ``problem``.
+    """
+    peak, _ = streaming_estimate(budget, problem)
+    if peak is None or peak <= budget.total or problem.shards is not None:
+        return problem
+    X = batch_to_device(next(iter(problem.data))[0], problem.device)
+    b = batch_size(X, problem.dict_key_x)
+    size, streaming = budget.slice_size(budget.graph, b)
+    if size >= b or not slices_agree(problem.model, X, size, problem.dict_key_x):
+        return problem
+    budget.streaming, budget.graph = streaming, budget.graph * size // b
+    loader = SubBatches(problem.loader, size, problem.dict_key_x, problem.dict_key_y)
+    return replace(problem, loader=loader, data=XYBatches(loader, problem.dict_key_y))
+
+
+def streamed_factored(
+    problem: CurvatureProblem, built: str, linearized: str
+) -> tuple[StreamedFactoredGGN, str] | None:
+    """The factored operator rebuilt per product, with its name, where the factors of
+    ``problem`` were refused for the budget alone (``built`` an
+    :class:`~laplace_glas.curvature.budget.OverBudget`: the model qualified and passed
+    the first batch's forward-mode check); None otherwise and in a data-parallel fit
+    (which streams curvlinops' products).
+    """
+    if not isinstance(built, OverBudget) or problem.shards is not None:
+        return None
+    operator = StreamedFactoredGGN(
+        problem.model,
+        problem.params,
+        problem.loader,
+        problem.likelihood,
+        problem.n_terms,
+        problem.dtype,
+        ignore_index=problem.ignore_index,
+        dict_key_x=problem.dict_key_x,
+        dict_key_y=problem.dict_key_y,
+        device=problem.device,
+    )
+    name = f"factored, rebuilt per batch (not stored: {built}; not linearised: {linearized})"
+    return operator, name
+
+
+def choose_streaming(
+    budget: Estimates,
+    problem: CurvatureProblem,
+    operator: Any,
+    name: str,
+    streamed: tuple[StreamedFactoredGGN, str] | None = None,
+) -> tuple[int | None, int, Any, str, float]:
+    """``(peak, columns, operator, name, scale)`` of the streaming operator to use
+    (``scale``: the factor of its products, 1 for the factored one): ``streamed``
+    where its estimate (:meth:`~.budget.Estimates.factor_streaming_peak`, from the first
+    batch's factors) fits the budget, else curvlinops' ``operator``
+    (:func:`streaming_estimate`); where neither fits, the one with the smaller estimate
+    (which the caller refuses, naming it).
+    """
+    peak, columns = streaming_estimate(budget, problem)
+    options = [(peak, columns, operator, name, problem.scale)]
+    if streamed is not None:
+        factors = budget.factor_batch or 0
+        options.insert(0, (*budget.factor_streaming_peak(budget.graph, factors), *streamed, 1.0))
+    fitting = [option for option in options if option[0] is None or option[0] <= budget.total]
+    return fitting[0] if fitting else min(options, key=lambda option: option[0])

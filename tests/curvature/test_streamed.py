@@ -1,0 +1,169 @@
+"""The factored GGN rebuilt batch by batch per product, and the planner's use of it."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import loader, mlp, output_jacobian, softmax_ggn
+from torch import nn
+
+from laplace_glas import ActiveSubspaceLaplace
+from laplace_glas.autodiff.context import autodiff_friendly
+from laplace_glas.curvature import budget as budget_module
+from laplace_glas.curvature.batches import SubBatches
+from laplace_glas.curvature.operators.streamed import StreamedFactoredGGN
+from laplace_glas.curvature.planner import plan_solve
+from laplace_glas.curvature.problem import CurvatureProblem
+
+F64 = torch.float64
+
+
+def _regression(n=30, batch=8):
+    g = torch.Generator().manual_seed(0)
+    model = mlp([3, 7, 5, 2], dtype=F64).eval()
+    X, y = torch.randn(n, 3, generator=g, dtype=F64), torch.randn(n, 2, generator=g, dtype=F64)
+    return model, X, y, loader(X, y, batch_size=batch)
+
+
+def _operator(model, data, likelihood, n_terms):
+    return StreamedFactoredGGN(model, list(model.parameters()), data, likelihood, n_terms, F64)
+
+
+def _product(operator, model, V):
+    with autodiff_friendly(model):
+        return operator.matmat_torch(V)
+
+
+def test_products_are_the_explicit_mean_ggn_for_regression():
+    model, X, _, data = _regression()
+    _, J = output_jacobian(model, X)  # (N, C, D), reverse mode
+    G = torch.einsum("ncd,nce->de", J, J) / X.shape[0]  # unit noise, mean loss
+    operator = _operator(model, data, "regression", X.shape[0])
+    V = torch.randn(G.shape[0], 3, generator=torch.Generator().manual_seed(1), dtype=F64)
+    torch.testing.assert_close(_product(operator, model, V), G @ V, rtol=1e-10, atol=1e-12)
+    assert operator.n_passes == 1  # the three columns shared one pass over the data
+
+
+def test_products_are_the_softmax_ggn_on_mapping_batches_and_slices():
+    g = torch.Generator().manual_seed(3)
+    model = mlp([4, 6, 3], dtype=F64).eval()
+    X, y = torch.randn(21, 4, generator=g, dtype=F64), torch.randint(0, 3, (21,), generator=g)
+    y[[2, 9]] = -100  # ignored targets: no rows
+    out, J = output_jacobian(model, X)
+    G, n_terms = softmax_ggn(out, J, y)
+    rows = [{"input_ids": X[i], "labels": y[i]} for i in range(len(y))]
+    batches = torch.utils.data.DataLoader(rows, batch_size=5)
+
+    class OnIds(nn.Module):  # mapping batches: the model reads the input under its key
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, batch):
+            return self.net(batch["input_ids"])
+
+    wrapped = OnIds(model).eval()
+    V = torch.randn(G.shape[0], 2, generator=g, dtype=F64)
+    for data in (batches, SubBatches(batches, 2)):
+        operator = StreamedFactoredGGN(
+            wrapped, list(wrapped.parameters()), data, "classification", n_terms, F64
+        )
+        torch.testing.assert_close(
+            _product(operator, wrapped, V), G @ V / n_terms, rtol=1e-10, atol=1e-12
+        )
+
+
+def test_a_product_leaves_no_hooks_and_a_block_equals_its_columns():
+    model, X, y, data = _regression()
+    operator = _operator(model, data, "regression", X.shape[0])
+    V = torch.randn(operator.shape[0], 4, generator=torch.Generator().manual_seed(2), dtype=F64)
+    block = _product(operator, model, V)
+    columns = torch.cat([_product(operator, model, V[:, [j]]) for j in range(4)], 1)
+    torch.testing.assert_close(block, columns, rtol=1e-12, atol=1e-14)
+    assert operator.n_passes == 5
+    assert all(not m._forward_hooks for m in model.modules())
+
+    class Fails(Exception):
+        pass
+
+    def failing():  # a loader that fails mid-pass must not leave the hooks behind
+        yield X[:8], y[:8]
+        raise Fails
+
+    broken = _operator(model, failing(), "regression", X.shape[0])
+    try:
+        _product(broken, model, V)
+    except Fails:
+        pass
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+# ---------------------------------------------------------------------- planner
+def _problem(n=400, batch=20):
+    g = torch.Generator().manual_seed(0)
+    model = mlp([3, 16, 16, 2], dtype=F64).eval()
+    X = torch.randn(n, 3, generator=g, dtype=F64)
+    y = torch.randn(n, 2, generator=g, dtype=F64)
+    data = loader(X, y, batch_size=batch)
+    problem = CurvatureProblem.build(
+        model, list(model.parameters()), data, "regression", torch.Size([2]), dtype=F64
+    )
+    return model, data, problem
+
+
+def _plan(problem, budget, k=3):
+    with warnings.catch_warnings(), autodiff_friendly(problem.model):
+        warnings.simplefilter("ignore")
+        return plan_solve(problem, k, "auto", memory_budget=budget)
+
+
+def _smallest(problem):
+    with warnings.catch_warnings(), autodiff_friendly(problem.model):
+        warnings.simplefilter("ignore")
+        with pytest.raises(budget_module.MemoryBudgetError) as refused:
+            plan_solve(problem, 3, "auto", memory_budget=1)
+    return refused.value.smallest
+
+
+def test_factors_that_do_not_fit_are_rebuilt_per_product_within_the_budget():
+    _, _, problem = _problem()
+    stored = _plan(problem, 2**40)
+    assert stored.strategy in ("factored", "dual")
+    # the smallest budget named: curvlinops' streaming, whose one column is the least
+    smallest = _smallest(problem)
+    tight = _plan(problem, smallest)
+    assert tight.strategy == "streaming" and tight.estimated_peak == smallest
+    assert tight.operator_name.startswith("curvlinops")
+    # twice that: neither the stored factors nor the kept graphs fit, the rebuilt ones do
+    plan = _plan(problem, 2 * smallest)
+    at = dict(plan.estimates)
+    assert at["factored"] > 2 * smallest and at["linearised"] > 2 * smallest
+    assert plan.strategy == "streaming" and plan.scale == 1.0
+    assert plan.operator_name.startswith("factored, rebuilt per batch")
+    assert isinstance(plan.operator.operator, StreamedFactoredGGN)
+    assert smallest < plan.estimated_peak == at["streaming"] <= plan.budget_bytes
+    # B + g + 2 F_b + 4 D s for one column; the rest of the budget in columns
+    column = 4 * problem.n_params * 8
+    assert plan.max_columns == (2 * smallest - plan.estimated_peak + column) // column > 1
+
+
+def test_a_fit_on_rebuilt_factors_is_the_unbudgeted_fit():
+    model, data, problem = _problem()
+
+    def fit(**kwargs):
+        la = ActiveSubspaceLaplace(model, "regression", n_components=3, **kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            la.fit(data)
+        return la
+
+    free = fit()
+    budgeted = fit(memory_budget=2 * _smallest(problem))
+    info = budgeted.lanczos_info
+    assert info.strategy == "streaming" and str(info.operator).startswith("factored, rebuilt")
+    torch.testing.assert_close(budgeted.eigenvalues, free.eigenvalues, rtol=1e-8, atol=0)
+    overlap = (budgeted.eigenvectors.T @ free.eigenvectors).abs()
+    torch.testing.assert_close(overlap.diagonal(), torch.ones(3, dtype=F64), rtol=0, atol=1e-6)
+    torch.testing.assert_close(budgeted.loss, free.loss)
