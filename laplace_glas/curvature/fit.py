@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature.agreement import FitAgreement
-from laplace_glas.curvature.budget import PeakMemory, with_measured_peak
+from laplace_glas.curvature.budget import PeakMemory, return_freed_memory, with_measured_peak
 from laplace_glas.curvature.complement_pass import ComplementCurvature, ComplementPass
 from laplace_glas.curvature.distributed import (
     Shards,
@@ -128,6 +128,7 @@ class SubspaceFit(ComplementPass, FitAgreement):
         # nothing is assigned until the solve has succeeded: a failed fit leaves the
         # previous posterior (or the unfitted state) as it was
         loss, n_data, out_shape = self._loss_at_map(train_loader, show, shards)
+        return_freed_memory()  # the loss pass's activations: not resident beside the solve
         stored = None
         if update:
             if out_shape[-1] != self.n_outputs:

@@ -68,6 +68,7 @@ from laplace_glas.curvature.budget import (
     OverBudget,
     format_bytes,
     resolve_budget,
+    return_freed_memory,
     solver_storage,
 )
 from laplace_glas.curvature.operators.curvlinops import curvlinops_operator
@@ -87,6 +88,7 @@ from laplace_glas.curvature.operators.torch_operator import ColumnChunks
 from laplace_glas.curvature.problem import CurvatureProblem
 from laplace_glas.curvature.solvers.gram import choose_solver, factored_solver
 from laplace_glas.curvature.streaming import (
+    STREAMED_BLOCK,
     choose_streaming,
     sliced_problem,
     streamed_factored,
@@ -226,9 +228,11 @@ def plan_solve(
     built = _factored(problem, solver, budget)
     if isinstance(built, Plan):
         return built
+    return_freed_memory()  # the refused builds' batches, before the next attempt
     reasons = [built]  # the Jacobian is an optimisation: its refusal is no fallback
     linearized = _linearized(problem, budget)
     if isinstance(linearized, str):
+        return_freed_memory()
         reasons.append(linearized)
         name = f"curvlinops (not factored: {built}; not linearised: {linearized})"
     if solver in ("dual", "factored"):
@@ -248,9 +252,12 @@ def plan_solve(
             *_distributed_fallback(problem, budget),
         ), **size)  # fmt: skip
     streamed = streamed_factored(problem, built, linearized)
+    block = STREAMED_BLOCK if size else None  # the planner's choice of solver only
     plan = _streaming_plan(
-        problem, problem.reference_operator(), name, reasons, budget, base, streamed
+        problem, problem.reference_operator(), name, reasons, budget, base, streamed, block
     )
+    if size and plan.block_size is not None:
+        size = {**size, "block_size": plan.block_size}
     return replace(plan, **size)
 
 
@@ -263,14 +270,14 @@ def _distributed_fallback(problem: CurvatureProblem, budget: Estimates) -> tuple
 
 
 def _streaming_plan(
-    problem, operator, name, reasons, budget: Estimates, solver: str, streamed=None
+    problem, operator, name, reasons, budget: Estimates, solver: str, streamed=None, block=None
 ) -> Plan:
     """Streaming in column chunks that fit (:func:`~.streaming.choose_streaming`:
-    ``streamed``, the factors rebuilt per product, else curvlinops' ``operator``), or
-    the budget error.
+    ``streamed``, the factors rebuilt per product, ``block`` columns per pass where
+    they fit, else curvlinops' ``operator``), or the budget error.
     """
-    chosen = choose_streaming(budget, problem, operator, name, streamed)
-    peak, columns, operator, name, scale = chosen
+    chosen = choose_streaming(budget, problem, operator, name, streamed, block)
+    peak, columns, operator, name, scale, block_size = chosen
     if not budget.record("streaming", peak):
         raise budget.refuse("this fit")
     operator = ColumnChunks(operator, columns, problem.dtype, problem.device)
@@ -278,7 +285,7 @@ def _streaming_plan(
         name = f"{name} (batches in slices of {problem.loader.size})"
     return Plan(
         operator, scale, solver, name, problem.n_terms, "ggn", budget.total,
-        tuple(reasons), "streaming", peak, budget.pairs(), columns, peak,
+        tuple(reasons), "streaming", peak, budget.pairs(), columns, peak, block_size,
     )  # fmt: skip
 
 
@@ -352,7 +359,8 @@ def _factored(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
     wants_dual = solver in ("auto", "dual")
 
     def check(sizes: FactorSizes) -> str | None:
-        budget.factor_batch = sizes.batch_bytes  # for streaming, should the factors not fit
+        # for streaming, should the factors not fit
+        budget.factor_batch = (sizes.batch_bytes, sizes.rows_per_example)
         if sizes.n_batches is None:
             return None  # the cumulative cap below applies
         n = sizes.n_batches

@@ -16,6 +16,7 @@ from laplace_glas.curvature.batches import SubBatches
 from laplace_glas.curvature.operators.streamed import StreamedFactoredGGN
 from laplace_glas.curvature.planner import plan_solve
 from laplace_glas.curvature.problem import CurvatureProblem
+from laplace_glas.curvature.streaming import STREAMED_BLOCK
 
 F64 = torch.float64
 
@@ -144,9 +145,30 @@ def test_factors_that_do_not_fit_are_rebuilt_per_product_within_the_budget():
     assert plan.operator_name.startswith("factored, rebuilt per batch")
     assert isinstance(plan.operator.operator, StreamedFactoredGGN)
     assert smallest < plan.estimated_peak == at["streaming"] <= plan.budget_bytes
-    # B + g + 2 F_b + 4 D s for one column; the rest of the budget in columns
+    # the planner chose the solver: blocks of STREAMED_BLOCK columns share each pass,
+    # with the block solver's storage B in B + (1 + R) g + F_b + 4 D s per column
+    assert plan.solver == "block" and plan.block_size == STREAMED_BLOCK
     column = 4 * problem.n_params * 8
-    assert plan.max_columns == (2 * smallest - plan.estimated_peak + column) // column > 1
+    fixed = plan.estimated_peak - STREAMED_BLOCK * column
+    assert plan.max_columns == (2 * smallest - fixed) // column >= STREAMED_BLOCK
+    # a budget a column short of the block: one column per pass, Lanczos's storage
+    narrow = _plan(problem, plan.estimated_peak - 1)
+    assert narrow.operator_name.startswith("factored, rebuilt per batch")
+    assert (narrow.solver, narrow.block_size) == ("block", 1)
+    assert narrow.estimated_peak < plan.estimated_peak
+
+
+def test_the_rebuilt_factors_estimate():
+    budget = budget_module.Estimates(10**9, 1000, 4, 50, 3)
+    # B + (1 + R) g + F_b + 4 D s per column, the columns the rest of the budget holds
+    assert budget.factor_streaming_peak(300, 70, rows=2) == (
+        1000 + 900 + 70 + 800,
+        (10**9 - 1970) // 800,
+    )
+    assert budget.factor_streaming_peak(None, 70) == (None, 1)
+    block = budget_module.solver_storage("block", 50, 3, 4, block_size=4)
+    peak, columns = budget.factor_streaming_peak(300, 70, rows=1, block=4)
+    assert peak == block + 600 + 70 + 4 * 800 and columns == (10**9 - block - 670) // 800
 
 
 def test_a_fit_on_rebuilt_factors_is_the_unbudgeted_fit():

@@ -12,9 +12,6 @@ result is assembled into :class:`~laplace_glas.curvature.operators.factors.Outer
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 
 from laplace_glas.curvature.operators.factors import (
@@ -136,25 +133,3 @@ def _concatenate(all_layers: dict, all_explicit: list, release=lambda: None) -> 
         per_batch = [_assemble({}, e)[0] for e in all_explicit]
         factors.append(ExplicitFactor(per_batch[0].index, torch.cat([f.J for f in per_batch])))
     return factors
-
-
-def _return_freed_memory() -> None:
-    """Hand the heap's free pages back to the OS (glibc's ``malloc_trim``; nothing
-    elsewhere).
-
-    The batches' factors are small blocks that glibc's adaptive ``mmap`` threshold
-    puts on the heap; freed while the layers are joined, they would stay resident
-    beside the joined copies (mlp16k: the build's peak 184 MiB above its start for
-    74 MiB of factors; 114 MiB, the factors plus one layer's, with the trim).
-    """
-    trim = getattr(_libc(), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL(None)  # the process's own symbols, libc's among them
-    except OSError:
-        return None

@@ -60,13 +60,12 @@ from torch.func import functional_call, jvp
 from tqdm.auto import tqdm
 
 from laplace_glas.curvature.batches import batch_size, split_batch
-from laplace_glas.curvature.budget import OverBudget
+from laplace_glas.curvature.budget import OverBudget, return_freed_memory
 from laplace_glas.curvature.operators.factor_join import (
     _assemble,
     _concatenate,
     _layer_nbytes,
     _nbytes,
-    _return_freed_memory,
     _widest,
 )
 from laplace_glas.curvature.operators.factors import (
@@ -124,6 +123,9 @@ class FactorSizes:
         ``B R``, its rows of ``S``.
     n_batches : int or None
         Batches in the loader (``None`` without a length).
+    rows_per_example : int
+        ``R``, the rows of ``Lambda^{1/2}`` per example (the batched backward's
+        width).
 
     """
 
@@ -132,6 +134,7 @@ class FactorSizes:
     widest: int
     rows: int
     n_batches: int | None
+    rows_per_example: int = 1
 
 
 # ---------------------------------------------------------------------- operator
@@ -403,8 +406,8 @@ def build_factored_ggn(
         recorder.remove()
     if R is None:
         return "an empty loader"
-    _return_freed_memory()  # the batches' temporaries, before the join
-    return FactoredGGN(_concatenate(all_layers, all_explicit, _return_freed_memory), n_params, R)
+    return_freed_memory()  # the batches' temporaries, before the join
+    return FactoredGGN(_concatenate(all_layers, all_explicit, return_freed_memory), n_params, R)
 
 
 def _sizes(loader: Iterable, layers: dict, explicit: list, out: torch.Tensor, R: int):
@@ -416,7 +419,8 @@ def _sizes(loader: Iterable, layers: dict, explicit: list, out: torch.Tensor, R:
     largest = max([_layer_nbytes(calls) for calls in layers.values()], default=0)
     largest = max([largest, *(J.numel() * J.element_size() for _, J in explicit)])
     rows = out.shape[0] * R
-    return FactorSizes(_nbytes(layers, explicit), largest, _widest(layers), rows, n_batches)
+    sizes = (_nbytes(layers, explicit), largest, _widest(layers), rows, n_batches, R)
+    return FactorSizes(*sizes)
 
 
 def factored_jacobian_directions(

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from laplace_glas.curvature.batches import split_batch
+from laplace_glas.curvature.budget import return_freed_memory
 from laplace_glas.curvature.operators.factor_join import _assemble
 from laplace_glas.curvature.operators.factored import FactoredGGN
 from laplace_glas.curvature.operators.factors import (
@@ -102,6 +103,9 @@ class StreamedFactoredGGN(TorchOperator):
 
     def matmat_torch(self, V: torch.Tensor) -> torch.Tensor:
         """``G_1 V`` for ``V (D, m)``: one pass over the loader for all ``m`` columns."""
+        # the heap's free pages (the previous product's batches, earlier phases') back to
+        # the OS first, so that this product's small blocks do not land beside them
+        return_freed_memory()
         X = V.to(device=self.device, dtype=self.torch_dtype).T.contiguous()
         out = torch.zeros_like(X)
         recorder = _Recorder(self._offsets)
