@@ -50,9 +50,9 @@ loader's batches:
   the smallest budget named. For a model the factored operator covers, streaming
   rebuilds one batch's factors per product instead
   (:class:`~laplace_glas.curvature.operators.streamed.StreamedFactoredGGN`): the graph
-  ``g``, the batch's factors ``F_b`` and ``R g`` for its batched backward over the
-  ``R`` rows of ``Lambda^{1/2}`` (a GPT-2 LoRA classifier, ``R = 4``: 50 MiB measured
-  for 47 estimated), plus per column ``4 D s`` (the column in and out, a batch's partial
+  ``g`` and the hooks' copies of the layer outputs (up to another ``g``), the batch's
+  factors ``F_b`` and ``R g`` for its batched backward over the ``R`` rows of
+  ``Lambda^{1/2}``, plus per column ``4 D s`` (the column in and out, a batch's partial
   product and the GEMMs' temporaries), plus ``B``
   (:meth:`Estimates.factor_streaming_peak`); where
   that exceeds the budget and curvlinops' streaming does not, curvlinops streams.
@@ -361,7 +361,9 @@ class Estimates:
         """The peak of streaming on one batch's rebuilt factors (``factors`` bytes), its
         forward graph (``graph``) and the batched backward over its ``rows`` rows of
         ``Lambda^{1/2}`` per example, and the columns a product may take at once:
-        ``B + (1 + R) g + F_b`` fixed and ``4 D s`` per column, for ``block`` columns
+        ``B + (2 + R) g + F_b`` fixed (the graph, the hooks' copies of the layer
+        outputs, up to another ``g``, and the backward's ``R g``) and ``4 D s`` per
+        column, for ``block`` columns
         at once (``block > 1``: with the block solver's storage ``B`` for that block
         size; ``(None, 1)`` for an unknown graph).
         """
@@ -370,7 +372,7 @@ class Estimates:
         storage = self.storage
         if block > 1:
             storage = solver_storage("block", self.D, self.k, self.itemsize, block_size=block)
-        fixed = storage + (1 + rows) * graph + factors
+        fixed = storage + (2 + rows) * graph + factors
         column = 4 * self.D * self.itemsize
         return fixed + block * column, max(block, (self.total - fixed) // column)
 
