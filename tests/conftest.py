@@ -66,6 +66,22 @@ def loader(X, y, batch_size=32, shuffle=False):
     return DataLoader(TensorDataset(X, y), batch_size=batch_size, shuffle=shuffle)
 
 
+def mlp_problem(n=48, batch=16):
+    """A float64 3-16-16-2 MLP, ``n`` regression points in batches of ``batch`` and their
+    ``CurvatureProblem`` (the planner's input)."""
+    from laplace_glas.curvature.problem import CurvatureProblem
+
+    g = torch.Generator().manual_seed(0)
+    model = mlp([3, 16, 16, 2], dtype=torch.float64).eval()
+    X = torch.randn(n, 3, generator=g, dtype=torch.float64)
+    y = torch.randn(n, 2, generator=g, dtype=torch.float64)
+    data = loader(X, y, batch_size=batch)
+    problem = CurvatureProblem.build(
+        model, list(model.parameters()), data, "regression", torch.Size([2]), dtype=torch.float64
+    )
+    return model, data, problem
+
+
 @pytest.fixture(scope="session")
 def toy_regression():
     """A 1-50-50-1 tanh MLP (D = 2701) trained on 100 noisy sine points."""

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import loader, mlp, output_jacobian, softmax_ggn
+from conftest import loader, mlp, mlp_problem, output_jacobian, softmax_ggn
 from laplace import Laplace
 from torch import nn
 
@@ -123,18 +123,6 @@ def test_peak_memory_measures_an_allocation():
 
 
 # ---------------------------------------------------------------------- planner
-def _mlp_problem(n=48, batch=16):
-    g = torch.Generator().manual_seed(0)
-    model = mlp([3, 16, 16, 2], dtype=F64).eval()
-    X = torch.randn(n, 3, generator=g, dtype=F64)
-    y = torch.randn(n, 2, generator=g, dtype=F64)
-    data = loader(X, y, batch_size=batch)
-    problem = CurvatureProblem.build(
-        model, list(model.parameters()), data, "regression", torch.Size([2]), dtype=F64
-    )
-    return model, data, problem
-
-
 class _Recurrent(nn.Module):
     """Not factored: the linearised operator or streaming."""
 
@@ -160,7 +148,7 @@ def _estimates(problem, k=3):
 
 
 def test_the_planner_takes_the_fastest_strategy_that_fits_each_budget():
-    _, _, problem = _mlp_problem()
+    _, _, problem = mlp_problem()
     refused = _estimates(problem)
     est = refused.estimates
     # the Jacobian's estimate counts only once its build succeeded (not over budget)
@@ -190,7 +178,7 @@ def test_the_planner_takes_the_fastest_strategy_that_fits_each_budget():
 
 
 def test_a_budget_below_every_strategy_names_the_smallest_that_works():
-    _, _, problem = _mlp_problem()
+    _, _, problem = mlp_problem()
     smallest = _estimates(problem).smallest
     with pytest.raises(MemoryBudgetError, match=rf"memory_budget={smallest} ") as refused:
         _plan(problem, smallest - 1)
@@ -200,7 +188,7 @@ def test_a_budget_below_every_strategy_names_the_smallest_that_works():
 
 def test_the_smallest_budget_named_works_where_it_is_the_dual_solves():
     # many pairs of few examples: the Gram matrix is small, Lanczos's basis is not
-    _, _, problem = _mlp_problem(n=20, batch=10)
+    _, _, problem = mlp_problem(n=20, batch=10)
     refused = _estimates(problem, k=20)
     est = refused.estimates
     assert refused.smallest == est["dual"] < min(est["factored"], est["streaming"])
@@ -231,7 +219,7 @@ def test_a_model_that_is_not_factored_linearises_then_streams():
 
 
 def test_a_requested_dual_solve_beyond_the_budget_becomes_lanczos():
-    _, _, problem = _mlp_problem()
+    _, _, problem = mlp_problem()
     est = _estimates(problem).estimates
     if est["dual"] <= est["factored"]:
         pytest.skip("the Gram matrix is the smaller here")
@@ -252,7 +240,7 @@ def _fit(model, data, **kwargs):
 
 
 def test_a_tight_budget_costs_time_not_exactness():
-    model, data, problem = _mlp_problem()
+    model, data, problem = mlp_problem()
     smallest = _estimates(problem).smallest
     free = _fit(model, data)
     tight = _fit(model, data, memory_budget=smallest)
@@ -269,7 +257,7 @@ def test_a_tight_budget_costs_time_not_exactness():
 
 
 def test_the_record_holds_the_budget_the_strategy_and_the_peaks():
-    model, data, _ = _mlp_problem()
+    model, data, _ = mlp_problem()
     la = _fit(model, data, memory_budget="256 MiB")
     info = la.lanczos_info
     assert info.memory_budget == 256 * 2**20 and info.plan["budget_bytes"] == 256 * 2**20
@@ -287,7 +275,7 @@ def test_the_record_holds_the_budget_the_strategy_and_the_peaks():
 
 
 def test_a_state_saved_before_budgets_still_loads():
-    model, data, _ = _mlp_problem()
+    model, data, _ = mlp_problem()
     la = _fit(model, data, memory_budget="256 MiB")
     state = la.state_dict()
     la2 = ActiveSubspaceLaplace(model, "regression", n_components=3)
@@ -309,7 +297,7 @@ def test_a_state_saved_before_budgets_still_loads():
 
 
 def test_a_fit_refused_by_its_budget_leaves_the_posterior_as_it_was():
-    model, data, problem = _mlp_problem()
+    model, data, problem = mlp_problem()
     smallest = _estimates(problem).smallest
     la = ActiveSubspaceLaplace(model, "regression", n_components=3, memory_budget=smallest - 1)
     with pytest.raises(MemoryBudgetError, match=f"memory_budget={smallest} "):

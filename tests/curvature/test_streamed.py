@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import loader, mlp, output_jacobian, softmax_ggn
+from conftest import loader, mlp, mlp_problem, output_jacobian, softmax_ggn
 from torch import nn
 
 from laplace_glas import ActiveSubspaceLaplace
@@ -15,7 +15,6 @@ from laplace_glas.curvature import budget as budget_module
 from laplace_glas.curvature.batches import SubBatches
 from laplace_glas.curvature.operators.streamed import StreamedFactoredGGN
 from laplace_glas.curvature.planner import plan_solve
-from laplace_glas.curvature.problem import CurvatureProblem
 from laplace_glas.curvature.streaming import STREAMED_BLOCK
 
 F64 = torch.float64
@@ -102,18 +101,6 @@ def test_a_product_leaves_no_hooks_and_a_block_equals_its_columns():
 
 
 # ---------------------------------------------------------------------- planner
-def _problem(n=400, batch=20):
-    g = torch.Generator().manual_seed(0)
-    model = mlp([3, 16, 16, 2], dtype=F64).eval()
-    X = torch.randn(n, 3, generator=g, dtype=F64)
-    y = torch.randn(n, 2, generator=g, dtype=F64)
-    data = loader(X, y, batch_size=batch)
-    problem = CurvatureProblem.build(
-        model, list(model.parameters()), data, "regression", torch.Size([2]), dtype=F64
-    )
-    return model, data, problem
-
-
 def _plan(problem, budget, k=3):
     with warnings.catch_warnings(), autodiff_friendly(problem.model):
         warnings.simplefilter("ignore")
@@ -129,7 +116,7 @@ def _smallest(problem):
 
 
 def test_factors_that_do_not_fit_are_rebuilt_per_product_within_the_budget():
-    _, _, problem = _problem()
+    _, _, problem = mlp_problem(n=400, batch=20)
     stored = _plan(problem, 2**40)
     assert stored.strategy in ("factored", "dual")
     # the smallest budget named: curvlinops' streaming, whose one column is the least
@@ -172,7 +159,7 @@ def test_the_rebuilt_factors_estimate():
 
 
 def test_a_fit_on_rebuilt_factors_is_the_unbudgeted_fit():
-    model, data, problem = _problem()
+    model, data, problem = mlp_problem(n=400, batch=20)
 
     def fit(**kwargs):
         la = ActiveSubspaceLaplace(model, "regression", n_components=3, **kwargs)
