@@ -52,8 +52,9 @@ loader's batches:
   (:class:`~laplace_glas.curvature.operators.streamed.StreamedFactoredGGN`): the graph
   ``g`` and the hooks' copies of the layer outputs (up to another ``g``), the batch's
   factors ``F_b`` and ``R g`` for its batched backward over the ``R`` rows of
-  ``Lambda^{1/2}``, plus per column ``4 D s`` (the column in and out, a batch's partial
-  product and the GEMMs' temporaries), plus ``B``
+  ``Lambda^{1/2}`` (the largest batch's, from a survey pass over the data), plus per
+  column ``4 D s`` (the column in and out, a batch's partial product) and ``2 W s`` (the
+  GEMMs' temporaries, ``W`` the widest layer's ``B T d_out``), plus ``B``
   (:meth:`Estimates.factor_streaming_peak`); where
   that exceeds the budget and curvlinops' streaming does not, curvlinops streams.
 
@@ -322,7 +323,6 @@ class Estimates:
         self.estimates: dict[str, int | None] = {}
         self.streaming: tuple[int | None, int] | None = None  # the planner's cache
         self.graph: int | None = None  # one batch's forward graph (bytes), once measured
-        self.factor_batch: tuple[int, int] | None = None  # one batch's factors: (bytes, R)
 
     def record(self, strategy: str, peak: int | None) -> bool:
         """Record ``peak`` for ``strategy``; True when it fits (or is unknown)."""
@@ -356,16 +356,16 @@ class Estimates:
         return self.storage + graph + column, max(1, free // column)
 
     def factor_streaming_peak(
-        self, graph: int | None, factors: int, rows: int = 1, block: int = 1
+        self, graph: int | None, factors: int, rows: int = 1, block: int = 1, widest: int = 0
     ) -> tuple[int | None, int]:
         """The peak of streaming on one batch's rebuilt factors (``factors`` bytes), its
         forward graph (``graph``) and the batched backward over its ``rows`` rows of
         ``Lambda^{1/2}`` per example, and the columns a product may take at once:
         ``B + (2 + R) g + F_b`` fixed (the graph, the hooks' copies of the layer
-        outputs, up to another ``g``, and the backward's ``R g``) and ``4 D s`` per
-        column, for ``block`` columns
-        at once (``block > 1``: with the block solver's storage ``B`` for that block
-        size; ``(None, 1)`` for an unknown graph).
+        outputs, up to another ``g``, and the backward's ``R g``) and
+        ``4 D s + 2 W s`` per column (``W``: the widest layer's ``B T d_out`` numbers of
+        GEMM temporaries), for ``block`` columns at once (``block > 1``: with the block
+        solver's storage ``B`` for that block size; ``(None, 1)`` for an unknown graph).
         """
         if graph is None:
             return None, 1
@@ -373,7 +373,7 @@ class Estimates:
         if block > 1:
             storage = solver_storage("block", self.D, self.k, self.itemsize, block_size=block)
         fixed = storage + (2 + rows) * graph + factors
-        column = 4 * self.D * self.itemsize
+        column = (4 * self.D + 2 * widest) * self.itemsize
         return fixed + block * column, max(block, (self.total - fixed) // column)
 
     def slice_size(self, graph: int, batch: int) -> tuple[int, tuple[int, int]]:
@@ -430,5 +430,5 @@ def return_freed_memory() -> None:
 def _libc() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(None)  # the process's own symbols, libc's among them
-    except OSError:
+    except (OSError, TypeError):  # TypeError: Windows' CDLL(None) on older Pythons
         return None

@@ -23,11 +23,12 @@
      (:mod:`~laplace_glas.curvature.operators.linearized`: every batch's graph kept, no
      forward pass per product), as the one-column block solver (fully re-orthogonalised,
      images kept; ARPACK in a data-parallel fit);
-  3. ``'streaming'``: Lanczos (as in 2.) on an operator that recomputes one batch's
-     graph per product (or a slice's, where a batch's does not fit; many columns in
-     chunks): the factored operator rebuilt batch by batch
-     (:mod:`~laplace_glas.curvature.operators.streamed`) where the model qualifies
-     for factors that do not fit, else curvlinops' operator.
+  3. ``'streaming'``: an operator that recomputes one batch's graph per product (or a
+     slice's, where a batch's does not fit; many columns in chunks): the factored
+     operator rebuilt batch by batch (:mod:`~laplace_glas.curvature.operators.streamed`,
+     the block solver with :data:`~.streaming.STREAMED_BLOCK` columns a pass where
+     they fit, else one) where the model qualifies for factors that do not fit and
+     every batch can be factored, else Lanczos (as in 2.) on curvlinops' operator.
 
   A budget below every estimate raises :class:`~laplace_glas.curvature.budget.MemoryBudgetError`
   naming the smallest that works. The choice is recorded in ``la.lanczos_info.plan``
@@ -36,7 +37,8 @@
   on the factored operator, falling back (with a warning) to the next strategy that
   fits where the model does not qualify or the requested solve does not fit.
 * ``'lanczos'``: curvlinops + ARPACK, the reference (streaming); ``'block'``: block
-  Krylov on the factored, linearised or curvlinops operator (the first that fits).
+  Krylov (the fit's ``block_size``) on the first operator that fits, in the order
+  above (the streamed ones included).
 
 :func:`plan_solve` makes the choice for one
 :class:`~laplace_glas.curvature.problem.CurvatureProblem` as a :class:`Plan`; the
@@ -194,7 +196,8 @@ def plan_solve(
     :func:`~laplace_glas.curvature.budget.resolve_budget`): the factored operator where
     the model qualifies (dual or Lanczos; ``'block'`` then multiplies its blocks with
     two GEMMs per layer instead of a pass over the data), else the linearised operator
-    of ``problem.loss_func`` on ``problem.data``, else curvlinops' operator streaming;
+    of ``problem.loss_func`` on ``problem.data``, else streaming (the factors rebuilt per
+    batch where the model qualifies, else curvlinops' operator);
     a request for the factored or dual solver that cannot be met is answered with a
     warning. ``ncv`` and ``block_size`` size the solver's storage.
 
@@ -235,16 +238,9 @@ def plan_solve(
         return_freed_memory()
         reasons.append(linearized)
         name = f"curvlinops (not factored: {built}; not linearised: {linearized})"
-    if solver in ("dual", "factored"):
-        fallback = "curvlinops" if isinstance(linearized, str) else "linearised"
-        warnings.warn(
-            f"solver={solver!r} needs the factored GGN, which this fit cannot use "
-            f"({built}); using Lanczos on the {fallback} operator.",
-            UserWarning,
-            stacklevel=3,
-        )
     size = {} if base == "block" or problem.shards else {"solver": "block", "block_size": 1}
     if not isinstance(linearized, str):
+        _warn_fallback(solver, built, "the linearised operator")
         return replace(Plan(
             linearized, problem.scale, base, f"linearised (not factored: {built})",
             problem.n_terms, "ggn", total, tuple(reasons), "linearised",
@@ -256,9 +252,24 @@ def plan_solve(
     plan = _streaming_plan(
         problem, problem.reference_operator(), name, reasons, budget, base, streamed, block
     )
+    rebuilt = streamed is not None and plan.operator.operator is streamed[0]
+    _warn_fallback(
+        solver, built, "the factors rebuilt per batch" if rebuilt else "curvlinops' operator"
+    )
     if size and plan.block_size is not None:
         size = {**size, "block_size": plan.block_size}
     return replace(plan, **size)
+
+
+def _warn_fallback(solver: str, built: str, what: str) -> None:
+    """Warn that a requested factored or dual solve gave way to ``what`` (streamed)."""
+    if solver in ("dual", "factored"):
+        warnings.warn(
+            f"solver={solver!r} needs the factored GGN, which this fit cannot use "
+            f"({built}); solving on {what} instead.",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def _distributed_fallback(problem: CurvatureProblem, budget: Estimates) -> tuple:
@@ -359,8 +370,6 @@ def _factored(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
     wants_dual = solver in ("auto", "dual")
 
     def check(sizes: FactorSizes) -> str | None:
-        # for streaming, should the factors not fit
-        budget.factor_batch = (sizes.batch_bytes, sizes.rows_per_example)
         if sizes.n_batches is None:
             return None  # the cumulative cap below applies
         n = sizes.n_batches

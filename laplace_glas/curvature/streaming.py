@@ -29,7 +29,7 @@ from laplace_glas.curvature.batches import (
 )
 from laplace_glas.curvature.budget import Estimates, OverBudget, return_freed_memory
 from laplace_glas.curvature.operators.linearized import forward_graph_bytes
-from laplace_glas.curvature.operators.streamed import StreamedFactoredGGN
+from laplace_glas.curvature.operators.streamed import BatchFactorSizes, StreamedFactoredGGN
 from laplace_glas.curvature.problem import CurvatureProblem
 
 __all__ = [
@@ -72,12 +72,13 @@ def sliced_problem(problem: CurvatureProblem, budget: Estimates) -> CurvaturePro
 
 def streamed_factored(
     problem: CurvatureProblem, built: str, linearized: str
-) -> tuple[StreamedFactoredGGN, str] | None:
-    """The factored operator rebuilt per product, with its name, where the factors of
-    ``problem`` were refused for the budget alone (``built`` an
-    :class:`~laplace_glas.curvature.budget.OverBudget`: the model qualified and passed
-    the first batch's forward-mode check); None otherwise and in a data-parallel fit
-    (which streams curvlinops' products).
+) -> tuple[StreamedFactoredGGN, str, BatchFactorSizes] | None:
+    """The factored operator rebuilt per product, with its name and its largest batch's
+    factor sizes, where the factors of ``problem`` were refused for the budget alone
+    (``built`` an :class:`~laplace_glas.curvature.budget.OverBudget`: the model
+    qualified and passed the first batch's forward-mode check) and a survey pass finds
+    every batch factorable; None otherwise and in a data-parallel fit (which streams
+    curvlinops' products).
     """
     if not isinstance(built, OverBudget) or problem.shards is not None:
         return None
@@ -93,8 +94,11 @@ def streamed_factored(
         dict_key_y=problem.dict_key_y,
         device=problem.device,
     )
+    sizes = operator.survey()
+    if isinstance(sizes, str):  # a later batch the factors cannot take
+        return None
     name = f"factored, rebuilt per batch (not stored: {built}; not linearised: {linearized})"
-    return operator, name
+    return operator, name, sizes
 
 
 STREAMED_BLOCK = 4
@@ -109,27 +113,31 @@ def choose_streaming(
     problem: CurvatureProblem,
     operator: Any,
     name: str,
-    streamed: tuple[StreamedFactoredGGN, str] | None = None,
+    streamed: tuple[StreamedFactoredGGN, str, BatchFactorSizes] | None = None,
     block: int | None = None,
 ) -> tuple[int | None, int, Any, str, float, int | None]:
     """``(peak, columns, operator, name, scale, block_size)`` of the streaming operator
     to use (``scale``: the factor of its products, 1 for the factored one;
     ``block_size``: the block solver's columns per pass chosen here, None to keep the
     caller's): ``streamed`` where its estimate
-    (:meth:`~.budget.Estimates.factor_streaming_peak`, from the first batch's factors)
+    (:meth:`~.budget.Estimates.factor_streaming_peak`, from its largest batch's factors)
     fits the budget, with ``block`` columns per pass where that fits too (``block``
     None: the caller chose the solver), else curvlinops' ``operator``
     (:func:`streaming_estimate`); where none fits, the one with the smallest estimate
-    (which the caller refuses, naming it).
+    (which the caller refuses, naming it). The chosen streamed operator's product
+    temporaries are bounded by its columns (``chunk_elements``).
     """
     peak, columns = streaming_estimate(budget, problem)
     options = [(peak, columns, operator, name, problem.scale, None)]
     if streamed is not None:
-        factors, rows = budget.factor_batch or (0, 1)
-        one = budget.factor_streaming_peak(budget.graph, factors, rows)
-        options.insert(0, (*one, *streamed, 1.0, None))
-        if block is not None and block > 1:
-            wide = budget.factor_streaming_peak(budget.graph, factors, rows, block)
-            options.insert(0, (*wide, *streamed, 1.0, block))
+        rebuilt, rebuilt_name, sizes = streamed
+        shape = (budget.graph, sizes.factor_bytes, sizes.rows)
+        for width in (1, block) if block is not None and block > 1 else (1,):
+            estimate = budget.factor_streaming_peak(*shape, block=width, widest=sizes.widest)
+            wide = width if width > 1 else None
+            options.insert(0, (*estimate, rebuilt, rebuilt_name, 1.0, wide))
     fitting = [option for option in options if option[0] is None or option[0] <= budget.total]
-    return fitting[0] if fitting else min(options, key=lambda option: option[0])
+    chosen = fitting[0] if fitting else min(options, key=lambda option: option[0])
+    if streamed is not None and chosen[2] is streamed[0]:
+        chosen[2].chunk_elements = max(sizes.widest, chosen[1] * sizes.widest)
+    return chosen

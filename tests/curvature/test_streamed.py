@@ -15,6 +15,7 @@ from laplace_glas.curvature import budget as budget_module
 from laplace_glas.curvature.batches import SubBatches
 from laplace_glas.curvature.operators.streamed import StreamedFactoredGGN
 from laplace_glas.curvature.planner import plan_solve
+from laplace_glas.curvature.problem import CurvatureProblem
 from laplace_glas.curvature.streaming import STREAMED_BLOCK
 
 F64 = torch.float64
@@ -133,9 +134,13 @@ def test_factors_that_do_not_fit_are_rebuilt_per_product_within_the_budget():
     assert isinstance(plan.operator.operator, StreamedFactoredGGN)
     assert smallest < plan.estimated_peak == at["streaming"] <= plan.budget_bytes
     # the planner chose the solver: blocks of STREAMED_BLOCK columns share each pass,
-    # with the block solver's storage B in B + (2 + R) g + F_b + 4 D s per column
+    # with the block solver's storage B in B + (2 + R) g + F_b + (4 D + 2 W) s a column
     assert plan.solver == "block" and plan.block_size == STREAMED_BLOCK
-    column = 4 * problem.n_params * 8
+    with autodiff_friendly(problem.model):
+        sizes = plan.operator.operator.survey()
+    assert (sizes.widest, sizes.rows) == (20 * 16, 2)  # batch x widest d_out; R = 2 outputs
+    column = (4 * problem.n_params + 2 * sizes.widest) * 8
+    assert plan.operator.operator.chunk_elements == plan.max_columns * sizes.widest
     fixed = plan.estimated_peak - STREAMED_BLOCK * column
     assert plan.max_columns == (2 * smallest - fixed) // column >= STREAMED_BLOCK
     # a budget a column short of the block: one column per pass, Lanczos's storage
@@ -147,15 +152,15 @@ def test_factors_that_do_not_fit_are_rebuilt_per_product_within_the_budget():
 
 def test_the_rebuilt_factors_estimate():
     budget = budget_module.Estimates(10**9, 1000, 4, 50, 3)
-    # B + (2 + R) g + F_b + 4 D s per column, the columns the rest of the budget holds
+    # B + (2 + R) g + F_b + (4 D + 2 W) s a column, the columns the rest of the budget holds
     assert budget.factor_streaming_peak(300, 70, rows=2) == (
         1000 + 1200 + 70 + 800,
         (10**9 - 2270) // 800,
     )
     assert budget.factor_streaming_peak(None, 70) == (None, 1)
     block = budget_module.solver_storage("block", 50, 3, 4, block_size=4)
-    peak, columns = budget.factor_streaming_peak(300, 70, rows=1, block=4)
-    assert peak == block + 900 + 70 + 4 * 800 and columns == (10**9 - block - 970) // 800
+    peak, columns = budget.factor_streaming_peak(300, 70, rows=1, block=4, widest=25)
+    assert peak == block + 900 + 70 + 4 * 1000 and columns == (10**9 - block - 970) // 1000
 
 
 def test_a_fit_on_rebuilt_factors_is_the_unbudgeted_fit():
@@ -176,3 +181,93 @@ def test_a_fit_on_rebuilt_factors_is_the_unbudgeted_fit():
     overlap = (budgeted.eigenvectors.T @ free.eigenvectors).abs()
     torch.testing.assert_close(overlap.diagonal(), torch.ones(3, dtype=F64), rtol=0, atol=1e-6)
     torch.testing.assert_close(budgeted.loss, free.loss)
+
+
+def test_a_block_size_of_the_callers_own_is_kept():
+    _, _, problem = mlp_problem(n=400, batch=20)
+    smallest = _smallest(problem)
+    with warnings.catch_warnings(), autodiff_friendly(problem.model):
+        warnings.simplefilter("ignore")
+        plan = plan_solve(problem, 3, "block", memory_budget=2 * smallest, block_size=2)
+    assert plan.operator_name.startswith("factored, rebuilt per batch")
+    assert plan.solver == "block" and plan.block_size is None  # the fit's block_size=2
+
+
+class _PerPosition(nn.Module):
+    """Outputs per position: the factored operator takes at most 1024 rows an example."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 3)
+
+    def forward(self, x):
+        return self.lin(x).flatten(1)  # (B, T * 3)
+
+
+def test_a_later_batch_the_factors_cannot_take_is_never_streamed_on_factors():
+    g = torch.Generator().manual_seed(0)
+    model = _PerPosition().to(F64).eval()
+    batches = [
+        (torch.randn(4, 10, 2, generator=g, dtype=F64), torch.randn(4, 30, generator=g, dtype=F64))
+        for _ in range(9)
+    ]
+    long = torch.randn(4, 400, 2, generator=g, dtype=F64)  # 1200 rows an example
+    batches.append((long, torch.randn(4, 1200, generator=g, dtype=F64)))
+    operator = StreamedFactoredGGN(model, list(model.parameters()), batches, "regression", 40, F64)
+    with autodiff_friendly(model):
+        reason = operator.survey()
+    assert isinstance(reason, str) and "1200 output rows" in reason
+    problem = CurvatureProblem.build(
+        model, list(model.parameters()), batches, "regression", torch.Size([30]), dtype=F64
+    )
+    for budget in (2 * _smallest(problem), 8 * _smallest(problem)):
+        plan = _plan(problem, budget)
+        assert not plan.operator_name.startswith("factored, rebuilt")
+
+
+class _Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(3, 6, batch_first=True)
+        self.out = nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.out(self.rnn(x)[0][:, -1])
+
+
+def test_models_the_factors_do_not_cover_stream_curvlinops():
+    torch.manual_seed(0)
+    model = _Recurrent().to(F64).eval()
+    g = torch.Generator().manual_seed(1)
+    X, y = torch.randn(40, 5, 3, generator=g, dtype=F64), torch.randn(40, 2, generator=g, dtype=F64)
+    problem = CurvatureProblem.build(
+        model, list(model.parameters()), loader(X, y, 10), "regression", torch.Size([2]), dtype=F64
+    )
+    for budget in (_smallest(problem), 4 * _smallest(problem)):
+        plan = _plan(problem, budget)
+        if plan.strategy == "streaming":
+            assert plan.operator_name.startswith("curvlinops")
+
+
+def test_a_classifier_fit_on_rebuilt_factors_is_the_unbudgeted_fit():
+    # softmax cross-entropy: curvlinops' products carry a scale != 1, the factors none
+    g = torch.Generator().manual_seed(4)
+    model = mlp([3, 16, 16, 3], dtype=F64).eval()
+    X, y = torch.randn(400, 3, generator=g, dtype=F64), torch.randint(0, 3, (400,), generator=g)
+    data = loader(X, y, batch_size=20)
+    problem = CurvatureProblem.build(
+        model, list(model.parameters()), data, "classification", torch.Size([3]), dtype=F64
+    )
+    assert problem.scale != 1.0
+
+    def fit(**kwargs):
+        la = ActiveSubspaceLaplace(model, "classification", n_components=3, **kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            la.fit(data)
+        return la
+
+    free = fit()
+    budgeted = fit(memory_budget=2 * _smallest(problem))
+    assert str(budgeted.lanczos_info.operator).startswith("factored, rebuilt")
+    torch.testing.assert_close(budgeted.eigenvalues, free.eigenvalues, rtol=1e-8, atol=0)

@@ -26,23 +26,46 @@ models the factored operator does not cover stream curvlinops' products.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from laplace_glas.curvature.batches import split_batch
 from laplace_glas.curvature.budget import return_freed_memory
-from laplace_glas.curvature.operators.factor_join import _assemble
-from laplace_glas.curvature.operators.factored import FactoredGGN
+from laplace_glas.curvature.operators.factor_join import _assemble, _nbytes, _widest
+from laplace_glas.curvature.operators.factored import _CHUNK_ELEMENTS, FactoredGGN
 from laplace_glas.curvature.operators.factors import (
     _batch_factors,
     _parameter_offsets,
     _Recorder,
+    _Unsupported,
 )
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES, TorchOperator
 
-__all__ = ["StreamedFactoredGGN"]
+__all__ = ["BatchFactorSizes", "StreamedFactoredGGN"]
+
+
+@dataclass(frozen=True)
+class BatchFactorSizes:
+    """The largest batch's factors, from :meth:`StreamedFactoredGGN.survey`.
+
+    Attributes
+    ----------
+    factor_bytes : int
+        Bytes of the largest batch's factors (``F_b``).
+    widest : int
+        The largest ``B T d_out`` of a weight layer over the batches (numbers per
+        column of a product's GEMM temporaries).
+    rows : int
+        ``R``, the rows of ``Lambda^{1/2}`` per example.
+
+    """
+
+    factor_bytes: int
+    widest: int
+    rows: int
 
 
 class StreamedFactoredGGN(TorchOperator):
@@ -75,7 +98,10 @@ class StreamedFactoredGGN(TorchOperator):
     -----
     The caller checks that the model qualifies for the factored operator
     (:func:`~laplace_glas.curvature.operators.factored.build_factored_ggn` on the first
-    batch, with its forward-mode check); ``n_passes`` counts the passes over the data.
+    batch, with its forward-mode check) and that every batch can be factored
+    (:meth:`survey`); ``n_passes`` counts the products' passes over the data and
+    ``chunk_elements`` bounds a batch product's temporaries, as
+    ``FactoredGGN.chunk_elements`` does.
 
     """
 
@@ -99,17 +125,13 @@ class StreamedFactoredGGN(TorchOperator):
         self.scale = float(n_terms) ** -0.5
         self.torch_dtype, self.device = dtype, torch.device(device)
         self.ignore_index, self.dict_key_x, self.dict_key_y = ignore_index, dict_key_x, dict_key_y
+        self.chunk_elements = _CHUNK_ELEMENTS  # a batch product's temporaries (numbers)
         self.n_passes = 0
 
-    def matmat_torch(self, V: torch.Tensor) -> torch.Tensor:
-        """``G_1 V`` for ``V (D, m)``: one pass over the loader for all ``m`` columns."""
-        # the heap's free pages (the previous product's batches, earlier phases') back to
-        # the OS first, so that this product's small blocks do not land beside them
-        return_freed_memory()
-        X = V.to(device=self.device, dtype=self.torch_dtype).T.contiguous()
-        out = torch.zeros_like(X)
+    def _batches(self) -> Iterator[tuple[dict, list, int]]:
+        """Each batch's ``(layers, explicit, R)`` factors, the hooks on for the pass only."""
         recorder = _Recorder(self._offsets)
-        try:  # the hooks live for this pass only
+        try:
             for data in self.loader:
                 inputs, y = split_batch(data, self.dict_key_y)
                 if isinstance(inputs, torch.Tensor):
@@ -125,10 +147,38 @@ class StreamedFactoredGGN(TorchOperator):
                     self._offsets,
                     self.dict_key_x,
                 )
-                batch = FactoredGGN(_assemble(layers, explicit), self.shape[0], R)
-                out += batch.apply_transpose(batch.apply_S(X))
-                del batch, layers, explicit  # this batch's factors, before the next's
+                yield layers, explicit, R
+                del layers, explicit  # this batch's factors, before the next's
         finally:
             recorder.remove()
+
+    def survey(self) -> BatchFactorSizes | str:
+        """One pass without products: the largest batch's factor sizes, or why a batch
+        cannot be factored (the planner's check of every batch; the factored build
+        stops after the first when its projection exceeds the budget).
+        """
+        factor_bytes, widest, rows = 0, 1, 1
+        try:
+            for layers, explicit, R in self._batches():
+                factor_bytes = max(factor_bytes, _nbytes(layers, explicit))
+                widest, rows = max(widest, _widest(layers)), R
+        except _Unsupported as err:
+            return str(err)
+        finally:
+            return_freed_memory()
+        return BatchFactorSizes(factor_bytes, widest, rows)
+
+    def matmat_torch(self, V: torch.Tensor) -> torch.Tensor:
+        """``G_1 V`` for ``V (D, m)``: one pass over the loader for all ``m`` columns."""
+        # the heap's free pages (the previous product's batches, earlier phases') back to
+        # the OS first, so that this product's small blocks do not land beside them
+        return_freed_memory()
+        X = V.to(device=self.device, dtype=self.torch_dtype).T.contiguous()
+        out = torch.zeros_like(X)
+        for layers, explicit, R in self._batches():
+            batch = FactoredGGN(_assemble(layers, explicit), self.shape[0], R)
+            batch.chunk_elements = self.chunk_elements
+            out += batch.apply_transpose(batch.apply_S(X))
+            del batch
         self.n_passes += 1
         return out.T
