@@ -18,8 +18,9 @@ with ``--one``), best of ``--repeats``:
   pre-training takes ~12 min and does not change the cost of a fit); needs the SMILES
   file beside the repository (skipped otherwise).
 
-For each: GLAS with its defaults, GLAS with ``memory_budget=64 * 2**20`` ('n/a' when the
-constructor has no such argument) and KronLaplace. Reported: the wall time of ``fit``;
+For each: GLAS with its defaults, GLAS with ``memory_budget=64 * 2**20`` (``--budget``
+MiB; 'n/a' when the constructor has no such argument) and KronLaplace. Reported: the
+wall time of ``fit``;
 its peak memory (CPU: ``VmHWM`` above the RSS just before ``fit``, reset through
 ``/proc/self/clear_refs``; ``--device cuda``: ``torch.cuda.max_memory_allocated`` above
 the memory allocated before ``fit``); GLAS's operator, solver and plan
@@ -227,7 +228,7 @@ def run_one(case: str, method: str, args) -> dict:
         if method == "glas-budget":
             if not budget_supported():
                 return {"na": True, "D": D}
-            kw["memory_budget"] = BUDGET
+            kw["memory_budget"] = args.budget * 2**20
         la = Laplace(model, lik, subset_of_weights="all", hessian_structure="glas", **kw)
         data = loader
     with warnings.catch_warnings(), _peak_probe(args.device) as probe:
@@ -267,6 +268,7 @@ def spawn(case: str, method: str, args, cache: Path | None, policy: str = "inher
     cmd = [sys.executable, __file__, "--one", case, method, "--device", args.device]
     cmd += ["--steps", str(args.steps)] + (["--quick"] if args.quick else [])
     cmd += ["--complement", args.complement] if args.complement is not None else []
+    cmd += ["--budget", str(args.budget)]
     cmd += ["--cache", str(cache)] if cache is not None else []
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=args.timeout, env=child_env(policy)
@@ -286,6 +288,7 @@ def prepare(case: str, args, folder: Path) -> Path | None:
     cmd = [sys.executable, __file__, "--save", case, "--cache", str(path)]
     cmd += ["--steps", str(args.steps)] + (["--quick"] if args.quick else [])
     cmd += ["--complement", args.complement] if args.complement is not None else []
+    cmd += ["--budget", str(args.budget)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -409,6 +412,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--steps", type=int, default=100, help="Adam steps of the MLPs")
     parser.add_argument(
+        "--budget", type=int, default=BUDGET // 2**20, help="the budgeted fits' MiB (default 64)"
+    )
+    parser.add_argument(
         "--complement",
         default=None,
         help="GLAS's complement (default: the library's; 'zero' times the eigen-solve alone)",
@@ -446,7 +452,7 @@ def main(argv=None) -> None:
     print(f"machine: {machine_description()}")
     print(
         f"each fit in a fresh process, best of {args.repeats}; device {args.device}; "
-        f"{'quick sizes; ' if args.quick else ''}budget {BUDGET // 2**20} MiB; GLAS complement "
+        f"{'quick sizes; ' if args.quick else ''}budget {args.budget} MiB; GLAS complement "
         f"{args.complement or 'default'}"
         f"{'' if args.budget_supported else ' (n/a: no memory_budget argument)'}\n"
     )

@@ -77,6 +77,7 @@ import functools
 import os
 import types
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -323,6 +324,7 @@ class Estimates:
         self.estimates: dict[str, int | None] = {}
         self.streaming: tuple[int | None, int] | None = None  # the planner's cache
         self.graph: int | None = None  # one batch's forward graph (bytes), once measured
+        self.first_factors: Any = None  # the factored build's first batch (FactorSizes)
 
     def record(self, strategy: str, peak: int | None) -> bool:
         """Record ``peak`` for ``strategy``; True when it fits (or is unknown)."""

@@ -247,7 +247,7 @@ def plan_solve(
             budget.estimates["linearised"], budget.pairs(),
             *_distributed_fallback(problem, budget),
         ), **size)  # fmt: skip
-    streamed = streamed_factored(problem, built, linearized)
+    streamed = streamed_factored(problem, built, linearized, budget)
     block = STREAMED_BLOCK if size else None  # the planner's choice of solver only
     plan = _streaming_plan(
         problem, problem.reference_operator(), name, reasons, budget, base, streamed, block
@@ -370,6 +370,7 @@ def _factored(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
     wants_dual = solver in ("auto", "dual")
 
     def check(sizes: FactorSizes) -> str | None:
+        budget.first_factors = sizes  # streaming's first estimate, should they not fit
         if sizes.n_batches is None:
             return None  # the cumulative cap below applies
         n = sizes.n_batches

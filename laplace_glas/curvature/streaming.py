@@ -71,16 +71,22 @@ def sliced_problem(problem: CurvatureProblem, budget: Estimates) -> CurvaturePro
 
 
 def streamed_factored(
-    problem: CurvatureProblem, built: str, linearized: str
+    problem: CurvatureProblem, built: str, linearized: str, budget: Estimates
 ) -> tuple[StreamedFactoredGGN, str, BatchFactorSizes] | None:
     """The factored operator rebuilt per product, with its name and its largest batch's
     factor sizes, where the factors of ``problem`` were refused for the budget alone
     (``built`` an :class:`~laplace_glas.curvature.budget.OverBudget`: the model
-    qualified and passed the first batch's forward-mode check) and a survey pass finds
+    qualified and passed the first batch's forward-mode check), the first batch's
+    estimate fits ``budget`` and a survey pass (a product's memory, no columns) finds
     every batch factorable; None otherwise and in a data-parallel fit (which streams
     curvlinops' products).
     """
-    if not isinstance(built, OverBudget) or problem.shards is not None:
+    first = budget.first_factors
+    if not isinstance(built, OverBudget) or problem.shards is not None or first is None:
+        return None
+    shape = (budget.graph, first.batch_bytes, first.rows_per_example)
+    peak, _ = budget.factor_streaming_peak(*shape, widest=first.widest)
+    if peak is not None and peak > budget.total:  # no survey pass for a plan that cannot fit
         return None
     operator = StreamedFactoredGGN(
         problem.model,

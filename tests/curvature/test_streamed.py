@@ -271,3 +271,17 @@ def test_a_classifier_fit_on_rebuilt_factors_is_the_unbudgeted_fit():
     budgeted = fit(memory_budget=2 * _smallest(problem))
     assert str(budgeted.lanczos_info.operator).startswith("factored, rebuilt")
     torch.testing.assert_close(budgeted.eigenvalues, free.eigenvalues, rtol=1e-8, atol=0)
+
+
+def test_no_survey_pass_where_the_first_batch_already_exceeds_the_budget(monkeypatch):
+    _, _, problem = mlp_problem(n=400, batch=20)
+    smallest = _smallest(problem)  # curvlinops' one column: the rebuilt factors need more
+    surveys = []
+    survey = StreamedFactoredGGN.survey
+    monkeypatch.setattr(
+        StreamedFactoredGGN, "survey", lambda self: surveys.append(1) or survey(self)
+    )
+    assert _plan(problem, smallest).operator_name.startswith("curvlinops")
+    assert not surveys
+    assert _plan(problem, 2 * smallest).operator_name.startswith("factored, rebuilt")
+    assert len(surveys) == 1

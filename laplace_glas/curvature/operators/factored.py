@@ -123,6 +123,8 @@ class FactorSizes:
         ``B R``, its rows of ``S``.
     n_batches : int or None
         Batches in the loader (``None`` without a length).
+    rows_per_example : int
+        ``R``, the rows of ``Lambda^{1/2}`` per example.
 
     """
 
@@ -131,6 +133,7 @@ class FactorSizes:
     widest: int
     rows: int
     n_batches: int | None
+    rows_per_example: int = 1
 
 
 # ---------------------------------------------------------------------- operator
@@ -415,7 +418,8 @@ def _sizes(loader: Iterable, layers: dict, explicit: list, out: torch.Tensor, R:
     largest = max([_layer_nbytes(calls) for calls in layers.values()], default=0)
     largest = max([largest, *(J.numel() * J.element_size() for _, J in explicit)])
     rows = out.shape[0] * R
-    return FactorSizes(_nbytes(layers, explicit), largest, _widest(layers), rows, n_batches)
+    sizes = (_nbytes(layers, explicit), largest, _widest(layers), rows, n_batches, R)
+    return FactorSizes(*sizes)
 
 
 def factored_jacobian_directions(
