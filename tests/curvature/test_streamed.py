@@ -163,18 +163,19 @@ def test_the_rebuilt_factors_estimate():
     assert peak == block + 900 + 70 + 4 * 1000 and columns == (10**9 - block - 970) // 1000
 
 
+def _fit(model, data, likelihood="regression", **kwargs):
+    la = ActiveSubspaceLaplace(model, likelihood, n_components=3, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la.fit(data)
+    return la
+
+
 def test_a_fit_on_rebuilt_factors_is_the_unbudgeted_fit():
     model, data, problem = mlp_problem(n=400, batch=20)
 
-    def fit(**kwargs):
-        la = ActiveSubspaceLaplace(model, "regression", n_components=3, **kwargs)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            la.fit(data)
-        return la
-
-    free = fit()
-    budgeted = fit(memory_budget=2 * _smallest(problem))
+    free = _fit(model, data)
+    budgeted = _fit(model, data, memory_budget=2 * _smallest(problem))
     info = budgeted.lanczos_info
     assert info.strategy == "streaming" and str(info.operator).startswith("factored, rebuilt")
     torch.testing.assert_close(budgeted.eigenvalues, free.eigenvalues, rtol=1e-8, atol=0)
@@ -223,54 +224,6 @@ def test_a_later_batch_the_factors_cannot_take_is_never_streamed_on_factors():
     for budget in (2 * _smallest(problem), 8 * _smallest(problem)):
         plan = _plan(problem, budget)
         assert not plan.operator_name.startswith("factored, rebuilt")
-
-
-class _Recurrent(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.rnn = nn.GRU(3, 6, batch_first=True)
-        self.out = nn.Linear(6, 2)
-
-    def forward(self, x):
-        return self.out(self.rnn(x)[0][:, -1])
-
-
-def test_models_the_factors_do_not_cover_stream_curvlinops():
-    torch.manual_seed(0)
-    model = _Recurrent().to(F64).eval()
-    g = torch.Generator().manual_seed(1)
-    X, y = torch.randn(40, 5, 3, generator=g, dtype=F64), torch.randn(40, 2, generator=g, dtype=F64)
-    problem = CurvatureProblem.build(
-        model, list(model.parameters()), loader(X, y, 10), "regression", torch.Size([2]), dtype=F64
-    )
-    for budget in (_smallest(problem), 4 * _smallest(problem)):
-        plan = _plan(problem, budget)
-        if plan.strategy == "streaming":
-            assert plan.operator_name.startswith("curvlinops")
-
-
-def test_a_classifier_fit_on_rebuilt_factors_is_the_unbudgeted_fit():
-    # softmax cross-entropy: curvlinops' products carry a scale != 1, the factors none
-    g = torch.Generator().manual_seed(4)
-    model = mlp([3, 16, 16, 3], dtype=F64).eval()
-    X, y = torch.randn(400, 3, generator=g, dtype=F64), torch.randint(0, 3, (400,), generator=g)
-    data = loader(X, y, batch_size=20)
-    problem = CurvatureProblem.build(
-        model, list(model.parameters()), data, "classification", torch.Size([3]), dtype=F64
-    )
-    assert problem.scale != 1.0
-
-    def fit(**kwargs):
-        la = ActiveSubspaceLaplace(model, "classification", n_components=3, **kwargs)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            la.fit(data)
-        return la
-
-    free = fit()
-    budgeted = fit(memory_budget=2 * _smallest(problem))
-    assert str(budgeted.lanczos_info.operator).startswith("factored, rebuilt")
-    torch.testing.assert_close(budgeted.eigenvalues, free.eigenvalues, rtol=1e-8, atol=0)
 
 
 def test_no_survey_pass_where_the_first_batch_already_exceeds_the_budget(monkeypatch):
