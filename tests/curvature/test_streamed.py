@@ -226,6 +226,22 @@ def test_a_later_batch_the_factors_cannot_take_is_never_streamed_on_factors():
         assert not plan.operator_name.startswith("factored, rebuilt")
 
 
+def test_a_classifier_fit_on_rebuilt_factors_is_the_unbudgeted_fit():
+    # softmax cross-entropy: curvlinops' products carry a scale != 1, the factors none
+    g = torch.Generator().manual_seed(4)
+    model = mlp([3, 16, 16, 3], dtype=F64).eval()
+    X, y = torch.randn(400, 3, generator=g, dtype=F64), torch.randint(0, 3, (400,), generator=g)
+    data = loader(X, y, batch_size=20)
+    problem = CurvatureProblem.build(
+        model, list(model.parameters()), data, "classification", torch.Size([3]), dtype=F64
+    )
+    assert problem.scale != 1.0
+    free = _fit(model, data, "classification")
+    budgeted = _fit(model, data, "classification", memory_budget=2 * _smallest(problem))
+    assert str(budgeted.lanczos_info.operator).startswith("factored, rebuilt")
+    torch.testing.assert_close(budgeted.eigenvalues, free.eigenvalues, rtol=1e-8, atol=0)
+
+
 def test_no_survey_pass_where_the_first_batch_already_exceeds_the_budget(monkeypatch):
     _, _, problem = mlp_problem(n=400, batch=20)
     smallest = _smallest(problem)  # curvlinops' one column: the rebuilt factors need more
