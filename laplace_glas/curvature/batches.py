@@ -28,6 +28,7 @@ __all__ = [
     "slice_batch",
     "slices_agree",
     "split_batch",
+    "split_batch_to",
     "subsample_loader",
 ]
 
@@ -60,6 +61,16 @@ def split_batch(data: Any, dict_key_y: str = "labels") -> tuple[Any, torch.Tenso
             f"dict_key_y='{dict_key_y}'."
         ) from None
     return X, y
+
+
+def split_batch_to(
+    data: Any, device: torch.device | str, dict_key_y: str = "labels"
+) -> tuple[Any, torch.Tensor]:
+    """:func:`split_batch` with a tensor input and the target moved to ``device`` (a
+    mapping input is passed whole, as it is, to the model).
+    """
+    X, y = split_batch(data, dict_key_y)
+    return (X.to(device) if isinstance(X, torch.Tensor) else X), y.to(device)
 
 
 def scored_pair(

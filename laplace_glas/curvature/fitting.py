@@ -30,7 +30,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from laplace_glas.autodiff.context import autodiff_friendly
-from laplace_glas.curvature.batches import batch_size, check_finite, check_input_dtype, split_batch
+from laplace_glas.curvature.batches import (
+    batch_size,
+    check_finite,
+    check_input_dtype,
+    split_batch,
+    split_batch_to,
+)
 from laplace_glas.curvature.losses import TokenCrossEntropy, count_targets
 from laplace_glas.validation import check_model_output
 
@@ -96,9 +102,7 @@ def loss_at_map(
     n_terms, n_points, out_shape = 0, 0, None
     batches = tqdm(loader, desc="[GLAS] loss at MAP", disable=not progress_bar)
     for i, data in enumerate(batches):
-        X, y = split_batch(data, dict_key_y)
-        X = X.to(device) if isinstance(X, torch.Tensor) else X
-        y = y.to(device)
+        X, y = split_batch_to(data, device, dict_key_y)
         check_finite("The training inputs", X, i)
         check_input_dtype("The training inputs", X, dtype, i)
         check_finite("The training targets", y, i)

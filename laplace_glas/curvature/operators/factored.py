@@ -59,7 +59,7 @@ from torch import nn
 from torch.func import functional_call, jvp
 from tqdm.auto import tqdm
 
-from laplace_glas.curvature.batches import batch_size, split_batch
+from laplace_glas.curvature.batches import batch_size, split_batch_to
 from laplace_glas.curvature.budget import OverBudget, return_freed_memory
 from laplace_glas.curvature.operators.factor_join import (
     _assemble,
@@ -364,9 +364,7 @@ def build_factored_ggn(
     try:
         batches = tqdm(loader, desc="[GLAS] factored GGN", disable=not progress_bar)
         for i, data in enumerate(batches):
-            X, y = split_batch(data, dict_key_y)
-            X = X.to(device) if isinstance(X, torch.Tensor) else X
-            y = y.to(device)
+            X, y = split_batch_to(data, device, dict_key_y)
             out, rows, layers, explicit, R = _batch_factors(
                 model, recorder, X, y, likelihood, ignore_index, scale, offsets, dict_key_x
             )

@@ -47,7 +47,7 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 from tqdm.auto import tqdm
 
-from laplace_glas.curvature.batches import batch_size, split_batch
+from laplace_glas.curvature.batches import batch_size, split_batch_to
 from laplace_glas.curvature.operators.factor_join import (
     _assemble,
 )
@@ -212,9 +212,7 @@ def _factored_batches(model, params, loader, likelihood, n_terms, options):
     recorder = _Recorder(offsets)
     try:
         for i, data in enumerate(loader):
-            X, y = split_batch(data, options["dict_key_y"])
-            X = X.to(options["device"]) if isinstance(X, torch.Tensor) else X
-            y = y.to(options["device"])
+            X, y = split_batch_to(data, options["device"], options["dict_key_y"])
             if i == 0:
                 reason = _larger_than_factors(model, recorder, X, likelihood, n_params)
                 if reason is not None:
@@ -267,9 +265,7 @@ def _func_batches(model, params, loader, likelihood, n_terms, options):
 
     jacobian = vmap(jacrev(single), in_dims=(None, 0))
     for i, data in enumerate(loader):
-        X, y = split_batch(data, options["dict_key_y"])
-        X = X.to(options["device"]) if isinstance(X, torch.Tensor) else X
-        y = y.to(options["device"])
+        X, y = split_batch_to(data, options["device"], options["dict_key_y"])
         with torch.no_grad():
             out = check_model_output(model(X))
         B = batch_size(X, options["dict_key_x"])

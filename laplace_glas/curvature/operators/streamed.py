@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from laplace_glas.curvature.batches import split_batch
+from laplace_glas.curvature.batches import split_batch_to
 from laplace_glas.curvature.budget import return_freed_memory
 from laplace_glas.curvature.operators.factor_join import _assemble, _nbytes, _widest
 from laplace_glas.curvature.operators.factored import _CHUNK_ELEMENTS, FactoredGGN
@@ -133,14 +133,12 @@ class StreamedFactoredGGN(TorchOperator):
         recorder = _Recorder(self._offsets)
         try:
             for data in self.loader:
-                inputs, y = split_batch(data, self.dict_key_y)
-                if isinstance(inputs, torch.Tensor):
-                    inputs = inputs.to(self.device)
+                inputs, y = split_batch_to(data, self.device, self.dict_key_y)
                 _, _, layers, explicit, R = _batch_factors(
                     self.model,
                     recorder,
                     inputs,
-                    y.to(self.device),
+                    y,
                     self.likelihood,
                     self.ignore_index,
                     self.scale,
