@@ -57,6 +57,12 @@ loader's batches:
   GEMMs' temporaries, ``W`` the widest layer's ``B T d_out``), plus ``B``
   (:meth:`Estimates.factor_streaming_peak`); where
   that exceeds the budget and curvlinops' streaming does not, curvlinops streams.
+  For a model the linearised operator covers, streaming rebuilds one batch's kept
+  graphs per product
+  (:class:`~laplace_glas.curvature.operators.relinearized.RelinearizedGGN`): the
+  first batch's graphs ``L`` (as the kept build counted them) plus per column ``L``
+  (the two backward passes' temporaries, as for the kept operator) and ``4 D s``,
+  plus ``B`` (:meth:`Estimates.linearized_streaming_peak`).
 
 :class:`PeakMemory` measures the peak of a fit above the memory in use when it starts:
 on CUDA ``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats``
@@ -376,6 +382,19 @@ class Estimates:
             storage = solver_storage("block", self.D, self.k, self.itemsize, block_size=block)
         fixed = storage + (2 + rows) * graph + factors
         column = (4 * self.D + 2 * widest) * self.itemsize
+        return fixed + block * column, max(block, (self.total - fixed) // column)
+
+    def linearized_streaming_peak(self, batch: int, block: int = 1) -> tuple[int, int]:
+        """The peak of streaming on one batch's rebuilt graphs (``batch`` bytes, ``L``)
+        and the columns a product may take at once: ``B + L`` fixed and ``L + 4 D s``
+        per column, for ``block`` columns at once (``block > 1``: with the block
+        solver's storage ``B`` for that block size).
+        """
+        storage = self.storage
+        if block > 1:
+            storage = solver_storage("block", self.D, self.k, self.itemsize, block_size=block)
+        fixed = storage + batch
+        column = batch + 4 * self.D * self.itemsize
         return fixed + block * column, max(block, (self.total - fixed) // column)
 
     def slice_size(self, graph: int, batch: int) -> tuple[int, tuple[int, int]]:

@@ -94,6 +94,8 @@ from laplace_glas.curvature.streaming import (
     choose_streaming,
     sliced_problem,
     streamed_factored,
+    streamed_linearized,
+    streamed_what,
     streaming_estimate,
 )
 
@@ -248,14 +250,13 @@ def plan_solve(
             *_distributed_fallback(problem, budget),
         ), **size)  # fmt: skip
     streamed = streamed_factored(problem, built, linearized, budget)
+    relinearized = streamed_linearized(problem, built, linearized, budget)
     block = STREAMED_BLOCK if size else None  # the planner's choice of solver only
     plan = _streaming_plan(
-        problem, problem.reference_operator(), name, reasons, budget, base, streamed, block
-    )
-    rebuilt = streamed is not None and plan.operator.operator is streamed[0]
-    _warn_fallback(
-        solver, built, "the factors rebuilt per batch" if rebuilt else "curvlinops' operator"
-    )
+        problem, problem.reference_operator(), name, reasons, budget, base,
+        streamed, block, relinearized,
+    )  # fmt: skip
+    _warn_fallback(solver, built, streamed_what(plan.operator.operator, streamed, relinearized))
     if size and plan.block_size is not None:
         size = {**size, "block_size": plan.block_size}
     return replace(plan, **size)
@@ -281,13 +282,22 @@ def _distributed_fallback(problem: CurvatureProblem, budget: Estimates) -> tuple
 
 
 def _streaming_plan(
-    problem, operator, name, reasons, budget: Estimates, solver: str, streamed=None, block=None
+    problem,
+    operator,
+    name,
+    reasons,
+    budget: Estimates,
+    solver: str,
+    streamed=None,
+    block=None,
+    relinearized=None,
 ) -> Plan:
     """Streaming in column chunks that fit (:func:`~.streaming.choose_streaming`:
-    ``streamed``, the factors rebuilt per product, ``block`` columns per pass where
-    they fit, else curvlinops' ``operator``), or the budget error.
+    ``streamed``, the factors rebuilt per product, or ``relinearized``, the linearised
+    operator's, ``block`` columns per pass where they fit, else curvlinops'
+    ``operator``), or the budget error.
     """
-    chosen = choose_streaming(budget, problem, operator, name, streamed, block)
+    chosen = choose_streaming(budget, problem, operator, name, streamed, block, relinearized)
     peak, columns, operator, name, scale, block_size = chosen
     if not budget.record("streaming", peak):
         raise budget.refuse("this fit")

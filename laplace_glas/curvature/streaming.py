@@ -2,12 +2,17 @@
 
 Streaming recomputes one batch's graph per product, so that the fit holds one batch
 and the solver's ``O(k D)`` basis (:mod:`~laplace_glas.curvature.budget` gives the
-estimates). Two operators stream:
+estimates). Three operators stream:
 
 * the factored operator rebuilt batch by batch
   (:class:`~laplace_glas.curvature.operators.streamed.StreamedFactoredGGN`), for a
   model whose factors qualified but do not fit: a product is one forward and one
   batched backward pass per batch, and a block of columns shares them;
+* the linearised operator rebuilt batch by batch
+  (:class:`~laplace_glas.curvature.operators.relinearized.RelinearizedGGN`), for a
+  model whose kept graphs qualified but do not fit: a product is one forward and one
+  ``create_graph`` backward pass per batch, shared by a block of columns, and two
+  backward passes per column;
 * curvlinops' GGN operator, for every other model: a forward, a forward-mode and a
   backward pass per batch and column.
 
@@ -29,6 +34,7 @@ from laplace_glas.curvature.batches import (
 )
 from laplace_glas.curvature.budget import Estimates, OverBudget, return_freed_memory
 from laplace_glas.curvature.operators.linearized import forward_graph_bytes
+from laplace_glas.curvature.operators.relinearized import RelinearizedGGN
 from laplace_glas.curvature.operators.streamed import BatchFactorSizes, StreamedFactoredGGN
 from laplace_glas.curvature.problem import CurvatureProblem
 
@@ -37,6 +43,8 @@ __all__ = [
     "choose_streaming",
     "sliced_problem",
     "streamed_factored",
+    "streamed_linearized",
+    "streamed_what",
     "streaming_estimate",
 ]
 
@@ -107,6 +115,55 @@ def streamed_factored(
     return operator, name, sizes
 
 
+def streamed_linearized(
+    problem: CurvatureProblem, built: str, linearized: str, budget: Estimates
+) -> tuple[RelinearizedGGN, str, int] | None:
+    """The linearised operator rebuilt per product, with its name and one batch's graph
+    bytes, for a model the factored operator does not cover (``built`` is a plain
+    reason, not an :class:`~laplace_glas.curvature.budget.OverBudget`: a model it
+    covers streams its rebuilt factors or curvlinops' products), where the kept graphs
+    of ``problem`` were refused for the budget alone
+    (``linearized`` an :class:`~laplace_glas.curvature.budget.OverBudget` with the
+    first batch's bytes: the model passed the linearisation) and, where its one-column
+    estimate fits ``budget``, the first batch passes the double-backward check (an
+    operator whose estimate does not fit is returned unchecked: it can only be
+    refused, naming its estimate); None otherwise and in a data-parallel fit (which
+    streams curvlinops' products).
+    """
+    batch = getattr(linearized, "batch_bytes", None)
+    if not isinstance(linearized, OverBudget) or problem.shards is not None or batch is None:
+        return None
+    if isinstance(built, OverBudget):  # the factored operator covers the model: it streams
+        return None
+    operator = RelinearizedGGN(
+        problem.model,
+        problem.loss_func,
+        problem.params,
+        problem.data,
+        num_data=problem.num_data,
+        batch_size_fn=problem.batch_size_fn,
+        device=problem.device,
+        batch_bytes=batch,
+    )
+    name = f"linearised, rebuilt per batch (not factored: {built}; not kept: {linearized})"
+    if budget.linearized_streaming_peak(batch)[0] > budget.total:
+        return operator, name, batch  # unchecked: it can only size the refusal
+    reason = operator.check()
+    return_freed_memory()  # the checked batch's graphs
+    return None if reason is not None else (operator, name, batch)
+
+
+def streamed_what(operator: Any, streamed: tuple | None, relinearized: tuple | None) -> str:
+    """What a streaming plan's ``operator`` is (one of ``streamed``'s and
+    ``relinearized``'s, or curvlinops'), for the planner's fallback warning.
+    """
+    if streamed is not None and operator is streamed[0]:
+        return "the factors rebuilt per batch"
+    if relinearized is not None and operator is relinearized[0]:
+        return "the linearised operator rebuilt per batch"
+    return "curvlinops' operator"
+
+
 STREAMED_BLOCK = 4
 """Columns per pass of the block solver on the rebuilt factors where the caller leaves
 the solver to the planner: the pass over the data is shared by the block (mlp16k under
@@ -121,6 +178,7 @@ def choose_streaming(
     name: str,
     streamed: tuple[StreamedFactoredGGN, str, BatchFactorSizes] | None = None,
     block: int | None = None,
+    relinearized: tuple[RelinearizedGGN, str, int] | None = None,
 ) -> tuple[int | None, int, Any, str, float, int | None]:
     """``(peak, columns, operator, name, scale, block_size)`` of the streaming operator
     to use (``scale``: the factor of its products, 1 for the factored one;
@@ -128,17 +186,25 @@ def choose_streaming(
     caller's): ``streamed`` where its estimate
     (:meth:`~.budget.Estimates.factor_streaming_peak`, from its largest batch's factors)
     fits the budget, with ``block`` columns per pass where that fits too (``block``
-    None: the caller chose the solver), else curvlinops' ``operator``
+    None: the caller chose the solver), else ``relinearized`` likewise
+    (:meth:`~.budget.Estimates.linearized_streaming_peak`), else curvlinops' ``operator``
     (:func:`streaming_estimate`); where none fits, the one with the smallest estimate
     (which the caller refuses, naming it). The chosen streamed operator's product
     temporaries are bounded by its columns (``chunk_elements``).
     """
     peak, columns = streaming_estimate(budget, problem)
     options = [(peak, columns, operator, name, problem.scale, None)]
+    widths = (1, block) if block is not None and block > 1 else (1,)
+    if relinearized is not None:
+        rebuilt, rebuilt_name, batch = relinearized
+        for width in widths:
+            estimate = budget.linearized_streaming_peak(batch, block=width)
+            wide = width if width > 1 else None
+            options.insert(0, (*estimate, rebuilt, rebuilt_name, problem.scale, wide))
     if streamed is not None:
         rebuilt, rebuilt_name, sizes = streamed
         shape = (budget.graph, sizes.factor_bytes, sizes.rows)
-        for width in (1, block) if block is not None and block > 1 else (1,):
+        for width in widths:
             estimate = budget.factor_streaming_peak(*shape, block=width, widest=sizes.widest)
             wide = width if width > 1 else None
             options.insert(0, (*estimate, rebuilt, rebuilt_name, 1.0, wide))
@@ -146,4 +212,6 @@ def choose_streaming(
     chosen = fitting[0] if fitting else min(options, key=lambda option: option[0])
     if streamed is not None and chosen[2] is streamed[0]:
         chosen[2].chunk_elements = max(sizes.widest, chosen[1] * sizes.widest)
+    if relinearized is not None and chosen[2] is relinearized[0]:
+        chosen[2].column_chunk = max(1, min(chosen[2].column_chunk, chosen[1]))
     return chosen

@@ -428,8 +428,17 @@ def test_a_model_whose_examples_interact_is_not_sliced():
     )
     whole = _plan(problem, 2**40, solver="lanczos").estimated_peak
     with pytest.raises(MemoryBudgetError) as refused:
-        _plan(problem, whole - 1)
+        _plan(problem, whole - 1, solver="lanczos")
     assert refused.value.smallest == whole  # whole batches: no slice stands for them
+    # the planner's own choice: the smallest budget it names streams whole batches too
+    # (the linearised graphs rebuilt per batch, whose estimate lies below curvlinops')
+    with pytest.raises(MemoryBudgetError) as refused:
+        _plan(problem, 1)
+    smallest = refused.value.smallest
+    assert smallest < whole
+    plan = _plan(problem, smallest)
+    assert plan.strategy == "streaming" and plan.estimated_peak == smallest
+    assert "rebuilt per batch" in plan.operator_name and "slices" not in plan.operator_name
     assert "slices" not in _plan(problem, whole).operator_name
 
 

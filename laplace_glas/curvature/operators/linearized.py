@@ -173,38 +173,105 @@ class LinearizedGGN(TorchOperator):
         columns = V.T.split(self.sizes, dim=1)
         return [columns[i].reshape(V.shape[1], *self.shapes[i]) for i in lin.used]
 
+    def batches(self) -> Iterable[_Linearization]:
+        """The batches' linearisations a product passes over (the kept ones)."""
+        return self.linearizations
+
     def matmat_torch(self, V: torch.Tensor) -> torch.Tensor:
         """``G V`` for ``V (D, m)``."""
         V = V.to(device=self.device, dtype=self.torch_dtype)
         m = V.shape[1]
-        self.n_products += m
         result = torch.zeros(m, self.shape[0], dtype=self.torch_dtype, device=self.device)
-        for lin in self.linearizations:
-            for start in range(0, m, self.column_chunk):
-                chunk = V[:, start : start + self.column_chunk]
-                rows = result[start : start + self.column_chunk]
-                if chunk.shape[1] > 1 and self.batched:
-                    try:
-                        rows += self._product(lin, chunk, batched=True)
-                        continue
-                    except torch.OutOfMemoryError:
-                        if self.column_chunk == 1:
-                            raise
-                        self.column_chunk = max(1, self.column_chunk // 2)
-                        self.n_products -= m
-                        return self.matmat_torch(V)  # again, in smaller chunks
-                    except RuntimeError as err:  # vmap cannot batch this backward pass
-                        self.batched = False
-                        reason = str(err).splitlines()[0]
-                        warnings.warn(
-                            "The linearised GGN multiplies one column at a time: vmap "
-                            f"cannot batch this model's backward pass ({reason}).",
-                            UserWarning,
-                            stacklevel=2,
-                        )
-                for j in range(chunk.shape[1]):
-                    rows[j] += self._product(lin, chunk[:, j : j + 1], batched=False)[0]
+        for lin in self.batches():
+            done = self._accumulate(lin, V, result)
+            del lin  # a rebuilt batch's graphs go before the next batch is linearised
+            if not done:
+                return self.matmat_torch(V)  # again, in smaller chunks
+        self.n_products += m
         return result.T
+
+    def _accumulate(self, lin: _Linearization, V: torch.Tensor, result: torch.Tensor) -> bool:
+        """Add batch ``lin``'s ``c J_b^T Lambda_b J_b V`` to ``result (m, D)``, in column
+        chunks; False where the device ran out of memory and the chunk was halved.
+        """
+        for start in range(0, V.shape[1], self.column_chunk):
+            chunk = V[:, start : start + self.column_chunk]
+            rows = result[start : start + self.column_chunk]
+            if chunk.shape[1] > 1 and self.batched:
+                try:
+                    rows += self._product(lin, chunk, batched=True)
+                    continue
+                except torch.OutOfMemoryError:
+                    if self.column_chunk == 1:
+                        raise
+                    self.column_chunk = max(1, self.column_chunk // 2)
+                    return False
+                except RuntimeError as err:  # vmap cannot batch this backward pass
+                    self.batched = False
+                    reason = str(err).splitlines()[0]
+                    warnings.warn(
+                        "The linearised GGN multiplies one column at a time: vmap "
+                        f"cannot batch this model's backward pass ({reason}).",
+                        UserWarning,
+                        stacklevel=3,
+                    )
+            for j in range(chunk.shape[1]):
+                rows[j] += self._product(lin, chunk[:, j : j + 1], batched=False)[0]
+        return True
+
+
+def linearize_batch(
+    model: nn.Module,
+    loss_func: nn.Module,
+    params: Sequence[torch.Tensor],
+    X: torch.Tensor | dict,
+    y: torch.Tensor,
+    *,
+    num_data: int,
+    batch_size_fn: Callable | None = None,
+    device: torch.device | str = "cpu",
+    counter: _SavedBytes | None = None,
+) -> _Linearization | str:
+    """One batch's kept graphs: its outputs ``f_b`` (a forward pass with the elementwise
+    activations' derivatives frozen), ``J_b^T u`` built with ``create_graph=True`` and
+    the loss gradient ``c nabla_f l_b``; or why the batch cannot be linearised.
+
+    ``counter`` (a :class:`_SavedBytes`) counts the bytes the graphs save and the ones
+    the linearisation holds itself.
+    """
+    counter = counter if counter is not None else _SavedBytes(set())
+    X = batch_to_device(X, device)
+    y = y.to(device)
+    with counter.hooks(), torch.enable_grad():
+        with frozen_elementwise_derivatives(model):  # fewer kernels per product
+            outputs = model(X)
+        if not isinstance(outputs, torch.Tensor):
+            return f"the model returned a {type(outputs).__name__}, not a tensor"
+        if not outputs.requires_grad:
+            return "the model output does not depend on the parameters"
+        dummy = torch.zeros_like(outputs, requires_grad=True)
+        pullback = torch.autograd.grad(outputs, params, dummy, create_graph=True, allow_unused=True)
+        used = tuple(i for i, g in enumerate(pullback) if g is not None)
+        cut = [i for i in used if not pullback[i].requires_grad]
+        if cut:  # J^T u without a graph to u: its J v would silently be zero
+            return (
+                f"the backward pass of parameter {cut[0]} (of {len(params)}) has no graph "
+                "of its own, so it cannot be differentiated twice (a custom function "
+                "whose backward detaches?)"
+            )
+        leaf = outputs.detach().requires_grad_(True)
+        scale = 1.0
+        if getattr(loss_func, "reduction", None) == "mean":
+            if batch_size_fn is None and not isinstance(X, torch.Tensor):
+                return "reduction='mean' on mapping inputs needs batch_size_fn"
+            n = batch_size_fn(X) if batch_size_fn is not None else X.shape[0]
+            scale = n / num_data
+        (loss_gradient,) = torch.autograd.grad(scale * loss_func(leaf, y), leaf, create_graph=True)
+    pulled = tuple(pullback[i] for i in used)
+    kept = _Linearization(outputs, dummy, pulled, used, leaf, loss_gradient)
+    for tensor in (outputs, leaf, loss_gradient, *kept.pullback):  # held, not saved
+        counter.pack(tensor)
+    return kept
 
 
 def build_linearized_ggn(
@@ -260,48 +327,17 @@ def build_linearized_ggn(
     owned = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     counter = _SavedBytes(owned)
     linearizations = []
-    reduction = getattr(loss_func, "reduction", None)
     try:
         n_batches = len(data)
     except TypeError:
         n_batches = None
     for X, y in tqdm(data, desc="Linearising", disable=not progress_bar):
-        X = batch_to_device(X, device)
-        y = y.to(device)
-        with counter.hooks(), torch.enable_grad():
-            with frozen_elementwise_derivatives(model):  # fewer kernels per product
-                outputs = model(X)
-            if not isinstance(outputs, torch.Tensor):
-                return f"the model returned a {type(outputs).__name__}, not a tensor"
-            if not outputs.requires_grad:
-                return "the model output does not depend on the parameters"
-            dummy = torch.zeros_like(outputs, requires_grad=True)
-            pullback = torch.autograd.grad(
-                outputs, params, dummy, create_graph=True, allow_unused=True
-            )
-            used = tuple(i for i, g in enumerate(pullback) if g is not None)
-            cut = [i for i in used if not pullback[i].requires_grad]
-            if cut:  # J^T u without a graph to u: its J v would silently be zero
-                return (
-                    f"the backward pass of parameter {cut[0]} (of {len(params)}) has no graph "
-                    "of its own, so it cannot be differentiated twice (a custom function "
-                    "whose backward detaches?)"
-                )
-            leaf = outputs.detach().requires_grad_(True)
-            scale = 1.0
-            if reduction == "mean":
-                if batch_size_fn is None and not isinstance(X, torch.Tensor):
-                    return "reduction='mean' on mapping inputs needs batch_size_fn"
-                n = batch_size_fn(X) if batch_size_fn is not None else X.shape[0]
-                scale = n / num_data
-            (loss_gradient,) = torch.autograd.grad(
-                scale * loss_func(leaf, y), leaf, create_graph=True
-            )
-        kept = _Linearization(
-            outputs, dummy, tuple(pullback[i] for i in used), used, leaf, loss_gradient
-        )
-        for tensor in (outputs, leaf, loss_gradient, *kept.pullback):  # held, not saved
-            counter.pack(tensor)
+        kept = linearize_batch(
+            model, loss_func, params, X, y, num_data=num_data, batch_size_fn=batch_size_fn,
+            device=device, counter=counter,
+        )  # fmt: skip
+        if isinstance(kept, str):
+            return kept
         linearizations.append(kept)
         if len(linearizations) == 1:
             first_batch = counter.bytes

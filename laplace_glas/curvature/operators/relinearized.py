@@ -1,0 +1,131 @@
+"""The linearised GGN with each batch's graphs rebuilt at every product: streaming for
+models the factored operator does not cover.
+
+The linearised operator (:mod:`~laplace_glas.curvature.operators.linearized`) keeps,
+for every batch ``b``, the forward graph of ``f_b`` and the graph of
+``J_b^T u`` (built with ``create_graph=True``), and multiplies
+
+.. math::
+
+    G V = c \\sum_b J_b^\\top \\Lambda_b J_b V
+
+by two backward passes per batch over them. Where those graphs of all batches exceed
+the memory budget, :class:`RelinearizedGGN` rebuilds one batch's graphs at a time (one
+forward pass with the elementwise activations' derivatives frozen, and the
+``create_graph`` backward pass), multiplies the whole block of columns with them and
+drops them before the next batch. Its memory is one batch's graphs plus the columns;
+its products are the kept operator's (the same graphs, rebuilt). Against curvlinops'
+GGN products, which the planner streamed otherwise, the batch's pass is shared by the
+block of columns and the activations' derivatives are not differentiated again.
+
+The planner (:mod:`~laplace_glas.curvature.streaming`) uses it as its ``'streaming'``
+strategy for a model that the linearised operator covers but whose kept graphs do not
+fit the budget (and whose factored operator does not stream instead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from laplace_glas.curvature.budget import return_freed_memory
+from laplace_glas.curvature.operators.linearized import (
+    _COLUMN_BYTES,
+    LinearizedGGN,
+    _adjoint_check,
+    _Linearization,
+    linearize_batch,
+)
+
+__all__ = ["RelinearizedGGN"]
+
+
+class RelinearizedGGN(LinearizedGGN):
+    """``G = c sum_b J_b^T Lambda_b J_b`` with batch ``b``'s graphs rebuilt per product.
+
+    Parameters
+    ----------
+    model, loss_func, params
+        As for :func:`~laplace_glas.curvature.operators.linearized.build_linearized_ggn`.
+    data : iterable
+        ``(X, y)`` batches, passed over once per product (their order does not matter).
+    num_data : int
+        Divides the batches' GGNs for ``reduction='mean'`` (times the batch size).
+    batch_size_fn : callable, optional
+        The batch size of an ``X`` (default ``X.shape[0]``).
+    device : torch.device or str
+        Where the batches go (the model's device).
+    batch_bytes : int
+        One batch's graphs (the first batch's, as the kept build counted them): a
+        batched product's columns go through the backward passes in chunks of
+        ``column_bytes`` over it.
+    column_bytes : int
+        Temporaries a batched product may take (at most 512 MiB).
+
+    Notes
+    -----
+    ``matmat_torch(V)`` returns ``G V`` for ``V (D, m)``: per batch, the linearisation
+    (:func:`~laplace_glas.curvature.operators.linearized.linearize_batch`), then the
+    kept operator's two backward passes for the columns (batched where vmap can), and
+    the batch's graphs are freed before the next batch is linearised.
+
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_func: nn.Module,
+        params: Sequence[torch.Tensor],
+        data: Iterable,
+        *,
+        num_data: int,
+        batch_size_fn: Callable | None = None,
+        device: torch.device | str = "cpu",
+        batch_bytes: int,
+        column_bytes: int = _COLUMN_BYTES,
+    ):
+        super().__init__([], list(params), batch_bytes, column_bytes)
+        self.model = model
+        self.loss_func = loss_func
+        self.data = data
+        self.num_data = int(num_data)
+        self.batch_size_fn = batch_size_fn
+
+    def batches(self) -> Iterator[_Linearization]:
+        """Each batch's linearisation, built when the product reaches it.
+
+        Raises
+        ------
+        RuntimeError
+            If a batch cannot be linearised (the first one could: the planner built it).
+
+        """
+        for i, (X, y) in enumerate(self.data):
+            # yielded without a name here, so that the caller's release frees it
+            yield self._linearized(X, y, i)
+
+    def _linearized(self, X: torch.Tensor | dict, y: torch.Tensor, index: int) -> _Linearization:
+        lin = linearize_batch(
+            self.model, self.loss_func, self.params, X, y, num_data=self.num_data,
+            batch_size_fn=self.batch_size_fn, device=self.device,
+        )  # fmt: skip
+        if isinstance(lin, str):
+            raise RuntimeError(f"Batch {index} of the training data cannot be linearised: {lin}.")
+        return lin
+
+    def check(self) -> str | None:
+        """Why this model's rebuilt products cannot be trusted, or None: the kept
+        operator's check of the double-backward ``J v`` against ``J^T u`` on the first
+        batch (:func:`~laplace_glas.curvature.operators.linearized._adjoint_check`).
+        """
+        for lin in self.batches():
+            return _adjoint_check(self, lin)
+        return "the loader is empty"
+
+    def matmat_torch(self, V: torch.Tensor) -> torch.Tensor:
+        """``G V`` for ``V (D, m)``, one batch's graphs at a time."""
+        result = super().matmat_torch(V)
+        return_freed_memory()  # the last batch's graphs
+        return result

@@ -1,0 +1,220 @@
+"""The linearised GGN rebuilt batch by batch per product, and the planner's use of it."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+
+import pytest
+import torch
+from test_linearized import (
+    CustomMLP,
+    OnceDifferentiableTanh,
+    dense_ggn,
+    problem,
+    regression_batches,
+)
+from torch import nn
+
+from laplace_glas import ActiveSubspaceLaplace
+from laplace_glas.autodiff.context import autodiff_friendly
+from laplace_glas.curvature import budget as budget_module
+from laplace_glas.curvature.operators import relinearized as relinearized_module
+from laplace_glas.curvature.operators.linearized import build_linearized_ggn
+from laplace_glas.curvature.operators.relinearized import RelinearizedGGN
+from laplace_glas.curvature.planner import plan_solve
+from laplace_glas.curvature.problem import CurvatureProblem
+from laplace_glas.curvature.streaming import STREAMED_BLOCK
+
+F64 = torch.float64
+
+
+def _operator(model, batches, loss_func, num_data, batch_size_fn=None):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return RelinearizedGGN(
+        model, loss_func, params, batches, num_data=num_data, batch_size_fn=batch_size_fn,
+        batch_bytes=2**20,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["mlp-mse", "lstm-tokens", "attention-dict", "gpt2-lora-tokens"])
+def test_products_equal_the_explicit_ggn_and_the_kept_operators(name):
+    model, batches, loss_func, num_data = problem(name)
+    size = (lambda X: X["x"].shape[0]) if name == "attention-dict" else None
+    operator = _operator(model, batches, loss_func, num_data, size)
+    G = dense_ggn(model, batches, loss_func, num_data)  # jacrev and closed-form Hessians
+    V = torch.randn(G.shape[0], 4, generator=torch.Generator().manual_seed(2), dtype=F64)
+    params = [p for p in model.parameters() if p.requires_grad]
+    with autodiff_friendly(model):
+        block = operator @ V  # one pass: each batch linearised once for the 4 columns
+        column = operator @ V[:, :1]
+        kept = build_linearized_ggn(
+            model, loss_func, params, batches, num_data=num_data, batch_size_fn=size,
+            budget_bytes=2**30,
+        )  # fmt: skip
+        kept_block = kept @ V
+    torch.testing.assert_close(block, G @ V, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(column, G @ V[:, :1], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(block, kept_block, rtol=1e-12, atol=1e-14)
+    assert operator.n_products == 5 and operator.linearizations == []
+
+
+def test_a_batch_is_freed_before_the_next_is_linearised(monkeypatch):
+    model, batches, loss_func, num_data = problem("lstm-tokens")
+    batches = batches + batches  # four batches
+    alive = []
+    built = relinearized_module.linearize_batch
+
+    def watched(*args, **kwargs):
+        gc.collect()
+        assert all(ref() is None for ref in alive), "an earlier batch's graphs are alive"
+        lin = built(*args, **kwargs)
+        alive.append(weakref.ref(lin.outputs))
+        return lin
+
+    monkeypatch.setattr(relinearized_module, "linearize_batch", watched)
+    operator = _operator(model, batches, loss_func, num_data)
+    V = torch.randn(operator.shape[0], 2, generator=torch.Generator().manual_seed(0), dtype=F64)
+    with autodiff_friendly(model):
+        operator @ V
+    assert len(alive) == 4
+    gc.collect()
+    assert all(ref() is None for ref in alive)  # none kept after the product
+
+
+class _DetachedOnSingletons(nn.Module):
+    """A batch of one example gets an output without a graph (a model's own shortcut)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x):
+        out = self.lin(x)
+        return out.detach() if x.shape[0] == 1 else out
+
+
+def test_a_batch_that_cannot_be_linearised_raises_naming_it():
+    torch.manual_seed(0)
+    model = _DetachedOnSingletons().to(F64)
+    g = torch.Generator().manual_seed(0)
+    X, y = torch.randn(5, 3, generator=g, dtype=F64), torch.randn(5, 2, generator=g, dtype=F64)
+    batches = [(X[:4], y[:4]), (X[4:], y[4:])]
+    operator = _operator(model, batches, nn.MSELoss(reduction="sum"), 5)
+    with pytest.raises(RuntimeError, match="Batch 1 of the training data cannot be linearised"):
+        operator @ torch.ones(operator.shape[0], 1, dtype=F64)
+
+
+def test_the_check_refuses_a_backward_without_a_graph_of_its_own():
+    torch.manual_seed(0)
+    model = CustomMLP(OnceDifferentiableTanh).to(F64)
+    operator = _operator(model, regression_batches(), nn.MSELoss(), 12)
+    reason = operator.check()
+    assert isinstance(reason, str) and "<u, J v> = <J^T u, v>" in reason
+    assert _operator(model, [], nn.MSELoss(), 12).check() == "the loader is empty"
+
+
+def test_the_rebuilt_graphs_estimate():
+    budget = budget_module.Estimates(10**9, 1000, 4, 50, 3)
+    # B + L fixed, L + 4 D s a column, the columns the rest of the budget holds
+    assert budget.linearized_streaming_peak(300) == (1000 + 300 + 1100, (10**9 - 1300) // 1100)
+    block = budget_module.solver_storage("block", 50, 3, 4, block_size=4)
+    peak, columns = budget.linearized_streaming_peak(300, block=4)
+    assert peak == block + 300 + 4 * 1100 and columns == (10**9 - block - 300) // 1100
+
+
+# ---------------------------------------------------------------------- planner
+class _GRURegression(nn.Module):
+    """A GRU over 5 steps, a linear read-out of the last state: the factored operator
+    does not cover it, the linearised one does."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(3, 6, batch_first=True)
+        self.out = nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.out(self.gru(x)[0][:, -1])
+
+
+def _gru_data(n=48, batch=8, likelihood="regression"):
+    torch.manual_seed(0)
+    model = _GRURegression().to(F64).eval()
+    g = torch.Generator().manual_seed(1)
+    X, y = torch.randn(n, 5, 3, generator=g, dtype=F64), torch.randn(n, 2, generator=g, dtype=F64)
+    if likelihood == "classification":
+        y = torch.randint(0, 2, (n,), generator=g)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y), batch_size=batch)
+    problem = CurvatureProblem.build(
+        model, list(model.parameters()), data, likelihood, torch.Size([2]), dtype=F64
+    )
+    return model, data, problem
+
+
+def _plan(problem, budget, solver="auto"):
+    with warnings.catch_warnings(), autodiff_friendly(problem.model):
+        warnings.simplefilter("ignore")
+        return plan_solve(problem, 3, solver, memory_budget=budget)
+
+
+def _batch_bytes_and_budgets(problem):
+    """One batch's graph bytes ``L``, the kept plan's estimate and curvlinops' (whole
+    batches, one column)."""
+    kept = _plan(problem, 2**40)
+    assert kept.strategy == "linearised"
+    batch_bytes = kept.operator.saved_bytes // len(kept.operator.linearizations)
+    curvlinops = _plan(problem, 2**40, solver="lanczos").estimated_peak
+    return batch_bytes, kept.estimated_peak, curvlinops
+
+
+def test_kept_graphs_that_do_not_fit_are_rebuilt_per_product_within_the_budget():
+    _, _, problem = _gru_data()
+    L, kept, curvlinops = _batch_bytes_and_budgets(problem)
+    D, s = problem.n_params, 8
+    # a budget a byte below the kept graphs: STREAMED_BLOCK columns share each batch's
+    # linearisation, with the block solver's storage in B + L + (L + 4 D s) a column
+    wide = _plan(problem, kept - 1)
+    assert wide.strategy == "streaming" and wide.scale == problem.scale
+    assert wide.operator_name.startswith("linearised, rebuilt per batch")
+    assert isinstance(wide.operator.operator, RelinearizedGGN)
+    assert (wide.solver, wide.block_size) == ("block", STREAMED_BLOCK)
+    block = budget_module.solver_storage("block", D, 3, s, block_size=STREAMED_BLOCK)
+    assert wide.estimated_peak == block + L + STREAMED_BLOCK * (L + 4 * D * s)
+    assert wide.operator.operator.column_chunk <= wide.max_columns
+    # curvlinops' own estimate (whole batches, one column): both fit, the rebuilt
+    # graphs come first, one column a pass with Lanczos's storage
+    narrow = _plan(problem, curvlinops)
+    assert narrow.operator_name.startswith("linearised, rebuilt per batch")
+    assert "slices" not in narrow.operator_name
+    assert (narrow.solver, narrow.block_size) == ("block", 1)
+    lanczos = budget_module.solver_storage("lanczos", D, 3, s)
+    assert narrow.estimated_peak == lanczos + 2 * L + 4 * D * s < curvlinops
+    # solver='lanczos' asks for curvlinops' products: nothing rebuilt
+    assert "rebuilt" not in _plan(problem, curvlinops, solver="lanczos").operator_name
+
+
+def _fit(model, data, likelihood="regression", **kwargs):
+    la = ActiveSubspaceLaplace(model, likelihood, n_components=3, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la.fit(data)
+    return la
+
+
+@pytest.mark.parametrize("likelihood", ["regression", "classification"])
+@pytest.mark.parametrize("room", [0, 1])  # one column a pass; blocks of STREAMED_BLOCK
+def test_a_fit_on_rebuilt_graphs_is_the_unbudgeted_fit(room, likelihood):
+    # classification: curvlinops' products (and so the linearised ones) carry a scale != 1
+    model, data, problem = _gru_data(likelihood=likelihood)
+    assert (problem.scale != 1.0) == (likelihood == "classification")
+    free = _fit(model, data, likelihood)
+    assert free.lanczos_info.strategy == "linearised"
+    _, kept, curvlinops = _batch_bytes_and_budgets(problem)
+    budgeted = _fit(model, data, likelihood, memory_budget=curvlinops if room == 0 else kept - 1)
+    info = budgeted.lanczos_info
+    assert info.strategy == "streaming" and str(info.operator).startswith("linearised, rebuilt")
+    torch.testing.assert_close(budgeted.eigenvalues, free.eigenvalues, rtol=1e-8, atol=0)
+    overlap = (budgeted.eigenvectors.T @ free.eigenvectors).abs()
+    torch.testing.assert_close(overlap.diagonal(), torch.ones(3, dtype=F64), rtol=0, atol=1e-6)
+    torch.testing.assert_close(budgeted.loss, free.loss)
