@@ -119,10 +119,7 @@ def streamed_linearized(
     problem: CurvatureProblem, built: str, linearized: str, budget: Estimates
 ) -> tuple[RelinearizedGGN, str, int] | None:
     """The linearised operator rebuilt per product, with its name and one batch's graph
-    bytes, for a model the factored operator does not cover (``built`` is a plain
-    reason, not an :class:`~laplace_glas.curvature.budget.OverBudget`: a model it
-    covers streams its rebuilt factors or curvlinops' products), where the kept graphs
-    of ``problem`` were refused for the budget alone
+    bytes, where the kept graphs of ``problem`` were refused for the budget alone
     (``linearized`` an :class:`~laplace_glas.curvature.budget.OverBudget` with the
     first batch's bytes: the model passed the linearisation) and, where its one-column
     estimate fits ``budget``, the first batch passes the double-backward check (an
@@ -132,8 +129,6 @@ def streamed_linearized(
     """
     batch = getattr(linearized, "batch_bytes", None)
     if not isinstance(linearized, OverBudget) or problem.shards is not None or batch is None:
-        return None
-    if isinstance(built, OverBudget):  # the factored operator covers the model: it streams
         return None
     operator = RelinearizedGGN(
         problem.model,

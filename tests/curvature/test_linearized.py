@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -17,7 +19,11 @@ from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.autodiff.frozen import is_elementwise_activation
 from laplace_glas.curvature.budget import MemoryBudgetError
 from laplace_glas.curvature.losses import TokenCrossEntropy
-from laplace_glas.curvature.operators.linearized import LinearizedGGN, build_linearized_ggn
+from laplace_glas.curvature.operators.linearized import (
+    LinearizedGGN,
+    build_linearized_ggn,
+    forward_graph_bytes,
+)
 
 F64 = torch.float64
 VOCAB, PAD = 7, 0
@@ -507,3 +513,33 @@ def test_frozen_activations_keep_values_and_first_derivatives():
 
     assert not is_elementwise_activation(Scaled()) and not is_elementwise_activation(nn.PReLU())
     assert is_elementwise_activation(nn.Tanh())
+
+
+class _Probed(nn.Module):
+    """``b(tanh(a x))`` that keeps a weak reference to each pass's ``tanh`` output, a
+    tensor its own node saves (the case that a pack hook returning the tensor itself
+    would tie into a reference cycle)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 5), nn.Linear(5, 2)
+        self.probes = []
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        self.probes.append(weakref.ref(h))
+        return self.b(h)
+
+
+def test_a_freed_operator_frees_its_graphs():
+    torch.manual_seed(0)
+    model = _Probed().to(F64)
+    op = linearized(model, regression_batches(), nn.MSELoss(), 12)
+    assert isinstance(op, LinearizedGGN) and len(model.probes) == 3
+    del op  # (a cycle through a saved tensor would keep its tanh outputs alive here)
+    gc.collect()
+    assert all(probe() is None for probe in model.probes)
+    model.probes.clear()
+    assert forward_graph_bytes(model, regression_batches()) > 0
+    gc.collect()
+    assert model.probes and all(probe() is None for probe in model.probes)

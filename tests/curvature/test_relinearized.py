@@ -11,6 +11,7 @@ import torch
 from test_linearized import (
     CustomMLP,
     OnceDifferentiableTanh,
+    _Probed,
     dense_ggn,
     problem,
     regression_batches,
@@ -61,26 +62,25 @@ def test_products_equal_the_explicit_ggn_and_the_kept_operators(name):
 
 
 def test_a_batch_is_freed_before_the_next_is_linearised(monkeypatch):
-    model, batches, loss_func, num_data = problem("lstm-tokens")
-    batches = batches + batches  # four batches
-    alive = []
+    torch.manual_seed(0)
+    model = _Probed().to(F64)  # weak references to each pass's saved tanh outputs
+    batches = regression_batches() + regression_batches(seed=1)  # six batches
     built = relinearized_module.linearize_batch
 
     def watched(*args, **kwargs):
         gc.collect()
-        assert all(ref() is None for ref in alive), "an earlier batch's graphs are alive"
+        assert all(probe() is None for probe in model.probes), "an earlier batch is alive"
         lin = built(*args, **kwargs)
-        alive.append(weakref.ref(lin.outputs))
+        model.probes.append(weakref.ref(lin.outputs))  # and the linearisation itself
         return lin
 
     monkeypatch.setattr(relinearized_module, "linearize_batch", watched)
-    operator = _operator(model, batches, loss_func, num_data)
+    operator = _operator(model, batches, nn.MSELoss(), 24)
     V = torch.randn(operator.shape[0], 2, generator=torch.Generator().manual_seed(0), dtype=F64)
-    with autodiff_friendly(model):
-        operator @ V
-    assert len(alive) == 4
+    operator @ V
+    assert len(model.probes) == 12
     gc.collect()
-    assert all(ref() is None for ref in alive)  # none kept after the product
+    assert all(probe() is None for probe in model.probes)  # none kept after the product
 
 
 class _DetachedOnSingletons(nn.Module):

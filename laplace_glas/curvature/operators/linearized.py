@@ -94,6 +94,12 @@ class _Linearization:
 class _SavedBytes:
     """Bytes of the distinct storages autograd saves inside the context, except the
     storages in ``exclude`` (parameters and buffers, which the model holds anyway).
+
+    The pack hook keeps a detached alias of each saved tensor (the same storage and
+    version counter; autograd restores the graph edge when it unpacks). Keeping the
+    tensor itself would tie a node to its own saved output in a reference cycle that
+    no collector frees: every graph built inside the context would outlive its
+    operator.
     """
 
     def __init__(self, exclude: set[int]):
@@ -101,16 +107,20 @@ class _SavedBytes:
         self.seen: set[int] = set()
         self.bytes = 0
 
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def count(self, tensor: torch.Tensor) -> None:
+        """Add ``tensor``'s storage, unless seen or excluded."""
         storage = tensor.untyped_storage()
         pointer = storage.data_ptr()
         if pointer not in self.exclude and pointer not in self.seen:
             self.seen.add(pointer)
             self.bytes += storage.nbytes()
-        return tensor
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.count(tensor)
+        return tensor.detach()
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
 
 
 class LinearizedGGN(TorchOperator):
@@ -270,7 +280,7 @@ def linearize_batch(
     pulled = tuple(pullback[i] for i in used)
     kept = _Linearization(outputs, dummy, pulled, used, leaf, loss_gradient)
     for tensor in (outputs, leaf, loss_gradient, *kept.pullback):  # held, not saved
-        counter.pack(tensor)
+        counter.count(tensor)
     return kept
 
 
@@ -427,6 +437,6 @@ def forward_graph_bytes(
             return None
         for tensor in (outputs, y, *inputs):
             if isinstance(tensor, torch.Tensor):
-                counter.pack(tensor)
+                counter.count(tensor)
         return counter.bytes
     return None
