@@ -140,6 +140,19 @@ def fit_glas(model, X, y, likelihood="regression", batch_size=32, **kwargs):
     return la
 
 
+def fit_quietly(model, data, likelihood="regression", **kwargs):
+    """``ActiveSubspaceLaplace`` (k = 3) fitted on the loader ``data``, warnings silenced."""
+    import warnings
+
+    from laplace_glas import ActiveSubspaceLaplace
+
+    la = ActiveSubspaceLaplace(model, likelihood, n_components=3, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la.fit(data)
+    return la
+
+
 def explicit_jacobian(model: nn.Module, X: torch.Tensor) -> torch.Tensor:
     """(N*C, D) Jacobian by reverse mode (``torch.func.jacrev``), independent of curvlinops."""
     params = {n: p.detach() for n, p in model.named_parameters()}

@@ -8,6 +8,7 @@ import weakref
 
 import pytest
 import torch
+from conftest import fit_quietly
 from test_linearized import (
     CustomMLP,
     OnceDifferentiableTanh,
@@ -18,7 +19,6 @@ from test_linearized import (
 )
 from torch import nn
 
-from laplace_glas import ActiveSubspaceLaplace
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature import budget as budget_module
 from laplace_glas.curvature.operators import relinearized as relinearized_module
@@ -194,24 +194,17 @@ def test_kept_graphs_that_do_not_fit_are_rebuilt_per_product_within_the_budget()
     assert "rebuilt" not in _plan(problem, curvlinops, solver="lanczos").operator_name
 
 
-def _fit(model, data, likelihood="regression", **kwargs):
-    la = ActiveSubspaceLaplace(model, likelihood, n_components=3, **kwargs)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        la.fit(data)
-    return la
-
-
 @pytest.mark.parametrize("likelihood", ["regression", "classification"])
 @pytest.mark.parametrize("room", [0, 1])  # one column a pass; blocks of STREAMED_BLOCK
 def test_a_fit_on_rebuilt_graphs_is_the_unbudgeted_fit(room, likelihood):
     # classification: curvlinops' products (and so the linearised ones) carry a scale != 1
     model, data, problem = _gru_data(likelihood=likelihood)
     assert (problem.scale != 1.0) == (likelihood == "classification")
-    free = _fit(model, data, likelihood)
+    free = fit_quietly(model, data, likelihood)
     assert free.lanczos_info.strategy == "linearised"
     _, kept, curvlinops = _batch_bytes_and_budgets(problem)
-    budgeted = _fit(model, data, likelihood, memory_budget=curvlinops if room == 0 else kept - 1)
+    budget = curvlinops if room == 0 else kept - 1
+    budgeted = fit_quietly(model, data, likelihood, memory_budget=budget)
     info = budgeted.lanczos_info
     assert info.strategy == "streaming" and str(info.operator).startswith("linearised, rebuilt")
     torch.testing.assert_close(budgeted.eigenvalues, free.eigenvalues, rtol=1e-8, atol=0)

@@ -6,10 +6,9 @@ import warnings
 
 import pytest
 import torch
-from conftest import loader, mlp, mlp_problem, output_jacobian, softmax_ggn
+from conftest import fit_quietly, loader, mlp, mlp_problem, output_jacobian, softmax_ggn
 from torch import nn
 
-from laplace_glas import ActiveSubspaceLaplace
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature import budget as budget_module
 from laplace_glas.curvature.batches import SubBatches
@@ -163,19 +162,11 @@ def test_the_rebuilt_factors_estimate():
     assert peak == block + 900 + 70 + 4 * 1000 and columns == (10**9 - block - 970) // 1000
 
 
-def _fit(model, data, likelihood="regression", **kwargs):
-    la = ActiveSubspaceLaplace(model, likelihood, n_components=3, **kwargs)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        la.fit(data)
-    return la
-
-
 def test_a_fit_on_rebuilt_factors_is_the_unbudgeted_fit():
     model, data, problem = mlp_problem(n=400, batch=20)
 
-    free = _fit(model, data)
-    budgeted = _fit(model, data, memory_budget=2 * _smallest(problem))
+    free = fit_quietly(model, data)
+    budgeted = fit_quietly(model, data, memory_budget=2 * _smallest(problem))
     info = budgeted.lanczos_info
     assert info.strategy == "streaming" and str(info.operator).startswith("factored, rebuilt")
     torch.testing.assert_close(budgeted.eigenvalues, free.eigenvalues, rtol=1e-8, atol=0)
@@ -236,8 +227,8 @@ def test_a_classifier_fit_on_rebuilt_factors_is_the_unbudgeted_fit():
         model, list(model.parameters()), data, "classification", torch.Size([3]), dtype=F64
     )
     assert problem.scale != 1.0
-    free = _fit(model, data, "classification")
-    budgeted = _fit(model, data, "classification", memory_budget=2 * _smallest(problem))
+    free = fit_quietly(model, data, "classification")
+    budgeted = fit_quietly(model, data, "classification", memory_budget=2 * _smallest(problem))
     assert str(budgeted.lanczos_info.operator).startswith("factored, rebuilt")
     torch.testing.assert_close(budgeted.eigenvalues, free.eigenvalues, rtol=1e-8, atol=0)
 

@@ -12,6 +12,9 @@
   two GEMMs.
 * :mod:`~laplace_glas.curvature.operators.linearized`: products from kept forward graphs
   (no forward pass per product), for the models the factored operator does not cover.
+* :mod:`~laplace_glas.curvature.operators.relinearized`: the linearised GGN rebuilt
+  batch by batch per product (one batch's graphs held), where the kept graphs do not fit
+  the memory budget.
 * :mod:`~laplace_glas.curvature.operators.streamed`: the factored GGN rebuilt batch by
   batch per product (one batch's factors held), where the stored factors do not fit the
   memory budget.

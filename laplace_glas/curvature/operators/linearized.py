@@ -46,7 +46,9 @@ numbers). :func:`build_linearized_ggn` counts them (the tensors the graphs save
 through ``torch.autograd.graph.saved_tensors_hooks`` and the ones it holds itself, each
 storage once, the model's own parameters and buffers not counted) and gives up,
 returning the reason, when they exceed ``budget_bytes`` (projected from the first
-batch when the loader has a length); the caller then uses curvlinops. Storages freed
+batch when the loader has a length); the planner then streams, rebuilding one batch's
+graphs per product (:mod:`~laplace_glas.curvature.operators.relinearized`) where they fit
+the budget, else curvlinops' products. Storages freed
 during the pass and reused at the same address are counted once, so the count can
 fall short of the true peak.
 """
@@ -330,7 +332,7 @@ def build_linearized_ggn(
     Returns
     -------
     LinearizedGGN or str
-        The operator, or the reason it was not built (the caller uses curvlinops).
+        The operator, or the reason it was not built (the caller streams).
 
     """
     params = list(params)
