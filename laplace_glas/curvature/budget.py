@@ -60,9 +60,11 @@ loader's batches:
   For a model the linearised operator covers, streaming rebuilds one batch's kept
   graphs per product
   (:class:`~laplace_glas.curvature.operators.relinearized.RelinearizedGGN`): the
-  first batch's graphs ``L`` (as the kept build counted them) plus per column ``L``
-  (the two backward passes' temporaries, as for the kept operator) and ``4 D s``,
-  plus ``B`` (:meth:`Estimates.linearized_streaming_peak`).
+  first batch's graphs ``L`` (as the kept build counted them; later batches are taken
+  to be no larger, as the kept build's projection does) and its forward graph ``g``
+  (the linearisation's temporaries) plus per column ``L`` (the two backward passes'
+  temporaries, as for the kept operator) and ``4 D s``, plus ``B``
+  (:meth:`Estimates.linearized_streaming_peak`).
 
 :class:`PeakMemory` measures the peak of a fit above the memory in use when it starts:
 on CUDA ``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats``
@@ -386,14 +388,16 @@ class Estimates:
 
     def linearized_streaming_peak(self, batch: int, block: int = 1) -> tuple[int, int]:
         """The peak of streaming on one batch's rebuilt graphs (``batch`` bytes, ``L``)
-        and the columns a product may take at once: ``B + L`` fixed and ``L + 4 D s``
-        per column, for ``block`` columns at once (``block > 1``: with the block
-        solver's storage ``B`` for that block size).
+        and the columns a product may take at once: ``B + L + g`` fixed (``g``: the
+        batch's forward graph, :attr:`graph`, for the temporaries of the ``create_graph``
+        backward pass while the batch is linearised; 0 where not measured) and
+        ``L + 4 D s`` per column, for ``block`` columns at once (``block > 1``: with the
+        block solver's storage ``B`` for that block size).
         """
         storage = self.storage
         if block > 1:
             storage = solver_storage("block", self.D, self.k, self.itemsize, block_size=block)
-        fixed = storage + batch
+        fixed = storage + batch + (self.graph or 0)
         column = batch + 4 * self.D * self.itemsize
         return fixed + block * column, max(block, (self.total - fixed) // column)
 

@@ -250,8 +250,8 @@ def plan_solve(
             *_distributed_fallback(problem, budget),
         ), **size)  # fmt: skip
     streamed = streamed_factored(problem, built, linearized, budget)
-    relinearized = streamed_linearized(problem, built, linearized, budget)
     block = STREAMED_BLOCK if size else None  # the planner's choice of solver only
+    relinearized = streamed_linearized(problem, built, linearized, budget, block)
     plan = _streaming_plan(
         problem, problem.reference_operator(), name, reasons, budget, base,
         streamed, block, relinearized,

@@ -116,16 +116,20 @@ def streamed_factored(
 
 
 def streamed_linearized(
-    problem: CurvatureProblem, built: str, linearized: str, budget: Estimates
+    problem: CurvatureProblem,
+    built: str,
+    linearized: str,
+    budget: Estimates,
+    block: int | None = None,
 ) -> tuple[RelinearizedGGN, str, int] | None:
     """The linearised operator rebuilt per product, with its name and one batch's graph
     bytes, where the kept graphs of ``problem`` were refused for the budget alone
     (``linearized`` an :class:`~laplace_glas.curvature.budget.OverBudget` with the
-    first batch's bytes: the model passed the linearisation) and, where its one-column
-    estimate fits ``budget``, the first batch passes the double-backward check (an
-    operator whose estimate does not fit is returned unchecked: it can only be
-    refused, naming its estimate); None otherwise and in a data-parallel fit (which
-    streams curvlinops' products).
+    first batch's bytes: the model passed the linearisation) and, where its estimate
+    for one column or for ``block`` columns a pass fits ``budget``, the first batch
+    passes the double-backward check (an operator neither of whose estimates fits is
+    returned unchecked: it can only be refused, naming its estimate); None otherwise
+    and in a data-parallel fit (which streams curvlinops' products).
     """
     batch = getattr(linearized, "batch_bytes", None)
     if not isinstance(linearized, OverBudget) or problem.shards is not None or batch is None:
@@ -141,7 +145,9 @@ def streamed_linearized(
         batch_bytes=batch,
     )
     name = f"linearised, rebuilt per batch (not factored: {built}; not kept: {linearized})"
-    if budget.linearized_streaming_peak(batch)[0] > budget.total:
+    widths = (1, block) if block is not None and block > 1 else (1,)
+    least = min(budget.linearized_streaming_peak(batch, block=width)[0] for width in widths)
+    if least > budget.total:
         return operator, name, batch  # unchecked: it can only size the refusal
     reason = operator.check()
     return_freed_memory()  # the checked batch's graphs

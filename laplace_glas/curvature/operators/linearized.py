@@ -97,11 +97,12 @@ class _SavedBytes:
     """Bytes of the distinct storages autograd saves inside the context, except the
     storages in ``exclude`` (parameters and buffers, which the model holds anyway).
 
-    The pack hook keeps a detached alias of each saved tensor (the same storage and
-    version counter; autograd restores the graph edge when it unpacks). Keeping the
-    tensor itself would tie a node to its own saved output in a reference cycle that
-    no collector frees: every graph built inside the context would outlive its
-    operator.
+    The pack hook keeps a detached alias of each saved tensor (the same storage;
+    autograd restores the graph edge when it unpacks). Keeping the tensor itself would
+    tie a node to its own saved output in a reference cycle that no collector frees:
+    every graph built inside the context would outlive its operator. (With saved-tensor
+    hooks set, autograd does not check saved tensors for in-place changes; the graphs
+    are only multiplied with while the model's weights stay as they are.)
     """
 
     def __init__(self, exclude: set[int]):
@@ -193,14 +194,23 @@ class LinearizedGGN(TorchOperator):
         """``G V`` for ``V (D, m)``."""
         V = V.to(device=self.device, dtype=self.torch_dtype)
         m = V.shape[1]
-        result = torch.zeros(m, self.shape[0], dtype=self.torch_dtype, device=self.device)
-        for lin in self.batches():
-            done = self._accumulate(lin, V, result)
-            del lin  # a rebuilt batch's graphs go before the next batch is linearised
-            if not done:
-                return self.matmat_torch(V)  # again, in smaller chunks
-        self.n_products += m
-        return result.T
+        while True:  # again, in smaller chunks, where the device ran out of memory
+            result = torch.zeros(m, self.shape[0], dtype=self.torch_dtype, device=self.device)
+            batches = iter(self.batches())
+            try:
+                for lin in batches:
+                    done = self._accumulate(lin, V, result)
+                    del lin  # a rebuilt batch's graphs go before the next batch is linearised
+                    if not done:
+                        break
+                else:
+                    self.n_products += m
+                    return result.T
+            finally:
+                close = getattr(batches, "close", None)  # a rebuilt pass: end its loader
+                if close is not None:
+                    close()
+            del result
 
     def _accumulate(self, lin: _Linearization, V: torch.Tensor, result: torch.Tensor) -> bool:
         """Add batch ``lin``'s ``c J_b^T Lambda_b J_b V`` to ``result (m, D)``, in column
