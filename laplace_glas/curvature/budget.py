@@ -389,7 +389,7 @@ class Estimates:
     def linearized_streaming_peak(self, batch: int, block: int = 1) -> tuple[int, int]:
         """The peak of streaming on one batch's rebuilt graphs (``batch`` bytes, ``L``)
         and the columns a product may take at once: ``B + L + g`` fixed (``g``: the
-        batch's forward graph, :attr:`graph`, for the temporaries of the ``create_graph``
+        batch's forward graph, ``graph``, for the temporaries of the ``create_graph``
         backward pass while the batch is linearised; 0 where not measured) and
         ``L + 4 D s`` per column, for ``block`` columns at once (``block > 1``: with the
         block solver's storage ``B`` for that block size).

@@ -258,7 +258,7 @@ def linearize_batch(
     activations' derivatives frozen), ``J_b^T u`` built with ``create_graph=True`` and
     the loss gradient ``c nabla_f l_b``; or why the batch cannot be linearised.
 
-    ``counter`` (a :class:`_SavedBytes`) counts the bytes the graphs save and the ones
+    ``counter`` (a ``_SavedBytes``) counts the bytes the graphs save and the ones
     the linearisation holds itself.
     """
     counter = counter if counter is not None else _SavedBytes(set())

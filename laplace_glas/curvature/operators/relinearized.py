@@ -118,7 +118,7 @@ class RelinearizedGGN(LinearizedGGN):
     def check(self) -> str | None:
         """Why this model's rebuilt products cannot be trusted, or None: the kept
         operator's check of the double-backward ``J v`` against ``J^T u`` on the first
-        batch (:func:`~laplace_glas.curvature.operators.linearized._adjoint_check`).
+        batch (the kept build's ``_adjoint_check``).
         """
         for lin in self.batches():
             return _adjoint_check(self, lin)
