@@ -24,7 +24,7 @@ from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature import budget as budget_module
 from laplace_glas.curvature.operators import relinearized as relinearized_module
 from laplace_glas.curvature.operators.linearized import build_linearized_ggn, forward_graph_bytes
-from laplace_glas.curvature.operators.relinearized import RelinearizedGGN
+from laplace_glas.curvature.operators.relinearized import LARGER_BATCH, RelinearizedGGN
 from laplace_glas.curvature.planner import plan_solve
 from laplace_glas.curvature.problem import CurvatureProblem
 from laplace_glas.curvature.streaming import STREAMED_BLOCK, streamed_linearized
@@ -220,7 +220,8 @@ def test_an_operator_checked_for_a_block_alone_is_checked(monkeypatch):
     assert block_peak < budget.linearized_streaming_peak(L)[0]
     budget.total = block_peak
     refused = budget_module.OverBudget("kept graphs over budget", needed=None, batch_bytes=L)
-    with autodiff_friendly(model):
+    with autodiff_friendly(model), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the batches' graphs exceed the made-up L
         assert streamed_linearized(problem, "not factored", refused, budget) is not None  # sizes
         assert streamed_linearized(problem, "x", refused, budget, STREAMED_BLOCK) is None
         # a model that passes the check is kept for the block
@@ -271,3 +272,28 @@ def test_a_product_out_of_device_memory_is_redone_in_smaller_chunks(monkeypatch)
     torch.testing.assert_close(GV, G @ V, rtol=1e-10, atol=1e-12)
     assert operator.column_chunk == 2 and calls[:2] == [4, 4] and set(calls[2:]) == {2}
     assert operator.n_products == 4  # the abandoned pass is not counted
+
+
+def test_a_later_batch_larger_than_the_planned_one_is_warned_about_once():
+    _, _, problem = _gru_data()
+    g = torch.Generator().manual_seed(3)
+    batches = [
+        (torch.randn(8, 5, 3, generator=g, dtype=F64), torch.randn(8, 2, generator=g, dtype=F64)),
+        (torch.randn(8, 40, 3, generator=g, dtype=F64), torch.randn(8, 2, generator=g, dtype=F64)),
+    ]
+    model = problem.model
+    params = list(model.parameters())
+    with autodiff_friendly(model):
+        first = build_linearized_ggn(
+            model, nn.MSELoss(), params, batches[:1], num_data=16, budget_bytes=2**30
+        )
+        operator = RelinearizedGGN(
+            model, nn.MSELoss(), params, batches, num_data=16, batch_bytes=first.saved_bytes
+        )
+        V = torch.ones(operator.shape[0], 1, dtype=F64)
+        with pytest.warns(UserWarning, match="Batch 1's graphs take .* more than the"):
+            operator @ V
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once: the second product says nothing
+            operator @ V
+    assert operator.largest_batch_bytes > LARGER_BATCH * first.saved_bytes

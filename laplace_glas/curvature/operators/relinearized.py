@@ -25,6 +25,7 @@ fit the budget (and whose factored operator does not stream instead).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -36,10 +37,15 @@ from laplace_glas.curvature.operators.linearized import (
     LinearizedGGN,
     _adjoint_check,
     _Linearization,
+    _SavedBytes,
     linearize_batch,
 )
 
-__all__ = ["RelinearizedGGN"]
+__all__ = ["LARGER_BATCH", "RelinearizedGGN"]
+
+LARGER_BATCH = 1.25
+"""The first rebuilt batch whose graphs exceed this multiple of the first batch's (the
+bytes the memory budget was planned with) is warned about, once per operator."""
 
 
 class RelinearizedGGN(LinearizedGGN):
@@ -63,6 +69,13 @@ class RelinearizedGGN(LinearizedGGN):
         ``column_bytes`` over it.
     column_bytes : int
         Temporaries a batched product may take (at most 512 MiB).
+
+    Attributes
+    ----------
+    largest_batch_bytes : int
+        The largest batch's graphs linearised so far (bytes, counted as the kept build
+        counts them); the first batch above ``LARGER_BATCH`` times ``batch_bytes`` is
+        warned about.
 
     Notes
     -----
@@ -92,6 +105,10 @@ class RelinearizedGGN(LinearizedGGN):
         self.data = data
         self.num_data = int(num_data)
         self.batch_size_fn = batch_size_fn
+        self.largest_batch_bytes = 0  # the largest batch's graphs linearised so far
+        self._owned = {
+            t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())
+        }
 
     def batches(self) -> Iterator[_Linearization]:
         """Each batch's linearisation, built when the product reaches it.
@@ -107,12 +124,24 @@ class RelinearizedGGN(LinearizedGGN):
             yield self._linearized(X, y, i)
 
     def _linearized(self, X: torch.Tensor | dict, y: torch.Tensor, index: int) -> _Linearization:
+        counter = _SavedBytes(self._owned)
         lin = linearize_batch(
             self.model, self.loss_func, self.params, X, y, num_data=self.num_data,
-            batch_size_fn=self.batch_size_fn, device=self.device,
+            batch_size_fn=self.batch_size_fn, device=self.device, counter=counter,
         )  # fmt: skip
         if isinstance(lin, str):
             raise RuntimeError(f"Batch {index} of the training data cannot be linearised: {lin}.")
+        first_larger = counter.bytes > LARGER_BATCH * self.saved_bytes >= self.largest_batch_bytes
+        self.largest_batch_bytes = max(self.largest_batch_bytes, counter.bytes)
+        if first_larger:
+            warnings.warn(
+                f"Batch {index}'s graphs take {counter.bytes / 2**20:.1f} MiB, more than the "
+                f"{self.saved_bytes / 2**20:.1f} MiB of the first batch that the memory budget "
+                "was planned with: the fit may exceed memory_budget (longer sequences or "
+                "larger batches later in the loader?).",
+                UserWarning,
+                stacklevel=2,
+            )
         return lin
 
     def check(self) -> str | None:
