@@ -441,12 +441,7 @@ def _linearized(problem: CurvatureProblem, budget: Estimates):
     s = budget.itemsize
     room = budget.total - budget.storage - 2 * budget.D * s
     built = build_linearized_ggn(
-        problem.model,
-        problem.loss_func,
-        problem.params,
-        problem.data,
-        num_data=problem.num_data,
-        batch_size_fn=problem.batch_size_fn,
+        **problem.loss_arguments(),
         device=problem.device,
         budget_bytes=max(1, room),
         progress_bar=problem.progress_bar,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from curvlinops import GGNLinearOperator
@@ -116,18 +117,25 @@ class CurvatureProblem:
         """``D``, the number of parameters under inference."""
         return sum(p.numel() for p in self.params)
 
+    def loss_arguments(self) -> dict[str, Any]:
+        """``model``, ``loss_func``, ``params``, ``data``, ``num_data`` and
+        ``batch_size_fn`` by name: the arguments of curvlinops' operator and of the
+        linearised operators (kept or rebuilt) of this problem's loss.
+        """
+        return {
+            "model": self.model,
+            "loss_func": self.loss_func,
+            "params": self.params,
+            "data": self.data,
+            "num_data": self.num_data,
+            "batch_size_fn": self.batch_size_fn,
+        }
+
     def reference_operator(self) -> GGNLinearOperator:
         """Curvlinops' GGN operator of ``loss_func`` on ``data`` (the reference; its
         products times ``scale`` are the unit-noise mean-loss GGN's).
         """
-        return mean_ggn_operator(
-            self.model,
-            self.loss_func,
-            self.params,
-            self.data,
-            num_data=self.num_data,
-            batch_size_fn=self.batch_size_fn,
-        )
+        return mean_ggn_operator(**self.loss_arguments())
 
     @classmethod
     def build(

@@ -134,24 +134,19 @@ def streamed_linearized(
     batch = getattr(linearized, "batch_bytes", None)
     if not isinstance(linearized, OverBudget) or problem.shards is not None or batch is None:
         return None
-    operator = RelinearizedGGN(
-        problem.model,
-        problem.loss_func,
-        problem.params,
-        problem.data,
-        num_data=problem.num_data,
-        batch_size_fn=problem.batch_size_fn,
-        device=problem.device,
-        batch_bytes=batch,
-    )
+    operator = RelinearizedGGN(**problem.loss_arguments(), device=problem.device, batch_bytes=batch)
     name = f"linearised, rebuilt per batch (not factored: {built}; not kept: {linearized})"
-    widths = (1, block) if block is not None and block > 1 else (1,)
-    least = min(budget.linearized_streaming_peak(batch, block=width)[0] for width in widths)
+    least = min(budget.linearized_streaming_peak(batch, block=width)[0] for width in _widths(block))
     if least > budget.total:
         return operator, name, batch  # unchecked: it can only size the refusal
     reason = operator.check()
     return_freed_memory()  # the checked batch's graphs
     return None if reason is not None else (operator, name, batch)
+
+
+def _widths(block: int | None) -> tuple[int, ...]:
+    """The columns a pass a streamed operator is estimated for: one, and ``block``."""
+    return (1, block) if block is not None and block > 1 else (1,)
 
 
 def streamed_what(operator: Any, streamed: tuple | None, relinearized: tuple | None) -> str:
@@ -195,7 +190,7 @@ def choose_streaming(
     """
     peak, columns = streaming_estimate(budget, problem)
     options = [(peak, columns, operator, name, problem.scale, None)]
-    widths = (1, block) if block is not None and block > 1 else (1,)
+    widths = _widths(block)
     if relinearized is not None:
         rebuilt, rebuilt_name, batch = relinearized
         for width in widths:

@@ -110,6 +110,13 @@ class _SavedBytes:
         self.seen: set[int] = set()
         self.bytes = 0
 
+    @classmethod
+    def beside(cls, model: nn.Module) -> _SavedBytes:
+        """A counter that leaves out ``model``'s parameters and buffers."""
+        return cls(
+            {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+        )
+
     def count(self, tensor: torch.Tensor) -> None:
         """Add ``tensor``'s storage, unless seen or excluded."""
         storage = tensor.untyped_storage()
@@ -346,8 +353,7 @@ def build_linearized_ggn(
 
     """
     params = list(params)
-    owned = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    counter = _SavedBytes(owned)
+    counter = _SavedBytes.beside(model)
     linearizations = []
     try:
         n_batches = len(data)
@@ -438,8 +444,7 @@ def forward_graph_bytes(
     The streaming (curvlinops) products hold about this graph plus per column a
     tangent and a gradient of each activation (the planner's estimate).
     """
-    owned = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    counter = _SavedBytes(owned)
+    counter = _SavedBytes.beside(model)
     for X, y in data:
         X = batch_to_device(X, device)
         inputs = X.values() if isinstance(X, dict) else [X]

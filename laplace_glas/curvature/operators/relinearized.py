@@ -106,9 +106,6 @@ class RelinearizedGGN(LinearizedGGN):
         self.num_data = int(num_data)
         self.batch_size_fn = batch_size_fn
         self.largest_batch_bytes = 0  # the largest batch's graphs linearised so far
-        self._owned = {
-            t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())
-        }
 
     def batches(self) -> Iterator[_Linearization]:
         """Each batch's linearisation, built when the product reaches it.
@@ -124,7 +121,7 @@ class RelinearizedGGN(LinearizedGGN):
             yield self._linearized(X, y, i)
 
     def _linearized(self, X: torch.Tensor | dict, y: torch.Tensor, index: int) -> _Linearization:
-        counter = _SavedBytes(self._owned)
+        counter = _SavedBytes.beside(self.model)
         lin = linearize_batch(
             self.model, self.loss_func, self.params, X, y, num_data=self.num_data,
             batch_size_fn=self.batch_size_fn, device=self.device, counter=counter,
