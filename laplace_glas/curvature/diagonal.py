@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
-from backpack import backpack, extend
+from backpack import backpack, extend, memory_cleanup
+from backpack.context import CTX
 from backpack.extensions import DiagGGNExact
 from torch import nn
 from tqdm.auto import tqdm
@@ -73,23 +75,12 @@ def ggn_diagonal(
         beyond what BackPACK's exact GGN diagonal covers (named with its reason).
 
     """
-    network = extend(copy.deepcopy(model))
-    params = [p for p in network.parameters() if p.requires_grad]
-    loss_fn, factor = summed_unit_noise_loss(likelihood)
-    loss_fn = extend(loss_fn)
-    total, error = None, None
-    try:  # a rank whose pass fails still takes part in the all-reduce (flagged)
-        for batch in tqdm(loader, disable=not progress_bar, desc="GGN diagonal"):
-            X, y = _batch_for_diagonal(batch, likelihood, ignore_index, dict_key_y, device)
-            if X is None:
-                continue
-            diagonal = _batch_diagonal(network, params, loss_fn, X, y) * factor
-            total = diagonal if total is None else total + diagonal
-    except Exception as err:
-        if shards is None:
-            raise
-        total, error = None, err
+    with _extended_copy(model) as network:
+        total, error = _summed_diagonal(
+            network, loader, likelihood, ignore_index, dict_key_y, device, shards, progress_bar
+        )
     if total is None:
+        params = [p for p in model.parameters() if p.requires_grad]
         total = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
         if shards is None:
             raise ValueError("The loader has no scored targets: there is no GGN diagonal.")
@@ -100,6 +91,61 @@ def ggn_diagonal(
     step = "computing the GGN diagonal of complement='diag'"
     flag_failure(shards, device, error, step, "no rank fits")
     return all_reduce_sum(total.to(device), shards)
+
+
+def _summed_diagonal(
+    network: nn.Module,
+    loader: Iterable,
+    likelihood: str,
+    ignore_index: int,
+    dict_key_y: str,
+    device: torch.device | str,
+    shards: Shards | None,
+    progress_bar: bool,
+) -> tuple[torch.Tensor | None, Exception | None]:
+    """The diagonal summed over this process's batches, and the error a rank of a
+    data-parallel fit met (raised at once in one process).
+    """
+    params = [p for p in network.parameters() if p.requires_grad]
+    loss_fn, factor = summed_unit_noise_loss(likelihood)
+    loss_fn = extend(loss_fn)
+    total = None
+    try:  # a rank whose pass fails still takes part in the all-reduce (flagged)
+        for batch in tqdm(loader, disable=not progress_bar, desc="GGN diagonal"):
+            X, y = _batch_for_diagonal(batch, likelihood, ignore_index, dict_key_y, device)
+            if X is None:
+                continue
+            diagonal = _batch_diagonal(network, params, loss_fn, X, y) * factor
+            total = diagonal if total is None else total + diagonal
+    except Exception as err:
+        if shards is None:
+            raise
+        return None, err
+    return total, None
+
+
+@contextmanager
+def _extended_copy(model: nn.Module) -> Iterator[nn.Module]:
+    """A copy of ``model`` extended by BackPACK, released whole on exit.
+
+    BackPACK stores each module's input and output for the backward pass and deletes
+    them when its extension has run on the module; a backward pass it refuses (a layer
+    it does not cover) leaves them behind, and with them a reference cycle (module ->
+    stored output -> its autograd node -> the module's backward hook) that Python's
+    collector cannot see into, so every refused fit kept its copy alive. On exit the
+    stored tensors are deleted and the copy's hook handles removed from BackPACK's
+    global list (which otherwise grows by two handles a module a fit).
+    """
+    first_handle = len(CTX.hook_handles)
+    network = extend(copy.deepcopy(model))
+    try:
+        yield network
+    finally:
+        for module in network.modules():
+            memory_cleanup(module)
+        for handle in CTX.hook_handles[first_handle:]:
+            handle.remove()
+        del CTX.hook_handles[first_handle:]
 
 
 def _batch_for_diagonal(
