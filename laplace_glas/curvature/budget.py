@@ -129,12 +129,19 @@ class MemoryBudgetError(ValueError):
 
 
 def format_bytes(n: int | float) -> str:
-    """``n`` bytes in KiB (below 1 MiB), MiB or GiB (above 10 GiB), for messages."""
-    if n >= 10 * 2**30:
-        return f"{n / 2**30:.1f} GiB"
-    if n < 2**20:
-        return f"{n / 2**10:.1f} KiB"
-    return f"{n / 2**20:.1f} MiB"
+    """``n`` bytes in bytes (below 1 KiB), KiB (below 1 MiB), MiB or GiB (from 10 GiB),
+    with three significant digits (``'2.98 MiB'``, ``'64.0 MiB'``, ``'560 MiB'``), so that
+    an estimate and a budget that differ by 1% read differently, for messages.
+    """
+    if n < 2**10:
+        return f"{int(n)} B"
+    value, unit = next(
+        (n / 2**power, unit)
+        for power, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB"))
+        if n >= (10 * 2**30 if unit == "GiB" else 2**power)
+    )
+    digits = 0 if value >= 100 else 1 if value >= 10 else 2
+    return f"{value:.{digits}f} {unit}"
 
 
 def _meminfo_available() -> int | None:
@@ -415,8 +422,13 @@ class Estimates:
         c = -(-batch // -(-batch // c))  # as many slices, of equal sizes
         return c, self.streaming_peak(graph * c // batch)
 
-    def refuse(self, what: str) -> MemoryBudgetError:
-        """The error for a budget below every estimate (naming the smallest)."""
+    def refuse(self, what: str, one_example: bool = False) -> MemoryBudgetError:
+        """The error for a budget below every estimate, naming the smallest; where that
+        is streaming's, it warns that a fit there repeats a pass over the data for every
+        product (tens of times an unbudgeted fit's time), and ``one_example`` (the
+        batches already sliced to single examples) leaves smaller batches out of its
+        advice.
+        """
         known = {name: b for name, b in self.estimates.items() if b is not None}
         smallest = min(known.values()) if known else None
         listed = ", ".join(f"{name} {format_bytes(b)}" for name, b in known.items())
@@ -425,10 +437,19 @@ class Estimates:
             if smallest is not None
             else "no estimate could be made"
         )
+        if smallest is not None and known.get("streaming") == smallest:
+            need += (
+                ", where products stream (a pass over the data for every product: the fit "
+                "may take tens of times longer than an unbudgeted one)"
+            )
+        advice = (
+            "Fewer components need less (the batches are already single examples)."
+            if one_example
+            else "Fewer components or smaller batches need less."
+        )
         return MemoryBudgetError(
             f"memory_budget={self.total} ({format_bytes(self.total)}) is below the estimated "
-            f"peak of every exact strategy for {what} ({listed}): {need}. Fewer components "
-            "or smaller batches need less.",
+            f"peak of every exact strategy for {what} ({listed}): {need}. {advice}",
             self.total,
             smallest,
             self.estimates,

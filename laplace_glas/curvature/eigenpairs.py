@@ -140,7 +140,11 @@ class Eigenpairs:
 
     @property
     def measured_peak_bytes(self) -> int | None:
-        """The fit's measured peak above its start in bytes (None: not measured)."""
+        """The fit's measured peak above its start in bytes (None: not recorded; ``-1``:
+        not measurable here). On the host it counts the resident pages the process adds
+        (``VmHWM`` above the start's ``VmRSS``), so a fit that reuses heap an earlier fit
+        left resident may read 0 or little.
+        """
         return self._plan_bytes("measured_peak_bytes")
 
     @property

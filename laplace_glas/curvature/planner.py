@@ -300,7 +300,8 @@ def _streaming_plan(
     chosen = choose_streaming(budget, problem, operator, name, streamed, block, relinearized)
     peak, columns, operator, name, scale, block_size = chosen
     if not budget.record("streaming", peak):
-        raise budget.refuse("this fit")
+        one_example = isinstance(problem.loader, SubBatches) and problem.loader.size == 1
+        raise budget.refuse("this fit", one_example)
     operator = ColumnChunks(operator, columns, problem.dtype, problem.device)
     if isinstance(problem.loader, SubBatches):
         name = f"{name} (batches in slices of {problem.loader.size})"

@@ -15,7 +15,7 @@ from laplace_glas import ActiveSubspaceLaplace, MemoryBudgetError
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature import budget as budget_module
 from laplace_glas.curvature.batches import SubBatches, slices_agree
-from laplace_glas.curvature.budget import PeakMemory, resolve_budget, solver_storage
+from laplace_glas.curvature.budget import PeakMemory, format_bytes, resolve_budget, solver_storage
 from laplace_glas.curvature.operators.torch_operator import ColumnChunks
 from laplace_glas.curvature.planner import STRATEGIES, plan_solve
 from laplace_glas.curvature.problem import CurvatureProblem
@@ -183,7 +183,22 @@ def test_a_budget_below_every_strategy_names_the_smallest_that_works():
     with pytest.raises(MemoryBudgetError, match=rf"memory_budget={smallest} ") as refused:
         _plan(problem, smallest - 1)
     assert refused.value.smallest == smallest and refused.value.budget == smallest - 1
-    assert "streaming" in str(refused.value)
+    message = str(refused.value)
+    assert "streaming" in message and "tens of times longer" in message  # the cost named
+    # the batches were sliced to single examples: no advice to shrink them further
+    assert "already single examples" in message and "smaller batches" not in message
+    # an estimate and a budget 1% apart read differently
+    assert format_bytes(smallest) != format_bytes(0.99 * smallest)
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [(0, "0 B"), (1023, "1023 B"), (3 * 2**10, "3.00 KiB"), (300 * 2**10, "300 KiB"),
+     (3_125_728, "2.98 MiB"), (64 * 2**20, "64.0 MiB"), (560 * 2**20, "560 MiB"),
+     (5 * 2**30, "5120 MiB"), (12 * 2**30, "12.0 GiB")],
+)  # fmt: skip
+def test_format_bytes_keeps_three_significant_digits(n, text):
+    assert format_bytes(n) == text
 
 
 def test_the_smallest_budget_named_works_where_it_is_the_dual_solves():
@@ -192,6 +207,7 @@ def test_the_smallest_budget_named_works_where_it_is_the_dual_solves():
     refused = _estimates(problem, k=20)
     est = refused.estimates
     assert refused.smallest == est["dual"] < min(est["factored"], est["streaming"])
+    assert "tens of times longer" not in str(refused)  # the smallest does not stream
     plan = _plan(problem, refused.smallest, k=20)  # the factors' cap left no room before
     assert (plan.strategy, plan.solver) == ("dual", "dual")
     assert plan.estimated_peak <= refused.smallest

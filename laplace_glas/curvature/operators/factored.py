@@ -60,7 +60,7 @@ from torch.func import functional_call, jvp
 from tqdm.auto import tqdm
 
 from laplace_glas.curvature.batches import batch_size, split_batch_to
-from laplace_glas.curvature.budget import OverBudget, return_freed_memory
+from laplace_glas.curvature.budget import OverBudget, format_bytes, return_freed_memory
 from laplace_glas.curvature.operators.factor_join import (
     _assemble,
     _concatenate,
@@ -391,7 +391,7 @@ def build_factored_ggn(
                     return reason
             if used > budget:
                 return OverBudget(
-                    f"factors above the memory budget ({budget / 2**20:.0f} MiB) for the "
+                    f"factors above the memory budget ({format_bytes(budget)}) for the "
                     "factored operator"
                 )
             for module, calls in layers.items():
@@ -474,7 +474,7 @@ def factored_jacobian_directions(
         )
         recorder.remove()
         if _nbytes(layers, explicit) > budget_bytes:
-            return f"factors above the predictive's budget ({budget_bytes / 2**20:.0f} MiB)"
+            return f"factors above the predictive's budget ({format_bytes(budget_bytes)})"
         factors = _assemble(layers, explicit)
         _check_first_batch(model, params, names, x, out, rows, factors, start, out.dtype)
     except _Unsupported as err:

@@ -48,6 +48,7 @@ from torch.func import functional_call, jacrev, vmap
 from tqdm.auto import tqdm
 
 from laplace_glas.curvature.batches import batch_size, split_batch_to
+from laplace_glas.curvature.budget import format_bytes
 from laplace_glas.curvature.operators.factor_join import (
     _assemble,
 )
@@ -198,10 +199,10 @@ def _larger_than_factors(model, recorder, X, likelihood: str, n_params: int) -> 
     jacobians = out.shape[0] * rows_j * n_params
     if jacobians <= factors:
         return None
-    size = out.element_size() / 2**20
+    size = out.element_size()
     return (
-        f"explicit Jacobians larger than the factors ({jacobians * size:.1f} MiB against "
-        f"{factors * size:.1f} MiB per batch)"
+        f"explicit Jacobians larger than the factors ({format_bytes(jacobians * size)} "
+        f"against {format_bytes(factors * size)} per batch)"
     )
 
 
@@ -370,7 +371,7 @@ def _collect(route, capacity: int | None, budget_bytes: int) -> JacobianGGN | st
         elif buffer is None or filled + J.shape[0] > capacity:
             used += J.numel() * J.element_size()
         if used > budget_bytes:
-            return f"explicit Jacobians above the memory budget ({budget_bytes / 2**20:.0f} MiB)"
+            return f"explicit Jacobians above the memory budget ({format_bytes(budget_bytes)})"
         if buffer is None and capacity is not None and capacity >= J.shape[0]:
             buffer = J.new_empty(capacity, *J.shape[1:])
         if buffer is not None and J.shape[1:] != buffer.shape[1:]:

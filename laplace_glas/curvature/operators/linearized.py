@@ -66,7 +66,7 @@ from tqdm.auto import tqdm
 
 from laplace_glas.autodiff.frozen import frozen_elementwise_derivatives
 from laplace_glas.curvature.batches import batch_to_device
-from laplace_glas.curvature.budget import OverBudget
+from laplace_glas.curvature.budget import OverBudget, format_bytes
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES, TorchOperator
 
 __all__ = ["LinearizedGGN", "build_linearized_ggn", "forward_graph_bytes"]
@@ -375,11 +375,11 @@ def build_linearized_ggn(
         if projected + first_batch > budget_bytes:  # and one product's temporaries
             known = n_batches is not None
             return OverBudget(
-                f"the kept graphs exceed the memory budget ({projected / 2**20:.0f} MiB "
+                f"the kept graphs exceed the memory budget ({format_bytes(projected)} "
                 f"{'after' if projected == counter.bytes else 'projected from'} "
                 f"{len(linearizations)} of {n_batches or '?'} batches and "
-                f"{first_batch / 2**20:.0f} MiB for a product, budget "
-                f"{budget_bytes / 2**20:.0f} MiB)",
+                f"{format_bytes(first_batch)} for a product, budget "
+                f"{format_bytes(budget_bytes)})",
                 needed=first_batch * (n_batches + 1) if known else None,
                 batch_bytes=first_batch,
             )

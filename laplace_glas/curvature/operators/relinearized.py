@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from laplace_glas.curvature.budget import return_freed_memory
+from laplace_glas.curvature.budget import format_bytes, return_freed_memory
 from laplace_glas.curvature.operators.linearized import (
     _COLUMN_BYTES,
     LinearizedGGN,
@@ -132,8 +132,8 @@ class RelinearizedGGN(LinearizedGGN):
         self.largest_batch_bytes = max(self.largest_batch_bytes, counter.bytes)
         if first_larger:
             warnings.warn(
-                f"Batch {index}'s graphs take {counter.bytes / 2**20:.1f} MiB, more than the "
-                f"{self.saved_bytes / 2**20:.1f} MiB of the first batch that the memory budget "
+                f"Batch {index}'s graphs take {format_bytes(counter.bytes)}, more than the "
+                f"{format_bytes(self.saved_bytes)} of the first batch that the memory budget "
                 "was planned with: the fit may exceed memory_budget (longer sequences or "
                 "larger batches later in the loader?).",
                 UserWarning,
