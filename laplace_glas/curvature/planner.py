@@ -94,6 +94,7 @@ from laplace_glas.curvature.streaming import (
     choose_streaming,
     sliced_problem,
     streamed_factored,
+    streamed_factors_fit,
     streamed_linearized,
     streamed_what,
     streaming_estimate,
@@ -251,7 +252,9 @@ def plan_solve(
         ), **size)  # fmt: skip
     streamed = streamed_factored(problem, built, linearized, budget)
     block = STREAMED_BLOCK if size else None  # the planner's choice of solver only
-    relinearized = streamed_linearized(problem, built, linearized, budget, block)
+    relinearized = None  # not checked where the rebuilt factors are taken anyway
+    if not streamed_factors_fit(streamed, budget):
+        relinearized = streamed_linearized(problem, built, linearized, budget, block)
     plan = _streaming_plan(
         problem, problem.reference_operator(), name, reasons, budget, base,
         streamed, block, relinearized,

@@ -144,6 +144,19 @@ def streamed_linearized(
     return None if reason is not None else (operator, name, batch)
 
 
+def streamed_factors_fit(streamed: tuple | None, budget: Estimates) -> bool:
+    """Whether the rebuilt factors of ``streamed`` (from :func:`streamed_factored`) fit
+    ``budget`` one column a pass: :func:`choose_streaming` then takes them, and the
+    rebuilt linearisations need not be checked.
+    """
+    if streamed is None:
+        return False
+    sizes = streamed[2]
+    shape = (budget.graph, sizes.factor_bytes, sizes.rows)
+    peak, _ = budget.factor_streaming_peak(*shape, widest=sizes.widest)
+    return peak is not None and peak <= budget.total
+
+
 def _widths(block: int | None) -> tuple[int, ...]:
     """The columns a pass a streamed operator is estimated for: one, and ``block``."""
     return (1, block) if block is not None and block > 1 else (1,)

@@ -245,3 +245,16 @@ def test_no_survey_pass_where_the_first_batch_already_exceeds_the_budget(monkeyp
     assert not surveys
     assert _plan(problem, 2 * smallest).operator_name.startswith("factored, rebuilt")
     assert len(surveys) == 1
+
+
+def test_the_rebuilt_linearisations_are_not_checked_where_rebuilt_factors_fit(monkeypatch):
+    from laplace_glas.curvature.operators.relinearized import RelinearizedGGN
+
+    _, _, problem = mlp_problem(n=400, batch=20)
+    smallest = _smallest(problem)
+    checks = []
+    check = RelinearizedGGN.check
+    monkeypatch.setattr(RelinearizedGGN, "check", lambda self: checks.append(1) or check(self))
+    # twice curvlinops' one column: the rebuilt factors fit, no linearisation is made
+    assert _plan(problem, 2 * smallest).operator_name.startswith("factored, rebuilt")
+    assert not checks  # (test_relinearized checks the planner where they do not fit)
