@@ -43,7 +43,8 @@ _BYTE_UNITS = {
     "tib": 2**40,
 }
 _BUDGET_FORMS = (
-    "a positive int of bytes, or a string of a positive number and a unit: B, kB, MB, GB, "
+    "a number of bytes >= 1 (fractions rounded down), or a string of a number and a unit: "
+    "B, kB, MB, GB, "
     "TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '512MB', '1.5GiB', "
     "'64 MiB' (units case-insensitive); or None for half of the free memory of the "
     "model's device"

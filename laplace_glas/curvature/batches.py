@@ -227,16 +227,23 @@ class SubBatches:
     Every tensor whose first axis has the batch's length is sliced (``X``, ``y``, the
     entries of a mapping batch); other entries are passed whole. A summed (or per-
     example averaged) loss has the same curvature on the slices as on their batch.
-    ``len`` is the loader's batches times the slices of a full one (an upper bound when
-    the last batch is shorter).
+    ``len`` is the loader's batches times the slices of a full one: of the loader's
+    ``batch_size``, else of ``full`` (the caller's first batch's size), else of ``size``
+    (an upper bound when the last batch is shorter; a count, not a bound, for a loader
+    without ``batch_size`` whose first batch is not its largest).
     """
 
     def __init__(
-        self, loader: Iterable, size: int, dict_key_x: str = "input_ids", dict_key_y: str = "labels"
+        self,
+        loader: Iterable,
+        size: int,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        full: int | None = None,
     ):
         self.loader, self.size = loader, max(1, int(size))
         self.dict_key_x, self.dict_key_y = dict_key_x, dict_key_y
-        self.full = getattr(loader, "batch_size", None)
+        self.full = getattr(loader, "batch_size", None) or full
 
     def __iter__(self) -> Iterator[Any]:
         for data in self.loader:

@@ -443,7 +443,7 @@ class Estimates:
                 "may take tens of times longer than an unbudgeted one)"
             )
         advice = (
-            "Fewer components need less (the batches are already single examples)."
+            "Fewer components need less (the fit already cuts the batches into single examples)."
             if one_example
             else "Fewer components or smaller batches need less."
         )

@@ -86,7 +86,12 @@ class Eigenpairs:
         one pass), including a fresh residual check. The factored operator needs one
         data pass in all, to build its factors; its calls are counted all the same.
     operator : str
-        ``'curvlinops'``, ``'factored'``, or ``'curvlinops (not factored: why)'``.
+        The operator the solver multiplied with, as the planner names it:
+        ``'curvlinops'`` (the reference), ``'jacobian'``, ``'factored'``,
+        ``'linearised (not factored: why)'``, or for a budgeted fit that streams
+        ``'factored, rebuilt per batch ...'``, ``'linearised, rebuilt per batch ...'``
+        or ``'curvlinops (not factored: why; not linearised: why)'``, ending with
+        ``'(batches in slices of c)'`` where the batches were cut.
     plan : dict or None
         The plan of a fit's solve (:meth:`~laplace_glas.curvature.planner.Plan.summary`
         with the solver that ran): the curvature, the operator, the solver, the scale,
@@ -128,22 +133,29 @@ class Eigenpairs:
 
     @property
     def strategy(self) -> str | None:
-        """The planner's strategy: ``'dual'``, ``'factored'``, ``'linearised'`` or
-        ``'streaming'`` (None: not recorded).
+        """The planner's strategy: ``'jacobian'``, ``'dual'``, ``'factored'``,
+        ``'linearised'`` or ``'streaming'`` (None: not recorded).
         """
         return (self.plan or {}).get("strategy") or None
 
     @property
     def estimated_peak_bytes(self) -> int | None:
-        """The chosen strategy's estimated peak in bytes (None: not recorded)."""
+        """The chosen strategy's estimated peak in bytes (None: not recorded).
+
+        For the factored operator it includes the temporaries the budget leaves its
+        products: a dual solve's chunk of ``k`` columns, or the record of products
+        Lanczos keeps for its residual check (up to 256 MiB in float32, a bound: the
+        record holds two ``D``-vectors per product); ``estimates`` holds the
+        strategies' estimates without them.
+        """
         return self._plan_bytes("estimated_peak_bytes")
 
     @property
     def measured_peak_bytes(self) -> int | None:
-        """The fit's measured peak above its start in bytes (None: not recorded; ``-1``:
-        not measurable here). On the host it counts the resident pages the process adds
-        (``VmHWM`` above the start's ``VmRSS``), so a fit that reuses heap an earlier fit
-        left resident may read 0 or little.
+        """The fit's measured peak above its start in bytes (None: not recorded, or not
+        measurable here; the plan then holds ``-1``). On the host it counts the resident
+        pages the process adds (``VmHWM`` above the start's ``VmRSS``), so a fit that
+        reuses heap an earlier fit left resident may read 0 or little.
         """
         return self._plan_bytes("measured_peak_bytes")
 

@@ -74,7 +74,8 @@ class SubspaceFit(ComplementPass, FitAgreement):
 
         The fit's peak memory, measured by
         :class:`~laplace_glas.curvature.budget.PeakMemory`, is recorded in
-        ``lanczos_info.plan['measured_peak_bytes']`` (``-1``: not measurable here).
+        ``lanczos_info.plan['measured_peak_bytes']`` (``-1``: not measurable here), which
+        ``lanczos_info.measured_peak_bytes`` reads as None.
 
         Parameters
         ----------

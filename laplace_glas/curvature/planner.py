@@ -303,8 +303,9 @@ def _streaming_plan(
     chosen = choose_streaming(budget, problem, operator, name, streamed, block, relinearized)
     peak, columns, operator, name, scale, block_size = chosen
     if not budget.record("streaming", peak):
-        one_example = isinstance(problem.loader, SubBatches) and problem.loader.size == 1
-        raise budget.refuse("this fit", one_example)
+        sliced = isinstance(problem.loader, SubBatches)
+        what = f"this fit, its batches cut into slices of {problem.loader.size}" if sliced else ""
+        raise budget.refuse(what or "this fit", sliced and problem.loader.size == 1)
     operator = ColumnChunks(operator, columns, problem.dtype, problem.device)
     if isinstance(problem.loader, SubBatches):
         name = f"{name} (batches in slices of {problem.loader.size})"
@@ -412,11 +413,7 @@ def _factored(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
         for t in vars(f).values()
         if isinstance(t, torch.Tensor)
     )
-    M = built.n_examples * built.n_rows
-    widest = max(
-        [f.a.shape[0] * f.a.shape[1] * f.shape[0] for f in built.factors if hasattr(f, "a")],
-        default=1,
-    )
+    M, widest = built.n_examples * built.n_rows, built.widest
     lanczos, dual = budget.factored_peaks(F, 0, widest, M)
     # the first batch's projection (with the join's layer) where one was made, so that
     # the estimate reported is the one decided on
@@ -429,11 +426,16 @@ def _factored(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
     chosen = factored_solver(built, solver, budget.k, fits_lanczos, fits_dual)
     strategy = "dual" if chosen == "dual" else "factored"
     # a product's temporaries: what the budget leaves beyond the estimate (which
-    # counts one column's), up to the default chunk; the estimate grows with them
+    # counts one column's), up to the default chunk; the estimate grows with what the
+    # solver may take of them (Lanczos' record of products takes the allowance, the
+    # dual solve's products of k columns at most one column chunk)
     spare = (budget.total - budget.estimates[strategy]) // (2 * s)
     chunk = int(min(_CHUNK_ELEMENTS, widest + max(0, spare)))
     built.chunk_elements = max(chunk, widest)
-    peak = budget.estimates[strategy] + 2 * s * (built.chunk_elements - widest)
+    used = built.chunk_elements
+    if strategy == "dual":
+        used = max(widest, min(built.product_elements(), budget.k * widest))
+    peak = budget.estimates[strategy] + 2 * s * (used - widest)
     return Plan(
         built, 1.0, chosen, "factored", problem.n_terms, "ggn", budget.total, (),
         strategy, peak, budget.pairs(), *_distributed_fallback(problem, budget),

@@ -74,7 +74,7 @@ def sliced_problem(problem: CurvatureProblem, budget: Estimates) -> CurvaturePro
     if size >= b or not slices_agree(problem.model, X, size, problem.dict_key_x):
         return problem
     budget.streaming, budget.graph = streaming, budget.graph * size // b
-    loader = SubBatches(problem.loader, size, problem.dict_key_x, problem.dict_key_y)
+    loader = SubBatches(problem.loader, size, problem.dict_key_x, problem.dict_key_y, full=b)
     return replace(problem, loader=loader, data=XYBatches(loader, problem.dict_key_y))
 
 

@@ -32,6 +32,7 @@ F64 = torch.float64
         (None, None),
         (4096, 4096),
         (2.5e3, 2500),
+        (1.5, 1),  # fractions of a byte rounded down
         ("512MB", 512 * 10**6),
         ("1.5GiB", 3 * 2**29),
         ("64 MiB", 64 * 2**20),
@@ -53,7 +54,10 @@ def test_memory_budget_refuses_bad_values_naming_the_accepted_forms(value):
 
 @pytest.mark.parametrize("value", [True, [64], b"64MB"])
 def test_memory_budget_refuses_other_types(value):
-    with pytest.raises(ArgumentTypeError, match="memory_budget must be a positive int"):
+    with pytest.raises(
+        ArgumentTypeError,
+        match=r"memory_budget must be a number of bytes >= 1 \(fractions rounded down\)",
+    ):
         memory_budget(value)
 
 
@@ -186,7 +190,9 @@ def test_a_budget_below_every_strategy_names_the_smallest_that_works():
     message = str(refused.value)
     assert "streaming" in message and "tens of times longer" in message  # the cost named
     # the batches were sliced to single examples: no advice to shrink them further
-    assert "already single examples" in message and "smaller batches" not in message
+    assert "batches cut into slices of 1 (" in message  # the estimates are the slices'
+    assert "already cuts the batches into single examples" in message
+    assert "smaller batches" not in message
     # an estimate and a budget 1% apart read differently
     assert format_bytes(smallest) != format_bytes(0.99 * smallest)
 
@@ -211,6 +217,17 @@ def test_the_smallest_budget_named_works_where_it_is_the_dual_solves():
     plan = _plan(problem, refused.smallest, k=20)  # the factors' cap left no room before
     assert (plan.strategy, plan.solver) == ("dual", "dual")
     assert plan.estimated_peak <= refused.smallest
+
+
+def test_a_dual_plans_peak_counts_the_temporaries_of_its_k_columns_not_the_budget():
+    _, _, problem = mlp_problem()
+    for budget in (2**30, 2**24):
+        plan = _plan(problem, budget)
+        assert (plan.strategy, plan.solver) == ("dual", "dual")
+        # the dual solve multiplies k = 3 columns at a time: its peak grows by their
+        # temporaries beyond the estimate's one column, whatever the budget leaves
+        grown = plan.estimated_peak - dict(plan.estimates)["dual"]
+        assert 0 <= grown <= 2 * 8 * (3 - 1) * plan.operator.widest
 
 
 def test_a_model_that_is_not_factored_linearises_then_streams():
@@ -473,6 +490,11 @@ def test_sub_batches_cut_every_batch_into_its_examples_in_order():
     assert mapped[0]["input_ids"].shape == (2, 2) and torch.equal(
         mapped[0]["n"], torch.tensor([7, 7])
     )
+    # a loader without batch_size: counted from the first batch's size the caller gives
+    batches = [(X[:4], y[:4]), (X[4:8], y[4:8]), (X[8:], y[8:])]
+    sliced = SubBatches(batches, 2, full=4)
+    assert len(sliced) == 6 and len(list(sliced)) == 5  # a bound: the last batch is short
+    assert len(SubBatches(loader(X, y, 4), 3, full=2)) == 6  # the loader's own size first
     model = mlp([1, 4, 2], dtype=torch.float32).eval()
     assert slices_agree(model, X, 3)
     assert not slices_agree(lambda x: model(x) - model(x).mean(0), X, 3)  # examples interact

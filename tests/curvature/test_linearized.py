@@ -242,8 +242,17 @@ def test_budget_is_checked_before_the_whole_pass():
     assert isinstance(reason, str) and "memory budget" in reason and "projected" in reason
     assert len(seen) == 1  # one batch, not the whole loader
     reason = linearized(model, iter(batches), loss_func, num_data, budget=1)  # no len()
-    assert "memory budget" in reason and "after 1 of ? batches" in reason
+    assert "memory budget" in reason and "after 1 batch and" in reason
     assert linearized(model, [], loss_func, num_data) == "the loader is empty"
+    # a loader whose length undercounts its batches: the reason counts what it saw
+    per_batch = linearized(model, batches[:1], loss_func, num_data).saved_bytes
+
+    class Undercounting(Counting):
+        def __len__(self):
+            return 1
+
+    reason = linearized(model, Undercounting(), loss_func, num_data, budget=2 * per_batch)
+    assert "after 2 batches and" in reason and " of 1 " not in reason
 
 
 class OnceDifferentiableTanh(torch.autograd.Function):

@@ -175,8 +175,10 @@ class FactoredGGN(TorchOperator):
         """Flops of one product column ``G_1 v``."""
         return sum(f.cost() for f in self.factors)
 
-    def _chunk(self, m: int) -> int:
-        widest = max(
+    @property
+    def widest(self) -> int:
+        """The widest layer's GEMM temporaries of one column (``B T d_out`` numbers)."""
+        return max(
             (
                 f.a.shape[0] * f.a.shape[1] * f.shape[0]
                 for f in self.factors
@@ -184,10 +186,18 @@ class FactoredGGN(TorchOperator):
             ),
             default=1,
         )
-        # the allowance caps the chunk; beyond 2^22 numbers larger chunks were slower
-        # (c1-k50's 50 eigenvectors: 146 ms in chunks of 6 columns, 201 ms in one)
-        elements = min(self.chunk_elements, max(_FAST_CHUNK_ELEMENTS, widest))
-        return max(1, min(m, elements // max(widest, 1)))
+
+    def product_elements(self) -> int:
+        """Numbers a product's column chunk holds at most:
+        ``min(chunk_elements, max(2^22, widest))`` (the allowance caps the chunk; beyond
+        2^22 numbers larger chunks were slower: c1-k50's 50 eigenvectors took 146 ms in
+        chunks of 6 columns, 201 ms in one).
+        """
+        return min(self.chunk_elements, max(_FAST_CHUNK_ELEMENTS, self.widest))
+
+    def _chunk(self, m: int) -> int:
+        widest = self.widest
+        return max(1, min(m, self.product_elements() // max(widest, 1)))
 
     def apply_S(self, X: torch.Tensor) -> torch.Tensor:
         """``(m, N, R)``: row ``i`` is ``S x_i`` for ``X (m, D)``."""

@@ -374,10 +374,12 @@ def build_linearized_ggn(
             projected = counter.bytes * n_batches  # give up before the pass, not after
         if projected + first_batch > budget_bytes:  # and one product's temporaries
             known = n_batches is not None
+            done = len(linearizations)
+            of = f" of {n_batches}" if known and n_batches >= done else ""
             return OverBudget(
                 f"the kept graphs exceed the memory budget ({format_bytes(projected)} "
                 f"{'after' if projected == counter.bytes else 'projected from'} "
-                f"{len(linearizations)} of {n_batches or '?'} batches and "
+                f"{done}{of} batch{'es' if done > 1 else ''} and "
                 f"{format_bytes(first_batch)} for a product, budget "
                 f"{format_bytes(budget_bytes)})",
                 needed=first_batch * (n_batches + 1) if known else None,
