@@ -26,7 +26,9 @@
 * :mod:`~laplace_glas.curvature.streaming`: the planner's streaming strategy (the
   factors rebuilt per product, or curvlinops' products) and slices of batches.
 * :mod:`~laplace_glas.curvature.budget`: the memory budget's default, the solvers'
-  storage and the measured peak of a fit.
+  storage and the strategies' estimated peaks.
+* :mod:`~laplace_glas.curvature.peak_memory`: the measured peak of a fit, and the
+  warning where it passes the budget.
 * :mod:`~laplace_glas.curvature.backends`: laplace-torch's ``backend`` as curvlinops'
   GGN, empirical Fisher or Hessian operator.
 * :mod:`~laplace_glas.curvature.distributed`: data-parallel fits on ``torch.distributed``

@@ -66,16 +66,8 @@ loader's batches:
   temporaries, as for the kept operator) and ``4 D s``, plus ``B``
   (:meth:`Estimates.linearized_streaming_peak`).
 
-:class:`PeakMemory` measures the peak of a fit above the memory in use when it starts:
-on CUDA ``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats``
-(so a caller's own peak statistics restart there too); on the host the resident set's
-high-water mark ``VmHWM`` of ``/proc/self/status``, reset by writing ``5`` to
-``/proc/self/clear_refs`` (Linux). Where the reset is not permitted the peak is known
-only when it exceeds the process's earlier high-water mark; otherwise, and off Linux,
-it is ``None`` (recorded as ``-1``). ``tracemalloc`` is no substitute: it sees neither
-torch's nor BLAS's allocations. The host figure counts the whole process (other
-threads, libraries loaded during the fit, memory the allocator keeps), so it can
-exceed the estimate, by up to :data:`HOST_SLACK`.
+The fit measures its peak and warns where it passes the budget
+(:mod:`~laplace_glas.curvature.peak_memory`).
 """
 
 from __future__ import annotations
@@ -83,8 +75,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import types
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -95,13 +85,11 @@ __all__ = [
     "Estimates",
     "MemoryBudgetError",
     "OverBudget",
-    "PeakMemory",
     "format_bytes",
     "free_memory",
     "resolve_budget",
     "return_freed_memory",
     "solver_storage",
-    "with_measured_peak",
 ]
 
 DEFAULT_SHARE = 0.5
@@ -110,7 +98,8 @@ DEFAULT_SHARE = 0.5
 HOST_SLACK = 32 * 2**20
 """Bytes a fit's measured host peak may exceed its budget by: what the process, not the
 fit, takes during it (libraries torch loads at a process's first product, memory the
-allocator keeps from an earlier step; see :class:`PeakMemory`)."""
+allocator keeps from an earlier step; see
+:class:`~laplace_glas.curvature.peak_memory.PeakMemory`)."""
 
 _FALLBACK_FREE = 4 * 2**30  # bytes assumed free where the system does not say
 
@@ -221,59 +210,6 @@ def solver_storage(
     return max(one_column, (ncv + 5 * k + 8) * n_params * itemsize)
 
 
-def _status(key: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-class PeakMemory:
-    """Context manager: the peak bytes in use above the start (see the module).
-
-    After the block, ``bytes`` is the measured peak (``None`` where it cannot be
-    measured) and ``method`` says how: ``'cuda'``, ``'VmHWM'`` or ``'none'``.
-    """
-
-    def __init__(self, device: torch.device | str):
-        self.device = torch.device(device)
-        self.bytes: int | None = None
-        self.method = "none"
-
-    def __enter__(self) -> PeakMemory:
-        self._cuda = self.device.type == "cuda" and torch.cuda.is_available()
-        if self._cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._start = torch.cuda.memory_allocated(self.device)
-            return self
-        self._high_before = _status("VmHWM")
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self._reset = True
-        except OSError:
-            self._reset = False
-        self._start = _status("VmRSS")
-        return self
-
-    def __exit__(self, kind: type | None, error: BaseException | None, tb: types.TracebackType):
-        if self._cuda:
-            torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
-            self.bytes, self.method = max(0, int(peak - self._start)), "cuda"
-            return
-        high = _status("VmHWM")
-        if high is None or self._start is None:
-            return
-        if self._reset or (self._high_before is not None and high > self._high_before):
-            self.bytes, self.method = max(0, high - self._start), "VmHWM"
-
-
 class OverBudget(str):
     """A builder's refusal (a reason, as a ``str``) that says what it would need:
     ``needed`` bytes for the operator (``None`` if unknown) and ``batch_bytes``, one
@@ -288,18 +224,6 @@ class OverBudget(str):
         self = super().__new__(cls, reason)
         self.needed, self.batch_bytes = needed, batch_bytes
         return self
-
-
-def with_measured_peak(eig, peak: PeakMemory):
-    """``eig`` (an :class:`~laplace_glas.curvature.eigenpairs.Eigenpairs`) with the
-    measured peak in its plan: ``measured_peak_bytes`` (``-1``: not measurable) and
-    ``peak_method`` (``'cuda'``, ``'VmHWM'`` or ``'none'``).
-    """
-    measured = {
-        "measured_peak_bytes": -1 if peak.bytes is None else int(peak.bytes),
-        "peak_method": peak.method,
-    }
-    return replace(eig, plan={**(eig.plan or {}), **measured})
 
 
 GRAM_CHUNK_ELEMENTS = 2**20

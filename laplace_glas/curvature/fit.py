@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature.agreement import FitAgreement
-from laplace_glas.curvature.budget import PeakMemory, return_freed_memory, with_measured_peak
+from laplace_glas.curvature.budget import return_freed_memory
 from laplace_glas.curvature.complement_pass import ComplementCurvature, ComplementPass
 from laplace_glas.curvature.distributed import (
     Shards,
@@ -42,6 +42,7 @@ from laplace_glas.curvature.eigenpairs import Eigenpairs, NumericalRankWarning
 from laplace_glas.curvature.eigensolve import compute_eigenpairs
 from laplace_glas.curvature.fitting import MapLoss, loss_at_map
 from laplace_glas.curvature.operators.updated import StoredCurvature, add_stored_curvature
+from laplace_glas.curvature.peak_memory import PeakMemory, with_measured_peak
 from laplace_glas.curvature.planner import Plan, plan_solve
 from laplace_glas.curvature.problem import CurvatureProblem
 from laplace_glas.settings import parse_memory_budget
@@ -73,7 +74,7 @@ class SubspaceFit(ComplementPass, FitAgreement):
         """Compute the top-k eigenpairs of the mean-loss GGN and the loss at the MAP.
 
         The fit's peak memory, measured by
-        :class:`~laplace_glas.curvature.budget.PeakMemory`, is recorded in
+        :class:`~laplace_glas.curvature.peak_memory.PeakMemory`, is recorded in
         ``lanczos_info.plan['measured_peak_bytes']`` (``-1``: not measurable here), which
         ``lanczos_info.measured_peak_bytes`` reads as None.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ from laplace_glas import ActiveSubspaceLaplace, MemoryBudgetError
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature import budget as budget_module
 from laplace_glas.curvature.batches import SubBatches, slices_agree
-from laplace_glas.curvature.budget import PeakMemory, format_bytes, resolve_budget, solver_storage
+from laplace_glas.curvature.budget import format_bytes, resolve_budget, solver_storage
 from laplace_glas.curvature.operators.torch_operator import ColumnChunks
+from laplace_glas.curvature.peak_memory import PeakMemory
 from laplace_glas.curvature.planner import STRATEGIES, plan_solve
 from laplace_glas.curvature.problem import CurvatureProblem
 from laplace_glas.settings import parse_memory_budget as memory_budget
@@ -307,6 +309,37 @@ def test_the_record_holds_the_budget_the_strategy_and_the_peaks():
     assert again.strategy == info.strategy and again.plan["peak_method"] == info.plan["peak_method"]
     default = _fit(model, data).lanczos_info  # half the free memory: positive, recorded
     assert default.memory_budget > 0 and default.estimated_peak_bytes <= default.memory_budget
+
+
+def test_a_measured_peak_beyond_the_budget_and_its_slack_warns():
+    from types import SimpleNamespace
+
+    from laplace_glas.curvature.budget import HOST_SLACK
+    from laplace_glas.curvature.peak_memory import with_measured_peak
+
+    model, data, _ = mlp_problem()
+    info = _fit(model, data, memory_budget="256 MiB").lanczos_info
+    budget = 256 * 2**20
+
+    def measured(n_bytes, method):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = with_measured_peak(info, SimpleNamespace(bytes=n_bytes, method=method))
+        return out, [str(w.message) for w in caught if "measured peak" in str(w.message)]
+
+    out, said = measured(budget + HOST_SLACK + 2**20, "VmHWM")
+    assert out.measured_peak_bytes == budget + HOST_SLACK + 2**20 and len(said) == 1
+    smaller = budget - HOST_SLACK - 2**20  # as far below the budget as the peak was above
+    assert f"memory_budget={budget} (256 MiB) by 33.0 MiB" in said[0]
+    assert f"the {info.strategy} strategy's estimate" in said[0]
+    assert f"memory_budget={smaller} " in said[0]
+    assert measured(budget + HOST_SLACK, "VmHWM")[1] == []  # within the process's slack
+    assert len(measured(budget + 1, "cuda")[1]) == 1  # the allocator's own count: no slack
+    assert measured(None, "none")[1] == []
+    unbudgeted = replace(info, plan={**info.plan, "budget_bytes": -1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with_measured_peak(unbudgeted, SimpleNamespace(bytes=2**40, method="VmHWM"))
 
 
 def test_a_state_saved_before_budgets_still_loads():
