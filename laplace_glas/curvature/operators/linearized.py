@@ -379,7 +379,7 @@ def build_linearized_ggn(
             return OverBudget(
                 f"the kept graphs exceed the memory budget ({format_bytes(projected)} "
                 f"{'after' if projected == counter.bytes else 'projected from'} "
-                f"{done}{of} batch{'es' if done > 1 else ''} and "
+                f"{done}{of} batch{'es' if of or done > 1 else ''} and "
                 f"{format_bytes(first_batch)} for a product, budget "
                 f"{format_bytes(budget_bytes)})",
                 needed=first_batch * (n_batches + 1) if known else None,
