@@ -68,7 +68,8 @@ def _solve_block(
     One column per pass is Lanczos with full re-orthogonalisation that keeps every
     image ``G q_j``: its basis is ARPACK's (``ncv``, default ``max(2 k + 1, 20)``); it
     stops at the first pass whose top-``k`` residuals (from the kept images, no further
-    product) are below ``tol``.
+    product) are below ``tol``, or have stopped falling below the products' round-off
+    (:func:`~laplace_glas.curvature.solvers.block_krylov.block_krylov_eigenpairs`).
     """
 
     def matmat(V: torch.Tensor) -> torch.Tensor:

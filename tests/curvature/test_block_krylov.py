@@ -218,3 +218,32 @@ def test_a_basis_as_large_as_the_space_never_overflows(monkeypatch):
     assert res.values.shape == (k,) and res.converged.all()
     torch.testing.assert_close(res.values, expected, rtol=1e-5, atol=1e-5 * expected[0].item())
     assert max(filled) == dim  # the case the cut serves did occur
+
+
+def test_residuals_stalled_at_the_products_round_off_stop_the_solve():
+    """Products with a noise floor above tol (as float32 products of a deep linearised
+    model have): the solve stops once the residuals stop falling below the round-off
+    level max(tol, sqrt(eps)) theta_1, instead of running to its pass limit."""
+    values = torch.tensor([10.0, 9.0, 5.0, 4.0, 3.0, 2.0, 1.0], dtype=torch.float64)
+    values = torch.cat([values, torch.linspace(0.5, 0.01, 193, dtype=torch.float64)])
+    A = psd(values)
+    noise = torch.Generator().manual_seed(7)
+
+    def matmat(V):  # an error of 3e-4 theta_1 per product: residuals stall above tol
+        exact = A @ V.double()
+        jitter = torch.randn(exact.shape, generator=noise, dtype=torch.float64)
+        return (exact + 3e-4 * 10 * jitter / 200**0.5).to(V.dtype)
+
+    solve = dict(block_size=1, max_basis=20, tol=1e-5, max_passes=400, dtype=torch.float32)
+    res = block_krylov_eigenpairs(
+        matmat, 200, 2, generator=torch.Generator().manual_seed(1), **solve
+    )
+    assert bool(res.converged.all()) and res.n_passes < 150  # 400 before
+    torch.testing.assert_close(res.values.double(), values[:2], rtol=1e-4, atol=0)
+    # exact products: the ordinary criterion, not the round-off level
+    exact = block_krylov_eigenpairs(
+        lambda V: (A @ V.double()).to(V.dtype), 200, 2,
+        generator=torch.Generator().manual_seed(1), **solve,
+    )  # fmt: skip
+    rel = (exact.images - exact.vectors * exact.values).norm(dim=0) / exact.values
+    assert bool(exact.converged.all()) and float(rel.max()) <= 1e-5
