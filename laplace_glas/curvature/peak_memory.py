@@ -89,8 +89,8 @@ def with_measured_peak(eig, peak: PeakMemory):
 
     Warns where the peak exceeds the plan's budget by more than the process's own
     allocations may (:data:`~laplace_glas.curvature.budget.HOST_SLACK` on the host,
-    nothing on CUDA), naming the strategy's estimate and a budget that would leave the
-    missing room.
+    nothing on CUDA), naming the strategy's estimate and, where the overrun is at most
+    half the budget, a budget that would leave the missing room.
     """
     measured = {
         "measured_peak_bytes": -1 if peak.bytes is None else int(peak.bytes),
@@ -101,16 +101,22 @@ def with_measured_peak(eig, peak: PeakMemory):
     slack = HOST_SLACK if peak.method == "VmHWM" else 0
     if peak.bytes is not None and budget > 0 and peak.bytes > budget + slack:
         estimate = int(plan.get("estimated_peak_bytes", -1))
-        smaller = max(1, budget - (peak.bytes - budget))
+        smaller = budget - (peak.bytes - budget)
+        advice = (
+            f"Where the budget is a hard limit, memory_budget={smaller} "
+            f"({format_bytes(smaller)}) leaves the missing room."
+            if 2 * smaller >= budget
+            else "The estimate missed by more than half the budget, so no smaller budget "
+            "is sure to hold: give the fit a loader whose first batch is as large as the "
+            "rest, or a budget the measured peak fits."
+        )
         warnings.warn(
             f"The fit's measured peak {format_bytes(peak.bytes)} exceeded memory_budget="
             f"{budget} ({format_bytes(budget)}) by {format_bytes(peak.bytes - budget)}: "
             f"the {plan.get('strategy') or 'chosen'} strategy's estimate"
             + (f" ({format_bytes(estimate)})" if estimate >= 0 else "")
             + " was low for this model and data (later batches larger than the first, "
-            "or a backward pass that takes more than its graph). Where the budget is a "
-            f"hard limit, memory_budget={smaller} ({format_bytes(smaller)}) leaves the "
-            "missing room.",
+            "or a backward pass that takes more than its graph). " + advice,
             UserWarning,
             stacklevel=3,
         )

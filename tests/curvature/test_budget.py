@@ -334,6 +334,10 @@ def test_a_measured_peak_beyond_the_budget_and_its_slack_warns():
     assert f"the {info.strategy} strategy's estimate" in said[0]
     assert f"memory_budget={smaller} " in said[0]
     assert measured(budget + HOST_SLACK, "VmHWM")[1] == []  # within the process's slack
+    # an overrun beyond half the budget: no budget is named (it would not be sure to hold)
+    said = measured(3 * budget, "VmHWM")[1]
+    assert len(said) == 1 and "no smaller budget is sure to hold" in said[0]
+    assert "leaves the missing room" not in said[0]
     assert len(measured(budget + 1, "cuda")[1]) == 1  # the allocator's own count: no slack
     assert measured(None, "none")[1] == []
     unbudgeted = replace(info, plan={**info.plan, "budget_bytes": -1})

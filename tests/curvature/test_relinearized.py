@@ -106,7 +106,9 @@ def test_a_batch_that_cannot_be_linearised_raises_naming_it():
     X, y = torch.randn(5, 3, generator=g, dtype=F64), torch.randn(5, 2, generator=g, dtype=F64)
     batches = [(X[:4], y[:4]), (X[4:], y[4:])]
     operator = _operator(model, batches, nn.MSELoss(reduction="sum"), 5)
-    with pytest.raises(RuntimeError, match="Batch 1 of the training data cannot be linearised"):
+    with pytest.raises(
+        RuntimeError, match=r"Batch 2 \(counting from 1\) of the training data cannot be linearised"
+    ):
         operator @ torch.ones(operator.shape[0], 1, dtype=F64)
 
 
@@ -291,7 +293,9 @@ def test_a_later_batch_larger_than_the_planned_one_is_warned_about_once():
             model, nn.MSELoss(), params, batches, num_data=16, batch_bytes=first.saved_bytes
         )
         V = torch.ones(operator.shape[0], 1, dtype=F64)
-        with pytest.warns(UserWarning, match="Batch 1's graphs take .* more than the"):
+        with pytest.warns(
+            UserWarning, match=r"Batch 2's graphs \(counting from 1\) take .* more than the"
+        ):
             operator @ V
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # once: the second product says nothing

@@ -127,12 +127,16 @@ class RelinearizedGGN(LinearizedGGN):
             batch_size_fn=self.batch_size_fn, device=self.device, counter=counter,
         )  # fmt: skip
         if isinstance(lin, str):
-            raise RuntimeError(f"Batch {index} of the training data cannot be linearised: {lin}.")
+            raise RuntimeError(
+                f"Batch {index + 1} (counting from 1) of the training data cannot be "
+                f"linearised: {lin}."
+            )
         first_larger = counter.bytes > LARGER_BATCH * self.saved_bytes >= self.largest_batch_bytes
         self.largest_batch_bytes = max(self.largest_batch_bytes, counter.bytes)
         if first_larger:
             warnings.warn(
-                f"Batch {index}'s graphs take {format_bytes(counter.bytes)}, more than the "
+                f"Batch {index + 1}'s graphs (counting from 1) take {format_bytes(counter.bytes)}, "
+                "more than the "
                 f"{format_bytes(self.saved_bytes)} of the first batch that the memory budget "
                 "was planned with: the fit may exceed memory_budget (longer sequences or "
                 "larger batches later in the loader?).",
