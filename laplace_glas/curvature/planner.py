@@ -302,13 +302,13 @@ def _streaming_plan(
     """
     chosen = choose_streaming(budget, problem, operator, name, streamed, block, relinearized)
     peak, columns, operator, name, scale, block_size = chosen
+    sliced = problem.loader.size if isinstance(problem.loader, SubBatches) else None
     if not budget.record("streaming", peak):
-        sliced = isinstance(problem.loader, SubBatches)
-        what = f"this fit, its batches cut into slices of {problem.loader.size}" if sliced else ""
-        raise budget.refuse(what or "this fit", sliced and problem.loader.size == 1)
+        cut = "" if sliced is None else f", its batches cut into slices of {sliced}"
+        raise budget.refuse(f"this fit{cut}", sliced == 1)
     operator = ColumnChunks(operator, columns, problem.dtype, problem.device)
-    if isinstance(problem.loader, SubBatches):
-        name = f"{name} (batches in slices of {problem.loader.size})"
+    if sliced is not None:
+        name = f"{name} (batches in slices of {sliced})"
     return Plan(
         operator, scale, solver, name, problem.n_terms, "ggn", budget.total,
         tuple(reasons), "streaming", peak, budget.pairs(), columns, peak, block_size,

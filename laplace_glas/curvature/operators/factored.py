@@ -51,6 +51,7 @@ factors holds one layer's twice, not all of them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -175,9 +176,11 @@ class FactoredGGN(TorchOperator):
         """Flops of one product column ``G_1 v``."""
         return sum(f.cost() for f in self.factors)
 
-    @property
+    @functools.cached_property
     def widest(self) -> int:
-        """The widest layer's GEMM temporaries of one column (``B T d_out`` numbers)."""
+        """The widest layer's GEMM temporaries of one column (``B T d_out`` numbers; the
+        factors are fixed at construction, so it is computed once).
+        """
         return max(
             (
                 f.a.shape[0] * f.a.shape[1] * f.shape[0]
@@ -196,8 +199,7 @@ class FactoredGGN(TorchOperator):
         return min(self.chunk_elements, max(_FAST_CHUNK_ELEMENTS, self.widest))
 
     def _chunk(self, m: int) -> int:
-        widest = self.widest
-        return max(1, min(m, self.product_elements() // max(widest, 1)))
+        return max(1, min(m, self.product_elements() // max(self.widest, 1)))
 
     def apply_S(self, X: torch.Tensor) -> torch.Tensor:
         """``(m, N, R)``: row ``i`` is ``S x_i`` for ``X (m, D)``."""
