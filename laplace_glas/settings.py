@@ -43,11 +43,11 @@ _BYTE_UNITS = {
     "tib": 2**40,
 }
 _BUDGET_FORMS = (
-    "a number of bytes >= 1 (fractions rounded down), or a string of a number and a unit: "
-    "B, kB, MB, GB, "
+    "a number of bytes >= 1 (fractions rounded down), or a string of a number and an "
+    "optional unit (bytes without one): B, kB, MB, GB, "
     "TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '512MB', '1.5GiB', "
-    "'64 MiB' (units case-insensitive); or None for half of the free memory of the "
-    "model's device"
+    "'64 MiB' (units case-insensitive: 'mb' is MB); or None for half of the free memory "
+    "of the model's device"
 )
 
 

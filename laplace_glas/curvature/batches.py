@@ -218,6 +218,13 @@ class XYBatches:
         """The loader's number of batches (``TypeError`` if it has no length)."""
         return len(self.loader)
 
+    @property
+    def unit(self) -> str:
+        """What one of its batches is called in messages: ``'slice'`` for the slices of
+        :class:`SubBatches`, else ``'batch'``.
+        """
+        return "slice" if isinstance(self.loader, SubBatches) else "batch"
+
 
 class SubBatches:
     """Re-iterable view of a loader whose batches are cut into slices of at most

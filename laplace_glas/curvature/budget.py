@@ -22,8 +22,11 @@ basis and its images of ``max_basis = max(2 k + p, 3 p)`` columns each (``ncv`` 
 
 Estimated peaks of the planner's strategies, in bytes, with ``s`` the itemsize, ``D``
 the parameters, ``k`` the pairs and the solver's storage ``B`` (:func:`solver_storage`:
-``(ncv + 5 k + 8) D s`` for Lanczos), each projected from the first batch over the
-loader's batches:
+``(ncv + 5 k + 8) D s`` for Lanczos), each measured on the first batch and projected
+to the loader by its examples (:mod:`~laplace_glas.curvature.batch_sizes`): what grows
+with the data (factors, kept graphs, ``M``) to all examples, one batch's share (a
+forward graph, a product's temporaries) to the largest batch's; by the number of
+batches where the sizes are not known without a pass over the data:
 
 * jacobian: the rows ``N R D s``
   (:func:`~laplace_glas.curvature.operators.jacobian.estimate_jacobian_bytes`, before
@@ -78,6 +81,8 @@ import os
 from typing import Any
 
 import torch
+
+from laplace_glas.curvature.batch_sizes import BatchSizes
 
 __all__ = [
     "DEFAULT_SHARE",
@@ -262,8 +267,25 @@ class Estimates:
         self.D, self.k, self.device = n_params, k, device
         self.estimates: dict[str, int | None] = {}
         self.streaming: tuple[int | None, int] | None = None  # the planner's cache
-        self.graph: int | None = None  # one batch's forward graph (bytes), once measured
+        self.graph: int | None = None  # the largest batch's forward graph (bytes), once measured
         self.first_factors: Any = None  # the factored build's first batch (FactorSizes)
+        self.batches: BatchSizes | None = None  # the loader's batch sizes, where known
+
+    def to_loader(self, first_bytes: int, n_batches: int | None) -> int | None:
+        """``first_bytes`` measured on the first batch, projected to the loader: by its
+        examples where :attr:`batches` knows them
+        (:meth:`~laplace_glas.curvature.batch_sizes.BatchSizes.to_loader`), else by its
+        ``n_batches`` batches (``None`` where neither is known).
+        """
+        if self.batches is not None:
+            return self.batches.to_loader(first_bytes)
+        return None if n_batches is None else first_bytes * n_batches
+
+    def to_largest(self, first_bytes: int) -> int:
+        """``first_bytes`` measured on the first batch, projected to the largest batch
+        (itself where :attr:`batches` is not known).
+        """
+        return first_bytes if self.batches is None else self.batches.to_largest(first_bytes)
 
     def record(self, strategy: str, peak: int | None) -> bool:
         """Record ``peak`` for ``strategy``; True when it fits (or is unknown)."""
@@ -346,12 +368,15 @@ class Estimates:
         c = -(-batch // -(-batch // c))  # as many slices, of equal sizes
         return c, self.streaming_peak(graph * c // batch)
 
-    def refuse(self, what: str, one_example: bool = False) -> MemoryBudgetError:
+    def refuse(
+        self, what: str, one_example: bool = False, passes: int | None = None
+    ) -> MemoryBudgetError:
         """The error for a budget below every estimate, naming the smallest; where that
-        is streaming's, it warns that a fit there repeats a pass over the data for every
-        product (tens of times an unbudgeted fit's time), and ``one_example`` (the
-        batches already sliced to single examples) leaves smaller batches out of its
-        advice.
+        is streaming's, it says what a fit there costs: ``2 k`` to ``9 k`` products (the
+        range of this project's benchmarks), each ``passes`` forward and backward passes
+        (the batches or slices of one pass over the data; ``None``: not known), against
+        one pass for an unbudgeted fit's build. ``one_example`` (the batches already
+        sliced to single examples) leaves smaller batches out of its advice.
         """
         known = {name: b for name, b in self.estimates.items() if b is not None}
         smallest = min(known.values()) if known else None
@@ -362,9 +387,14 @@ class Estimates:
             else "no estimate could be made"
         )
         if smallest is not None and known.get("streaming") == smallest:
+            each = "a pass over the data"
+            if passes is not None:
+                single = " of one example" if one_example else ""
+                each += f" ({passes} forward and backward pass{'es' if passes > 1 else ''}{single})"
             need += (
-                ", where products stream (a pass over the data for every product: the fit "
-                "may take tens of times longer than an unbudgeted one)"
+                f", where products stream: a solve of {self.k} pairs takes some "
+                f"{2 * self.k}-{9 * self.k} products, each {each}, where an unbudgeted "
+                "fit's operator takes one pass over the data in all"
             )
         advice = (
             "Fewer components need less (the fit already cuts the batches into single examples)."

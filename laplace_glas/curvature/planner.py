@@ -56,14 +56,9 @@ from typing import Any
 
 import torch
 
-from laplace_glas.curvature.backends import (
-    _NAMES,
-    CurvatureChoice,
-    _ef_loss,
-)
-from laplace_glas.curvature.batches import (
-    SubBatches,
-)
+from laplace_glas.curvature.backends import _NAMES, CurvatureChoice, _ef_loss
+from laplace_glas.curvature.batch_sizes import survey_batch_sizes
+from laplace_glas.curvature.batches import SubBatches
 from laplace_glas.curvature.budget import (
     Estimates,
     MemoryBudgetError,
@@ -83,9 +78,7 @@ from laplace_glas.curvature.operators.jacobian import (
     build_jacobian_ggn,
     estimate_jacobian_bytes,
 )
-from laplace_glas.curvature.operators.linearized import (
-    build_linearized_ggn,
-)
+from laplace_glas.curvature.operators.linearized import build_linearized_ggn
 from laplace_glas.curvature.operators.torch_operator import ColumnChunks
 from laplace_glas.curvature.problem import CurvatureProblem
 from laplace_glas.curvature.solvers.gram import choose_solver, factored_solver
@@ -98,6 +91,7 @@ from laplace_glas.curvature.streaming import (
     streamed_linearized,
     streamed_what,
     streaming_estimate,
+    streaming_passes,
 )
 
 __all__ = ["SOLVERS", "STRATEGIES", "MemoryBudgetError", "Plan", "choose_solver", "plan_solve"]
@@ -224,6 +218,7 @@ def plan_solve(
     budget = Estimates(total, storage, itemsize, problem.n_params, k, problem.device)
     if curvature.kind != "ggn":
         return _curvlinops_plan(problem, solver, curvature, budget)
+    budget.batches = survey_batch_sizes(problem.loader, problem.dict_key_x, problem.dict_key_y)
     problem = sliced_problem(problem, budget)
     if solver == "lanczos":
         reference = problem.reference_operator()
@@ -305,7 +300,7 @@ def _streaming_plan(
     sliced = problem.loader.size if isinstance(problem.loader, SubBatches) else None
     if not budget.record("streaming", peak):
         cut = "" if sliced is None else f", its batches cut into slices of {sliced}"
-        raise budget.refuse(f"this fit{cut}", sliced == 1)
+        raise budget.refuse(f"this fit{cut}", sliced == 1, streaming_passes(problem.loader, budget))
     operator = ColumnChunks(operator, columns, problem.dtype, problem.device)
     if sliced is not None:
         name = f"{name} (batches in slices of {sliced})"
@@ -386,12 +381,13 @@ def _factored(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
 
     def check(sizes: FactorSizes) -> str | None:
         budget.first_factors = sizes  # streaming's first estimate, should they not fit
-        if sizes.n_batches is None:
+        projected = [
+            budget.to_loader(size, sizes.n_batches)
+            for size in (sizes.batch_bytes, sizes.layer_bytes, sizes.widest, sizes.rows)
+        ]
+        if None in projected:
             return None  # the cumulative cap below applies
-        n = sizes.n_batches
-        lanczos, dual = budget.factored_peaks(
-            sizes.batch_bytes * n, sizes.layer_bytes * n, sizes.widest * n, sizes.rows * n
-        )
+        lanczos, dual = budget.factored_peaks(*projected)
         fits = budget.record("factored", lanczos)
         if wants_dual and dual is not None:
             fits = budget.record("dual", dual) or fits
@@ -415,10 +411,13 @@ def _factored(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
     )
     M, widest = built.n_examples * built.n_rows, built.widest
     lanczos, dual = budget.factored_peaks(F, 0, widest, M)
-    # the first batch's projection (with the join's layer) where one was made, so that
-    # the estimate reported is the one decided on
-    lanczos = budget.estimates.get("factored", lanczos)
-    dual = budget.estimates.get("dual", dual) if dual is not None else None
+    # the first batch's projection (with the join's layer) where one was made and the
+    # built factors did not outgrow it, so that the estimate reported is the one decided
+    # on; factors larger than projected (a loader whose batch sizes were not known) are
+    # decided on again
+    lanczos = max(lanczos, budget.estimates.get("factored") or 0)
+    if dual is not None:
+        dual = max(dual, budget.estimates.get("dual") or 0)
     fits_lanczos = budget.record("factored", lanczos)
     fits_dual = wants_dual and dual is not None and budget.record("dual", dual)
     if not (fits_lanczos or fits_dual):
@@ -451,6 +450,7 @@ def _linearized(problem: CurvatureProblem, budget: Estimates):
         device=problem.device,
         budget_bytes=max(1, room),
         progress_bar=problem.progress_bar,
+        batch_sizes=budget.batches,
     )
     if isinstance(built, OverBudget):
         needed = None if built.needed is None else built.needed + budget.total - room

@@ -46,18 +46,33 @@ __all__ = [
     "streamed_linearized",
     "streamed_what",
     "streaming_estimate",
+    "streaming_passes",
 ]
 
 
 def streaming_estimate(budget: Estimates, problem: CurvatureProblem) -> tuple[int | None, int]:
     """Curvlinops' streaming estimate and the columns a product may take at once (one
-    forward pass of the first batch, made once per planning).
+    forward pass of the first batch, made once per planning, its graph projected to the
+    largest batch).
     """
     if budget.streaming is None:
-        budget.graph = forward_graph_bytes(problem.model, problem.data, problem.device)
+        graph = forward_graph_bytes(problem.model, problem.data, problem.device)
         return_freed_memory()  # the measured graph's activations
+        budget.graph = None if graph is None else budget.to_largest(graph)
         budget.streaming = budget.streaming_peak(budget.graph)
     return budget.streaming
+
+
+def streaming_passes(loader: Any, budget: Estimates) -> int | None:
+    """Batches (or slices) of one pass over ``loader``, the passes of one streamed
+    product (for the planner's refusal; None: unknown).
+    """
+    if budget.batches is not None and budget.batches.largest == 1:
+        return budget.batches.examples
+    try:
+        return len(loader)
+    except TypeError:
+        return None
 
 
 def sliced_problem(problem: CurvatureProblem, budget: Estimates) -> CurvatureProblem:
@@ -70,10 +85,14 @@ def sliced_problem(problem: CurvatureProblem, budget: Estimates) -> CurvaturePro
         return problem
     X = batch_to_device(next(iter(problem.data))[0], problem.device)
     b = batch_size(X, problem.dict_key_x)
+    if budget.batches is not None:
+        b = budget.batches.largest  # the graph is the largest batch's
     size, streaming = budget.slice_size(budget.graph, b)
     if size >= b or not slices_agree(problem.model, X, size, problem.dict_key_x):
         return problem
     budget.streaming, budget.graph = streaming, budget.graph * size // b
+    if budget.batches is not None:
+        budget.batches = budget.batches.sliced(size)
     loader = SubBatches(problem.loader, size, problem.dict_key_x, problem.dict_key_y, full=b)
     return replace(problem, loader=loader, data=XYBatches(loader, problem.dict_key_y))
 
@@ -92,8 +111,8 @@ def streamed_factored(
     first = budget.first_factors
     if not isinstance(built, OverBudget) or problem.shards is not None or first is None:
         return None
-    shape = (budget.graph, first.batch_bytes, first.rows_per_example)
-    peak, _ = budget.factor_streaming_peak(*shape, widest=first.widest)
+    shape = (budget.graph, budget.to_largest(first.batch_bytes), first.rows_per_example)
+    peak, _ = budget.factor_streaming_peak(*shape, widest=budget.to_largest(first.widest))
     if peak is not None and peak > budget.total:  # no survey pass for a plan that cannot fit
         return None
     operator = StreamedFactoredGGN(

@@ -65,6 +65,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from laplace_glas.autodiff.frozen import frozen_elementwise_derivatives
+from laplace_glas.curvature.batch_sizes import BatchSizes
 from laplace_glas.curvature.batches import batch_to_device
 from laplace_glas.curvature.budget import OverBudget, format_bytes
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES, TorchOperator
@@ -315,6 +316,7 @@ def build_linearized_ggn(
     budget_bytes: int,
     column_bytes: int = _COLUMN_BYTES,
     progress_bar: bool = False,
+    batch_sizes: BatchSizes | None = None,
 ) -> LinearizedGGN | str:
     """One forward pass per batch of ``data``: the linearised GGN operator, or why not.
 
@@ -345,6 +347,12 @@ def build_linearized_ggn(
         (at least one column).
     progress_bar : bool
         A tqdm bar over the batches.
+    batch_sizes : BatchSizes, optional
+        The loader's batch sizes
+        (:func:`~laplace_glas.curvature.batch_sizes.survey_batch_sizes`): the first
+        batch's graphs are projected to all examples and, for a product's temporaries,
+        to the largest batch, its pullback (``D`` numbers) to every batch as it is
+        (without them: to the number of batches, and the first batch's).
 
     Returns
     -------
@@ -367,22 +375,29 @@ def build_linearized_ggn(
         if isinstance(kept, str):
             return kept
         linearizations.append(kept)
-        if len(linearizations) == 1:
-            first_batch = counter.bytes
         projected = counter.bytes
-        if len(linearizations) == 1 and n_batches is not None:
-            projected = counter.bytes * n_batches  # give up before the pass, not after
+        if len(linearizations) == 1:  # give up before the pass, not after
+            first_batch, whole = counter.bytes, None  # a product's share; all batches'
+            if batch_sizes is not None:  # each batch's pullback is D numbers, whatever its size
+                fixed = sum(t.numel() * t.element_size() for t in kept.pullback)
+                first_batch = batch_sizes.to_largest(counter.bytes, fixed)
+                whole = batch_sizes.to_loader(counter.bytes, fixed)
+            elif n_batches is not None:
+                whole = counter.bytes * n_batches
+            projected = counter.bytes if whole is None else whole
         if projected + first_batch > budget_bytes:  # and one product's temporaries
             known = n_batches is not None
             done = len(linearizations)
             of = f" of {n_batches}" if known and n_batches >= done else ""
+            unit = getattr(data, "unit", "batch")  # "slice" where the planner cut them
+            plural = {"batch": "batches", "slice": "slices"}.get(unit, unit + "s")
             return OverBudget(
                 f"the kept graphs exceed the memory budget ({format_bytes(projected)} "
                 f"{'after' if projected == counter.bytes else 'projected from'} "
-                f"{done}{of} batch{'es' if of or done > 1 else ''} and "
-                f"{format_bytes(first_batch)} for a product, budget "
-                f"{format_bytes(budget_bytes)})",
-                needed=first_batch * (n_batches + 1) if known else None,
+                f"{done}{of} {plural if of or done > 1 else unit} and "
+                f"{format_bytes(first_batch)} for a product; "
+                f"{format_bytes(budget_bytes)} of the budget left for them)",
+                needed=None if whole is None else max(whole, counter.bytes) + first_batch,
                 batch_bytes=first_batch,
             )
     if not linearizations:
