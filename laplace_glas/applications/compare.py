@@ -53,11 +53,8 @@ loaders need not be picklable). Where the reset is not available, the fallback i
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import math
-import re
 import resource
 import statistics
 import sys
@@ -72,7 +69,9 @@ from laplace import Laplace
 from torch import nn
 
 from laplace_glas.curvature.batches import split_batch
+from laplace_glas.curvature.budget import return_freed_memory
 from laplace_glas.curvature.eigenpairs import NumericalRankWarning
+from laplace_glas.curvature.peak_memory import reset_high_water_mark, status_bytes
 from laplace_glas.diagnostics.calibration import CoverageNotReachedWarning
 
 __all__ = [
@@ -269,31 +268,14 @@ def default_structures(
 
 
 # ---------------------------------------------------------------------- memory
-_STATUS = "/proc/self/status"
-_CLEAR_REFS = "/proc/self/clear_refs"
-
-
 def _status_kib(key: str) -> int | None:
-    try:
-        with open(_STATUS) as handle:
-            match = re.search(rf"^{key}:\s+(\d+)\s+kB", handle.read(), re.MULTILINE)
-    except OSError:
-        return None
-    return int(match.group(1)) if match else None
-
-
-def _reset_high_water_mark() -> bool:
-    try:
-        with open(_CLEAR_REFS, "w") as handle:
-            handle.write("5")
-    except OSError:
-        return False
-    return True
+    value = status_bytes(key)
+    return None if value is None else value // 1024
 
 
 def rss_method() -> str:
     """The peak-memory method available in this process (see the module docstring)."""
-    if _status_kib("VmHWM") is not None and _reset_high_water_mark():
+    if _status_kib("VmHWM") is not None and reset_high_water_mark():
         return "VmHWM reset"
     return "ru_maxrss delta"
 
@@ -305,12 +287,7 @@ def _maxrss_kib() -> float:
 
 def _trim_heap() -> None:
     gc.collect()
-    name = ctypes.util.find_library("c")
-    if name and sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(name).malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
+    return_freed_memory()
 
 
 class PeakMemory:
@@ -336,7 +313,7 @@ class PeakMemory:
     def __enter__(self) -> PeakMemory:
         _trim_heap()
         if self.method == "VmHWM reset":
-            _reset_high_water_mark()
+            reset_high_water_mark()
             self._start = float(_status_kib("VmRSS") or 0)
         else:
             self._start = _maxrss_kib()

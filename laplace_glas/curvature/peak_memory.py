@@ -26,10 +26,13 @@ import torch
 
 from laplace_glas.curvature.budget import HOST_SLACK, format_bytes
 
-__all__ = ["PeakMemory", "with_measured_peak"]
+__all__ = ["PeakMemory", "reset_high_water_mark", "status_bytes", "with_measured_peak"]
 
 
-def _status(key: str) -> int | None:
+def status_bytes(key: str) -> int | None:
+    """The ``key`` line of ``/proc/self/status`` (``'VmRSS'``, ``'VmHWM'``) in bytes, or
+    ``None`` where it cannot be read (off Linux).
+    """
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -38,6 +41,18 @@ def _status(key: str) -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def reset_high_water_mark() -> bool:
+    """Reset the process's ``VmHWM`` to its current resident set (write ``5`` to
+    ``/proc/self/clear_refs``); False where that is not permitted.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
 
 
 class PeakMemory:
@@ -59,14 +74,9 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
             return self
-        self._high_before = _status("VmHWM")
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self._reset = True
-        except OSError:
-            self._reset = False
-        self._start = _status("VmRSS")
+        self._high_before = status_bytes("VmHWM")
+        self._reset = reset_high_water_mark()
+        self._start = status_bytes("VmRSS")
         return self
 
     def __exit__(self, kind: type | None, error: BaseException | None, tb: types.TracebackType):
@@ -75,7 +85,7 @@ class PeakMemory:
             peak = torch.cuda.max_memory_allocated(self.device)
             self.bytes, self.method = max(0, int(peak - self._start)), "cuda"
             return
-        high = _status("VmHWM")
+        high = status_bytes("VmHWM")
         if high is None or self._start is None:
             return
         if self._reset or (self._high_before is not None and high > self._high_before):
