@@ -67,8 +67,8 @@ def streaming_passes(loader: Any, budget: Estimates) -> int | None:
     """Batches (or slices) of one pass over ``loader``, the passes of one streamed
     product (for the planner's refusal; None: unknown).
     """
-    if budget.batches is not None and budget.batches.largest == 1:
-        return budget.batches.examples
+    if budget.batches is not None:
+        return budget.batches.batches
     try:
         return len(loader)
     except TypeError:

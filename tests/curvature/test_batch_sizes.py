@@ -152,6 +152,8 @@ def test_the_smallest_budget_named_for_a_short_first_batch_is_not_refused_again(
     with pytest.raises(MemoryBudgetError) as refused:
         _plan(uneven, 1)
     smallest = refused.value.smallest
+    # a product's cost counts the single-example slices of all 305 examples
+    assert "(305 forward and backward passes of one example)" in str(refused.value)
     plan = _plan(uneven, smallest)
     assert plan.estimated_peak <= smallest
     # streams the batches in slices sized from the largest batch, not the first
