@@ -61,6 +61,42 @@ def test_low_rank_operator_stops_when_the_krylov_space_is_exhausted():
     assert res.n_passes <= 3  # rank 5 < one block: the space closes almost at once
 
 
+@pytest.mark.parametrize("k", [2, 3])
+def test_one_column_krylov_of_a_low_rank_float32_operator_ends_with_the_space(k):
+    # rank 4 in 3,000 dimensions, float32, a tolerance the products cannot reach: after
+    # 4 products the next direction is round-off of the basis. Judged against its own
+    # remainder it was kept and, normalised, pushed the basis' directions again: the
+    # Rayleigh quotients grew to 226 (the operator's norm is 9.6) over 400 products
+    g = torch.Generator().manual_seed(0)
+    U, _ = torch.linalg.qr(torch.randn(3000, 4, generator=g, dtype=torch.float64))
+    values = torch.tensor([9.6, 4.0, 1.0, 0.3], dtype=torch.float64)
+    U32, values32 = U.float(), values.float()
+    res = block_krylov_eigenpairs(
+        lambda V: U32 @ (values32[:, None] * (U32.T @ V)), 3000, k, block_size=1,
+        max_basis=20, tol=1e-9, max_passes=400, generator=torch.Generator().manual_seed(0),
+        dtype=torch.float32,
+    )  # fmt: skip
+    torch.testing.assert_close(res.values.double(), values[:k], rtol=1e-6, atol=0)
+    assert bool(res.converged.all()) and res.n_products <= 8
+    Q = res.vectors.double()
+    torch.testing.assert_close(Q.T @ Q, torch.eye(k, dtype=torch.float64), rtol=0, atol=1e-5)
+
+
+def test_an_exhausted_one_column_space_goes_on_from_a_random_direction():
+    # rank 2 and k = 4: the Krylov space of one column closes after 2 directions; the
+    # pairs beyond the rank are the null space's (eigenvalue 0), all k of them returned
+    values = torch.cat([torch.tensor([3.0, 2.0], dtype=torch.float64), torch.zeros(48)])
+    A = psd(values, seed=4)
+    res = block_krylov_eigenpairs(
+        lambda V: A @ V, 50, 4, block_size=1, max_basis=10, tol=1e-10,
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    torch.testing.assert_close(res.values, values[:4], rtol=1e-10, atol=1e-12)
+    assert bool(res.converged.all())
+    torch.testing.assert_close(res.vectors.T @ res.vectors, torch.eye(4, dtype=torch.float64))
+    torch.testing.assert_close(A @ res.vectors, res.vectors * res.values, rtol=0, atol=1e-10)
+
+
 def test_in_place_product_may_overwrite_its_own_leading_columns(monkeypatch):
     monkeypatch.setattr(block_krylov, "_ROWS", 7)
     g = torch.Generator().manual_seed(0)

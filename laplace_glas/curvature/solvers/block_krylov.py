@@ -19,8 +19,9 @@ linearised model can sit above ``tol``: an LSTM tagger's stalled at 6e-5 relativ
 where float64 reached 1e-8 in 53 products; the solver used to run on to its pass
 limit, 400 products, at the same residuals); when the basis would exceed
 ``max_basis`` columns it is thick-restarted from the leading Ritz vectors.
-Rank-deficient operators are fine: directions that vanish in the orthogonalisation are
-dropped, and a residual below ``rank_threshold * theta_1`` (the products' own round-off
+Rank-deficient operators are fine: directions that vanish in the orthogonalisation
+(measured against their norm before it) are dropped, a space that closes before the
+top k are found goes on from a random block, and a residual below ``rank_threshold * theta_1`` (the products' own round-off
 scale) counts as converged whatever the eigenvalue.
 """
 
@@ -94,15 +95,21 @@ def _orthonormalize(block: torch.Tensor, basis: torch.Tensor | None, drop: float
     """Columns of ``block`` made orthonormal to ``basis`` and to each other.
 
     One round of classical Gram-Schmidt against the basis, a QR whose numerically
-    dependent columns (``|R_ii| <= drop * max|R_ii|``) are dropped, then a second
-    round and QR ("twice is enough": the second round removes what the first left
-    through cancellation). ``block`` is overwritten.
+    dependent columns (``|R_ii| <= drop * max_j ||b_j||``, the block's largest column
+    norm before the projection) are dropped, then a second round ("twice is enough":
+    it removes what the first left through cancellation), in which a column that loses
+    more than half its norm is dropped too, and a QR. A column in the basis' span
+    leaves only round-off after the first round; measured against its own remainder
+    it would pass, and normalised it would return the basis' directions, so that the
+    basis stops being orthonormal and the Rayleigh quotients exceed the operator's
+    norm (a float32 GRU on 4 examples, whose Krylov space ends after 4 directions,
+    gave 338 for an eigenvalue of 9.6 after 400 products). ``block`` is overwritten.
     """
-    if basis is not None and basis.shape[1]:
-        block.addmm_(basis, basis.T @ block, alpha=-1)
     if block.shape[1] == 0:
         return block
     scale = torch.linalg.vector_norm(block, dim=0).max().clamp(min=torch.finfo(block.dtype).tiny)
+    if basis is not None and basis.shape[1]:
+        block.addmm_(basis, basis.T @ block, alpha=-1)
     # MKL's threaded geqrf is no faster on blocks of up to 250 columns (see threads)
     with single_threaded_torch():
         Q, R = torch.linalg.qr(block)
@@ -111,9 +118,27 @@ def _orthonormalize(block: torch.Tensor, basis: torch.Tensor | None, drop: float
     Q = Q[:, keep]
     if basis is not None and basis.shape[1] and Q.shape[1]:
         Q.addmm_(basis, basis.T @ Q, alpha=-1)
+        Q = Q[:, torch.linalg.vector_norm(Q, dim=0) > 0.5]  # unit before the round
         with single_threaded_torch():
             Q, _ = torch.linalg.qr(Q)
     return Q
+
+
+def _new_directions(
+    block: torch.Tensor,
+    basis: torch.Tensor,
+    drop: float,
+    random_block: Callable[[], torch.Tensor] | None,
+) -> torch.Tensor:
+    """:func:`_orthonormalize` of ``block`` against ``basis``; where nothing is left
+    (the Krylov space is exhausted: an invariant subspace, which need not hold the top
+    k, for a start without components along some of them or a rank below k), that of
+    ``random_block()`` (``None``: an empty block), to go on in the rest of the space.
+    """
+    new = _orthonormalize(block, basis, drop)
+    if new.shape[1] == 0 and random_block is not None:
+        new = _orthonormalize(random_block(), basis, drop)
+    return new
 
 
 def _needs_fresh_block(
@@ -245,8 +270,9 @@ def block_krylov_eigenpairs(
         # next block: the images of the newest block (or a random one), orthogonalised
         # against the basis
         seed_block = random_block() if fresh else space.newest_images(newest)
-        new = _orthonormalize(seed_block, space.Q, drop)
-        if new.shape[1] == 0:  # Krylov space exhausted (invariant subspace found)
+        done = fresh or (kk == k and bool(converged.all()))
+        new = _new_directions(seed_block, space.Q, drop, None if done else random_block)
+        if new.shape[1] == 0:  # the basis spans the whole space
             break
         if space.m + new.shape[1] > max_basis:  # thick restart from the leading Ritz vectors
             keep = min(theta.numel(), max(k + p, max_basis - new.shape[1]))
