@@ -9,12 +9,14 @@ by the number of batches is wrong by the ratio of the sizes. :func:`survey_batch
 reads the sizes where that costs no pass over the data:
 
 * a ``DataLoader`` with a ``batch_size`` over a sampler with a length: batches of
-  ``batch_size`` (the last shorter, or dropped with ``drop_last``);
+  ``batch_size`` (the last shorter, or dropped with ``drop_last``); with a
+  ``batch_sampler``: the lengths of the index batches it draws (indices only; torch's
+  global random state is restored after);
 * a list or tuple of batches: each batch's first input axis, read in memory;
 * :class:`~laplace_glas.curvature.batches.SubBatches` and
   :class:`~laplace_glas.curvature.batches.XYBatches`: from the loader they view.
 
-Elsewhere (an iterable dataset, a batch sampler, a generator) it returns ``None`` and
+Elsewhere (an iterable dataset, a generator, another iterable) it returns ``None`` and
 the planner projects by the number of batches, as from a first batch of the largest
 size (the measured peak, :mod:`~laplace_glas.curvature.peak_memory`, warns where that
 was low).
@@ -26,6 +28,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from laplace_glas.curvature.batches import SubBatches, XYBatches, batch_size, split_batch
@@ -118,9 +121,11 @@ def survey_batch_sizes(
 
 def _data_loader_sizes(loader: DataLoader) -> BatchSizes | None:
     """A ``DataLoader``'s sizes from its ``batch_size`` and its sampler's length."""
+    if isinstance(loader.dataset, IterableDataset):
+        return None
     b = loader.batch_size
-    if b is None or isinstance(loader.dataset, IterableDataset):
-        return None  # a batch sampler's batches are known only by drawing them
+    if b is None:
+        return _batch_sampler_sizes(loader.batch_sampler)
     try:
         n = len(loader.sampler)
     except TypeError:
@@ -132,3 +137,19 @@ def _data_loader_sizes(loader: DataLoader) -> BatchSizes | None:
     if not counts:
         return None
     return BatchSizes(b if whole else rest, tuple(sorted(counts)))
+
+
+def _batch_sampler_sizes(batch_sampler: Iterable | None) -> BatchSizes | None:
+    """The sizes of the index batches a batch sampler draws (indices only, no data;
+    torch's global random state restored after: the fit's own passes draw theirs).
+    """
+    if batch_sampler is None:
+        return None
+    try:
+        with torch.random.fork_rng(devices=[]):
+            sizes = [len(indices) for indices in batch_sampler]
+    except TypeError:
+        return None
+    if not sizes or min(sizes) < 1:
+        return None
+    return BatchSizes(sizes[0], tuple(sorted(Counter(sizes).items())))

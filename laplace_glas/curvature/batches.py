@@ -234,10 +234,10 @@ class SubBatches:
     Every tensor whose first axis has the batch's length is sliced (``X``, ``y``, the
     entries of a mapping batch); other entries are passed whole. A summed (or per-
     example averaged) loss has the same curvature on the slices as on their batch.
-    ``len`` is the loader's batches times the slices of a full one: of the loader's
-    ``batch_size``, else of ``full`` (the caller's first batch's size), else of ``size``
-    (an upper bound when the last batch is shorter; a count, not a bound, for a loader
-    without ``batch_size`` whose first batch is not its largest).
+    ``len`` is ``count`` where the caller knows it (the planner, from the batch sizes),
+    else the loader's batches times the slices of a full one: of the loader's
+    ``batch_size``, else of ``full`` (the caller's largest batch's size), else of
+    ``size`` (an upper bound when some batches are shorter).
     """
 
     def __init__(
@@ -247,10 +247,12 @@ class SubBatches:
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
         full: int | None = None,
+        count: int | None = None,
     ):
         self.loader, self.size = loader, max(1, int(size))
         self.dict_key_x, self.dict_key_y = dict_key_x, dict_key_y
         self.full = getattr(loader, "batch_size", None) or full
+        self.count = count
 
     def __iter__(self) -> Iterator[Any]:
         for data in self.loader:
@@ -259,7 +261,11 @@ class SubBatches:
                 yield slice_batch(data, b, start, start + self.size)
 
     def __len__(self) -> int:
-        """The number of slices (``TypeError`` if the loader has no length)."""
+        """The number of slices: ``count`` where the caller knows it, else counted from
+        full batches (``TypeError`` if the loader has no length).
+        """
+        if self.count is not None:
+            return self.count
         full = self.full or self.size
         return len(self.loader) * -(-full // self.size)
 

@@ -69,6 +69,8 @@ def streaming_passes(loader: Any, budget: Estimates) -> int | None:
     """
     if budget.batches is not None:
         return budget.batches.batches
+    if isinstance(loader, SubBatches):
+        return None  # its length is a bound where the batch sizes are not known
     try:
         return len(loader)
     except TypeError:
@@ -91,9 +93,12 @@ def sliced_problem(problem: CurvatureProblem, budget: Estimates) -> CurvaturePro
     if size >= b or not slices_agree(problem.model, X, size, problem.dict_key_x):
         return problem
     budget.streaming, budget.graph = streaming, budget.graph * size // b
+    count = None
     if budget.batches is not None:
         budget.batches = budget.batches.sliced(size)
-    loader = SubBatches(problem.loader, size, problem.dict_key_x, problem.dict_key_y, full=b)
+        count = budget.batches.batches
+    keys = (problem.dict_key_x, problem.dict_key_y)
+    loader = SubBatches(problem.loader, size, *keys, full=b, count=count)
     return replace(problem, loader=loader, data=XYBatches(loader, problem.dict_key_y))
 
 

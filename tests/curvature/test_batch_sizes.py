@@ -12,7 +12,7 @@ from torch.utils.data import (
     BatchSampler,
     DataLoader,
     IterableDataset,
-    SequentialSampler,
+    RandomSampler,
     TensorDataset,
 )
 
@@ -21,7 +21,7 @@ from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature.batch_sizes import BatchSizes, survey_batch_sizes
 from laplace_glas.curvature.batches import SubBatches, XYBatches
 from laplace_glas.curvature.budget import OverBudget, gram_build_numbers
-from laplace_glas.curvature.operators.linearized import build_linearized_ggn
+from laplace_glas.curvature.operators.linearized import build_linearized_ggn, forward_graph_bytes
 from laplace_glas.curvature.planner import plan_solve
 from laplace_glas.curvature.problem import CurvatureProblem
 
@@ -72,15 +72,26 @@ def test_loaders_whose_sizes_need_a_pass_are_not_surveyed():
         def __iter__(self):
             return iter(dataset)
 
-    sampler = BatchSampler(SequentialSampler(dataset), batch_size=4, drop_last=False)
     for unknown in (
-        DataLoader(dataset, batch_sampler=sampler),  # drawn only by iterating
         DataLoader(Stream(), batch_size=4),
         (batch for batch in [dataset[:4]]),
         [],
         [(torch.zeros(0, 3), torch.zeros(0, 2))],
     ):
         assert survey_batch_sizes(unknown) is None
+
+
+def test_a_batch_sampler_s_index_batches_are_counted_without_the_data_or_the_rng():
+    dataset = _dataset(100)
+    custom = DataLoader(dataset, batch_sampler=[list(range(60)), *[[i] for i in range(60, 100)]])
+    assert survey_batch_sizes(custom) == BatchSizes(60, ((1, 40), (60, 1)))
+    shuffled = BatchSampler(RandomSampler(dataset), batch_size=30, drop_last=False)
+    torch.manual_seed(5)
+    sizes = survey_batch_sizes(DataLoader(dataset, batch_sampler=shuffled))
+    drawn_after = torch.rand(1)
+    torch.manual_seed(5)
+    assert torch.equal(torch.rand(1), drawn_after)  # the global random state restored
+    assert sizes == BatchSizes(30, ((10, 1), (30, 3)))
 
 
 def test_projections_scale_by_examples_and_a_fixed_share_by_batches():
@@ -158,6 +169,9 @@ def test_the_smallest_budget_named_for_a_short_first_batch_is_not_refused_again(
     assert plan.estimated_peak <= smallest
     # streams the batches in slices sized from the largest batch, not the first
     assert plan.strategy == "streaming"
+    # slices of one example: the kept graphs' refusal counts the 305 slices there are
+    # (the slices of a full batch times the batches made 6 x 60)
+    assert any("projected from 1 of 305 slices" in reason for reason in plan.reasons)
 
 
 def test_built_factors_larger_than_their_projection_are_decided_on_again():
@@ -209,3 +223,25 @@ def test_a_refusal_of_kept_graphs_on_sliced_batches_counts_slices():
     assert isinstance(reason, OverBudget)
     assert f"projected from 1 of {len(sliced)} slices and" in reason
     assert "1000 B of the budget left for them" in reason  # the room, not the budget
+
+
+def test_batches_sliced_from_one_tensor_count_only_their_rows():
+    # a list of views X[i : i + b] of one data set: each batch holds b rows of memory,
+    # not the data set's (which was counted, then scaled to the largest batch)
+    g = torch.Generator().manual_seed(0)
+    X, y = torch.randn(1000, 3, generator=g, dtype=F64), torch.randn(1000, 2, dtype=F64)
+    model = mlp(WIDTHS, dtype=F64).eval()
+    views = [(X[i : i + 100], y[i : i + 100]) for i in range(0, 1000, 100)]
+    copies = [(a.clone(), b.clone()) for a, b in views]
+    assert forward_graph_bytes(model, views) == forward_graph_bytes(model, copies)
+    problems = [
+        CurvatureProblem.build(model, list(model.parameters()), data, "regression",
+                               torch.Size([2]), dtype=F64)
+        for data in (views, copies)
+    ]  # fmt: skip
+    with autodiff_friendly(model):
+        kept = [build_linearized_ggn(**p.loss_arguments(), budget_bytes=2**30) for p in problems]
+    # the views' rows are counted once per storage (the data set exists anyway), the
+    # copies' once per batch: never more for the views, at most the data set less
+    data_set = X.nbytes + y.nbytes
+    assert 0 <= kept[1].saved_bytes - kept[0].saved_bytes <= data_set

@@ -94,6 +94,16 @@ class _Linearization:
     loss_gradient: torch.Tensor
 
 
+def _spanned_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of storage from ``tensor``'s first element to its last (0 if empty)."""
+    if tensor.numel() == 0:
+        return 0
+    span = 1 + sum(
+        (n - 1) * abs(step) for n, step in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    return span * tensor.element_size()
+
+
 class _SavedBytes:
     """Bytes of the distinct storages autograd saves inside the context, except the
     storages in ``exclude`` (parameters and buffers, which the model holds anyway).
@@ -108,7 +118,7 @@ class _SavedBytes:
 
     def __init__(self, exclude: set[int]):
         self.exclude = exclude
-        self.seen: set[int] = set()
+        self.seen: dict[int, int] = {}  # storage -> bytes of it counted
         self.bytes = 0
 
     @classmethod
@@ -119,12 +129,22 @@ class _SavedBytes:
         )
 
     def count(self, tensor: torch.Tensor) -> None:
-        """Add ``tensor``'s storage, unless seen or excluded."""
+        """Add the part of ``tensor``'s storage it spans, unless excluded.
+
+        Of a storage seen before, only what this view spans beyond the largest view
+        counted: a batch sliced from a data set's tensor, ``X[i : i + b]``, spans ``b``
+        rows of its storage (counting the whole storage counted the data set in every
+        batch's graph, and the planner then scaled it with the batch).
+        """
         storage = tensor.untyped_storage()
         pointer = storage.data_ptr()
-        if pointer not in self.exclude and pointer not in self.seen:
-            self.seen.add(pointer)
-            self.bytes += storage.nbytes()
+        if pointer in self.exclude:
+            return
+        spanned = min(storage.nbytes(), _spanned_bytes(tensor))
+        counted = self.seen.get(pointer, 0)
+        if spanned > counted:
+            self.seen[pointer] = spanned
+            self.bytes += spanned - counted
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self.count(tensor)

@@ -21,8 +21,9 @@ limit, 400 products, at the same residuals); when the basis would exceed
 ``max_basis`` columns it is thick-restarted from the leading Ritz vectors.
 Rank-deficient operators are fine: directions that vanish in the orthogonalisation
 (measured against their norm before it) are dropped, a space that closes before the
-top k are found goes on from a random block, and a residual below ``rank_threshold * theta_1`` (the products' own round-off
-scale) counts as converged whatever the eigenvalue.
+top k are found goes on from a random block, and a residual below
+``rank_threshold * theta_1`` (the products' own round-off scale) counts as converged
+whatever the eigenvalue.
 """
 
 from __future__ import annotations
