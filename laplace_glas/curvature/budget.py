@@ -273,7 +273,7 @@ class Estimates:
 
     def to_loader(self, first_bytes: int, n_batches: int | None) -> int | None:
         """``first_bytes`` measured on the first batch, projected to the loader: by its
-        examples where :attr:`batches` knows them
+        examples where ``batches`` knows them
         (:meth:`~laplace_glas.curvature.batch_sizes.BatchSizes.to_loader`), else by its
         ``n_batches`` batches (``None`` where neither is known).
         """
@@ -283,7 +283,7 @@ class Estimates:
 
     def to_largest(self, first_bytes: int) -> int:
         """``first_bytes`` measured on the first batch, projected to the largest batch
-        (itself where :attr:`batches` is not known).
+        (itself where ``batches`` is not known).
         """
         return first_bytes if self.batches is None else self.batches.to_largest(first_bytes)
 
