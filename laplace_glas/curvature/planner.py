@@ -403,14 +403,12 @@ def _factored(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
     built = _build(build_factored_ggn, problem, budget, first_batch_check=check)
     if isinstance(built, str):
         return built
-    F = sum(
-        t.numel() * t.element_size()
+    layers = [
+        sum(t.numel() * t.element_size() for t in vars(f).values() if isinstance(t, torch.Tensor))
         for f in built.factors
-        for t in vars(f).values()
-        if isinstance(t, torch.Tensor)
-    )
+    ]  # the build held the largest layer twice while joining its batches
     M, widest = built.n_examples * built.n_rows, built.widest
-    lanczos, dual = budget.factored_peaks(F, 0, widest, M)
+    lanczos, dual = budget.factored_peaks(sum(layers), max(layers, default=0), widest, M)
     # the first batch's projection (with the join's layer) where one was made and the
     # built factors did not outgrow it, so that the estimate reported is the one decided
     # on; factors larger than projected (a loader whose batch sizes were not known) are

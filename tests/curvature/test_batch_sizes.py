@@ -245,3 +245,24 @@ def test_batches_sliced_from_one_tensor_count_only_their_rows():
     # copies' once per batch: never more for the views, at most the data set less
     data_set = X.nbytes + y.nbytes
     assert 0 <= kept[1].saved_bytes - kept[0].saved_bytes <= data_set
+
+
+class _Unsized:
+    """A re-iterable loader without a length."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def test_a_loader_without_a_length_is_estimated_as_one_with_it():
+    # the same equal batches: the estimate after the build counts the join's layer, as
+    # the first batch's projection does
+    sized, _ = _uneven(_Sized, sizes=(60,) * 5)
+    unsized, _ = _uneven(_Unsized, sizes=(60,) * 5)
+    by_length = dict(_plan(sized, 2**30).estimates)
+    built = dict(_plan(unsized, 2**30).estimates)
+    for strategy in ("factored", "dual"):
+        assert built[strategy] == pytest.approx(by_length[strategy], rel=0.01)
