@@ -113,10 +113,17 @@ def survey_batch_sizes(
             sizes = [batch_size(split_batch(d, dict_key_y)[0], dict_key_x) for d in loader]
         except (KeyError, TypeError, IndexError, AttributeError, ValueError):
             return None  # batches the fit itself will refuse, with its own message
-        if not sizes or min(sizes) < 1:
-            return None
-        return BatchSizes(sizes[0], tuple(sorted(Counter(sizes).items())))
+        return _of_sizes(sizes)
     return None
+
+
+def _of_sizes(sizes: list[int]) -> BatchSizes | None:
+    """The :class:`BatchSizes` of batches of ``sizes`` examples in order (``None`` for
+    none, or an empty batch).
+    """
+    if not sizes or min(sizes) < 1:
+        return None
+    return BatchSizes(sizes[0], tuple(sorted(Counter(sizes).items())))
 
 
 def _data_loader_sizes(loader: DataLoader) -> BatchSizes | None:
@@ -150,6 +157,4 @@ def _batch_sampler_sizes(batch_sampler: Iterable | None) -> BatchSizes | None:
             sizes = [len(indices) for indices in batch_sampler]
     except TypeError:
         return None
-    if not sizes or min(sizes) < 1:
-        return None
-    return BatchSizes(sizes[0], tuple(sorted(Counter(sizes).items())))
+    return _of_sizes(sizes)
