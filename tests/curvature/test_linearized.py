@@ -553,3 +553,33 @@ def test_a_freed_operator_frees_its_graphs():
     assert forward_graph_bytes(model, regression_batches()) > 0
     gc.collect()
     assert model.probes and all(probe() is None for probe in model.probes)
+
+
+class StepSquares(nn.Module):
+    """A projection ``z`` of every step (one storage, time-major), then each step's
+    square: autograd saves ``T`` disjoint views of ``z``, as a recurrent layer saves
+    each step's slice of its joint pre-activations. ``whole=True`` squares ``z`` at
+    once (one saved tensor, the same storage)."""
+
+    def __init__(self, whole: bool):
+        super().__init__()
+        self.proj, self.head, self.whole = nn.Linear(3, 16), nn.Linear(16, 2), whole
+
+    def forward(self, x):  # x: (B, T, 3)
+        z = self.proj(x).transpose(0, 1).contiguous()  # (T, B, 16)
+        if self.whole:
+            return self.head((z**2).sum(0))
+        return self.head(sum(z[t] ** 2 for t in range(z.shape[0])))
+
+
+def test_saved_views_keep_their_whole_storage():
+    # the T step views of z keep all of z: counting each view's span (the largest of
+    # them, as before) counted one step of T = 12
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(5, 12, 3, generator=g, dtype=F64), torch.randn(5, 2, dtype=F64))]
+    counts = {}
+    for whole in (False, True):
+        model = StepSquares(whole).to(F64).eval()
+        counts[whole] = forward_graph_bytes(model, batches)
+    z_bytes = 12 * 5 * 16 * 8
+    assert counts[False] == counts[True] >= z_bytes

@@ -44,7 +44,9 @@ Memory: the kept graphs hold the activations of every batch and of its first
 backward pass, plus per batch the outputs, the loss gradient and ``J_b^T u`` (``D``
 numbers). :func:`build_linearized_ggn` counts them (the tensors the graphs save
 through ``torch.autograd.graph.saved_tensors_hooks`` and the ones it holds itself, each
-storage once, the model's own parameters and buffers not counted) and gives up,
+storage once and whole, a batch's inputs by the rows they span, the model's own
+parameters and buffers not counted; the heap's freed pages are handed back after each
+batch, so that a batch's temporaries do not stay resident beside the graphs) and gives up,
 returning the reason, when they exceed ``budget_bytes`` (projected from the first
 batch when the loader has a length); the planner then streams, rebuilding one batch's
 graphs per product (:mod:`~laplace_glas.curvature.operators.relinearized`) where they fit
@@ -67,7 +69,7 @@ from tqdm.auto import tqdm
 from laplace_glas.autodiff.frozen import frozen_elementwise_derivatives
 from laplace_glas.curvature.batch_sizes import BatchSizes
 from laplace_glas.curvature.batches import batch_to_device
-from laplace_glas.curvature.budget import OverBudget, format_bytes
+from laplace_glas.curvature.budget import OverBudget, format_bytes, return_freed_memory
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES, TorchOperator
 
 __all__ = ["LinearizedGGN", "build_linearized_ggn", "forward_graph_bytes"]
@@ -108,6 +110,14 @@ class _SavedBytes:
     """Bytes of the distinct storages autograd saves inside the context, except the
     storages in ``exclude`` (parameters and buffers, which the model holds anyway).
 
+    A saved tensor keeps its whole storage alive, so a storage counts whole (a gate
+    sliced from a recurrent layer's joint pre-activations keeps all of them), except
+    the storages of the batch's inputs and targets (:meth:`add_inputs`), which count
+    the rows the batch's tensors span: a batch sliced from a data set's tensor,
+    ``X[i : i + b]``, keeps only what the data set holds anyway (counting the whole
+    storage counted the data set in every batch's graph, and the planner then scaled it
+    with the batch).
+
     The pack hook keeps a detached alias of each saved tensor (the same storage;
     autograd restores the graph edge when it unpacks). Keeping the tensor itself would
     tie a node to its own saved output in a reference cycle that no collector frees:
@@ -118,6 +128,7 @@ class _SavedBytes:
 
     def __init__(self, exclude: set[int]):
         self.exclude = exclude
+        self.inputs: set[int] = set()  # storages counted by the rows their views span
         self.seen: dict[int, int] = {}  # storage -> bytes of it counted
         self.bytes = 0
 
@@ -128,19 +139,27 @@ class _SavedBytes:
             {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
         )
 
-    def count(self, tensor: torch.Tensor) -> None:
-        """Add the part of ``tensor``'s storage it spans, unless excluded.
+    def add_inputs(self, *batch: torch.Tensor | dict | None) -> None:
+        """Count the storages of a batch's tensors (inputs, a mapping of them, targets)
+        by the rows their views span.
+        """
+        for part in batch:
+            tensors = part.values() if isinstance(part, dict) else [part]
+            for tensor in tensors:
+                if isinstance(tensor, torch.Tensor):
+                    self.inputs.add(tensor.untyped_storage().data_ptr())
 
-        Of a storage seen before, only what this view spans beyond the largest view
-        counted: a batch sliced from a data set's tensor, ``X[i : i + b]``, spans ``b``
-        rows of its storage (counting the whole storage counted the data set in every
-        batch's graph, and the planner then scaled it with the batch).
+    def count(self, tensor: torch.Tensor) -> None:
+        """Add ``tensor``'s storage (of a batch's input, the part it spans beyond the
+        largest view counted), unless excluded or counted before.
         """
         storage = tensor.untyped_storage()
         pointer = storage.data_ptr()
         if pointer in self.exclude:
             return
-        spanned = min(storage.nbytes(), _spanned_bytes(tensor))
+        spanned = storage.nbytes()
+        if pointer in self.inputs:
+            spanned = min(spanned, _spanned_bytes(tensor))
         counted = self.seen.get(pointer, 0)
         if spanned > counted:
             self.seen[pointer] = spanned
@@ -292,6 +311,7 @@ def linearize_batch(
     counter = counter if counter is not None else _SavedBytes(set())
     X = batch_to_device(X, device)
     y = y.to(device)
+    counter.add_inputs(X, y)
     with counter.hooks(), torch.enable_grad():
         with frozen_elementwise_derivatives(model):  # fewer kernels per product
             outputs = model(X)
@@ -395,6 +415,9 @@ def build_linearized_ggn(
         if isinstance(kept, str):
             return kept
         linearizations.append(kept)
+        # the batch's freed temporaries, interleaved on the heap with its kept graphs,
+        # stay resident unless handed back (a GRU's: 6 MiB beside 17 MiB kept a batch)
+        return_freed_memory()
         projected = counter.bytes
         if len(linearizations) == 1:  # give up before the pass, not after
             first_batch, whole = counter.bytes, None  # a product's share; all batches'
@@ -485,6 +508,7 @@ def forward_graph_bytes(
     for X, y in data:
         X = batch_to_device(X, device)
         inputs = X.values() if isinstance(X, dict) else [X]
+        counter.add_inputs(X, y)
         with counter.hooks(), torch.enable_grad():
             outputs = model(X)
         if not isinstance(outputs, torch.Tensor):
