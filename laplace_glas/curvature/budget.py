@@ -44,7 +44,7 @@ batches where the sizes are not known without a pass over the data:
   (:func:`~laplace_glas.curvature.operators.linearized.build_linearized_ggn`), ``2 D s``
   and ``B``;
 * streaming: one batch's forward graph ``g``
-  (:func:`~laplace_glas.curvature.operators.linearized.forward_graph_bytes`) plus per
+  (:func:`~laplace_glas.curvature.operators.graph_bytes.forward_graph_bytes`) plus per
   column ``4 g + 3 D s`` (tangents and gradients of the activations before and after
   the nonlinearities, the column in and out; measured about ``3.5 g`` on an MLP),
   plus ``B``. Where that exceeds the budget, the batches are cut into equal slices of

@@ -33,7 +33,7 @@ from laplace_glas.curvature.batches import (
     slices_agree,
 )
 from laplace_glas.curvature.budget import Estimates, OverBudget, return_freed_memory
-from laplace_glas.curvature.operators.linearized import forward_graph_bytes
+from laplace_glas.curvature.operators.graph_bytes import forward_graph_bytes
 from laplace_glas.curvature.operators.relinearized import RelinearizedGGN
 from laplace_glas.curvature.operators.streamed import BatchFactorSizes, StreamedFactoredGGN
 from laplace_glas.curvature.problem import CurvatureProblem

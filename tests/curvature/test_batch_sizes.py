@@ -21,7 +21,8 @@ from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature.batch_sizes import BatchSizes, survey_batch_sizes
 from laplace_glas.curvature.batches import SubBatches, XYBatches
 from laplace_glas.curvature.budget import OverBudget, gram_build_numbers
-from laplace_glas.curvature.operators.linearized import build_linearized_ggn, forward_graph_bytes
+from laplace_glas.curvature.operators.graph_bytes import forward_graph_bytes
+from laplace_glas.curvature.operators.linearized import build_linearized_ggn
 from laplace_glas.curvature.planner import plan_solve
 from laplace_glas.curvature.problem import CurvatureProblem
 

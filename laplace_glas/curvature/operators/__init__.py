@@ -12,6 +12,8 @@
   two GEMMs.
 * :mod:`~laplace_glas.curvature.operators.linearized`: products from kept forward graphs
   (no forward pass per product), for the models the factored operator does not cover.
+* :mod:`~laplace_glas.curvature.operators.graph_bytes`: the bytes a kept autograd graph
+  holds (the linearised operators' and streaming's memory estimates).
 * :mod:`~laplace_glas.curvature.operators.relinearized`: the linearised GGN rebuilt
   batch by batch per product (one batch's graphs held), where the kept graphs do not fit
   the memory budget.

@@ -42,7 +42,8 @@ cannot batch falls back to one column at a time.
 
 Memory: the kept graphs hold the activations of every batch and of its first
 backward pass, plus per batch the outputs, the loss gradient and ``J_b^T u`` (``D``
-numbers). :func:`build_linearized_ggn` counts them (the tensors the graphs save
+numbers). :func:`build_linearized_ggn` counts them
+(:class:`~laplace_glas.curvature.operators.graph_bytes.SavedBytes`: the tensors the graphs save
 through ``torch.autograd.graph.saved_tensors_hooks`` and the ones it holds itself, each
 storage once and whole, a batch's inputs by the rows they span, the model's own
 parameters and buffers not counted; the heap's freed pages are handed back after each
@@ -50,9 +51,13 @@ batch, so that a batch's temporaries do not stay resident beside the graphs) and
 returning the reason, when they exceed ``budget_bytes`` (projected from the first
 batch when the loader has a length); the planner then streams, rebuilding one batch's
 graphs per product (:mod:`~laplace_glas.curvature.operators.relinearized`) where they fit
-the budget, else curvlinops' products. Storages freed
-during the pass and reused at the same address are counted once, so the count can
-fall short of the true peak.
+the budget, else curvlinops' products. The count is what the allocator keeps
+(torch.profiler's record of the allocations a batch leaves live agrees to a few
+scalars). On the host, glibc's heap keeps more resident, the pages kept storages share
+with freed temporaries (a batch's resident memory grew 1.5-14% above its count for the
+models of ``benchmarks/linearized_cost.py``, 4% for a GRU regressor), and a process's
+first pass takes some MiB for itself; the measured-peak warning reports what
+:data:`~laplace_glas.curvature.budget.HOST_SLACK` does not cover.
 """
 
 from __future__ import annotations
@@ -70,9 +75,10 @@ from laplace_glas.autodiff.frozen import frozen_elementwise_derivatives
 from laplace_glas.curvature.batch_sizes import BatchSizes
 from laplace_glas.curvature.batches import batch_to_device
 from laplace_glas.curvature.budget import OverBudget, format_bytes, return_freed_memory
+from laplace_glas.curvature.operators.graph_bytes import SavedBytes
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES, TorchOperator
 
-__all__ = ["LinearizedGGN", "build_linearized_ggn", "forward_graph_bytes"]
+__all__ = ["LinearizedGGN", "build_linearized_ggn"]
 
 _COLUMN_BYTES = 2**29  # batched backward passes: temporaries of about 512 MiB per batch
 
@@ -94,83 +100,6 @@ class _Linearization:
     used: tuple[int, ...]
     leaf: torch.Tensor
     loss_gradient: torch.Tensor
-
-
-def _spanned_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of storage from ``tensor``'s first element to its last (0 if empty)."""
-    if tensor.numel() == 0:
-        return 0
-    span = 1 + sum(
-        (n - 1) * abs(step) for n, step in zip(tensor.shape, tensor.stride(), strict=True)
-    )
-    return span * tensor.element_size()
-
-
-class _SavedBytes:
-    """Bytes of the distinct storages autograd saves inside the context, except the
-    storages in ``exclude`` (parameters and buffers, which the model holds anyway).
-
-    A saved tensor keeps its whole storage alive, so a storage counts whole (a gate
-    sliced from a recurrent layer's joint pre-activations keeps all of them), except
-    the storages of the batch's inputs and targets (:meth:`add_inputs`), which count
-    the rows the batch's tensors span: a batch sliced from a data set's tensor,
-    ``X[i : i + b]``, keeps only what the data set holds anyway (counting the whole
-    storage counted the data set in every batch's graph, and the planner then scaled it
-    with the batch).
-
-    The pack hook keeps a detached alias of each saved tensor (the same storage;
-    autograd restores the graph edge when it unpacks). Keeping the tensor itself would
-    tie a node to its own saved output in a reference cycle that no collector frees:
-    every graph built inside the context would outlive its operator. (With saved-tensor
-    hooks set, autograd does not check saved tensors for in-place changes; the graphs
-    are only multiplied with while the model's weights stay as they are.)
-    """
-
-    def __init__(self, exclude: set[int]):
-        self.exclude = exclude
-        self.inputs: set[int] = set()  # storages counted by the rows their views span
-        self.seen: dict[int, int] = {}  # storage -> bytes of it counted
-        self.bytes = 0
-
-    @classmethod
-    def beside(cls, model: nn.Module) -> _SavedBytes:
-        """A counter that leaves out ``model``'s parameters and buffers."""
-        return cls(
-            {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-        )
-
-    def add_inputs(self, *batch: torch.Tensor | dict | None) -> None:
-        """Count the storages of a batch's tensors (inputs, a mapping of them, targets)
-        by the rows their views span.
-        """
-        for part in batch:
-            tensors = part.values() if isinstance(part, dict) else [part]
-            for tensor in tensors:
-                if isinstance(tensor, torch.Tensor):
-                    self.inputs.add(tensor.untyped_storage().data_ptr())
-
-    def count(self, tensor: torch.Tensor) -> None:
-        """Add ``tensor``'s storage (of a batch's input, the part it spans beyond the
-        largest view counted), unless excluded or counted before.
-        """
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-        if pointer in self.exclude:
-            return
-        spanned = storage.nbytes()
-        if pointer in self.inputs:
-            spanned = min(spanned, _spanned_bytes(tensor))
-        counted = self.seen.get(pointer, 0)
-        if spanned > counted:
-            self.seen[pointer] = spanned
-            self.bytes += spanned - counted
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.count(tensor)
-        return tensor.detach()
-
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
 
 
 class LinearizedGGN(TorchOperator):
@@ -299,16 +228,16 @@ def linearize_batch(
     num_data: int,
     batch_size_fn: Callable | None = None,
     device: torch.device | str = "cpu",
-    counter: _SavedBytes | None = None,
+    counter: SavedBytes | None = None,
 ) -> _Linearization | str:
     """One batch's kept graphs: its outputs ``f_b`` (a forward pass with the elementwise
     activations' derivatives frozen), ``J_b^T u`` built with ``create_graph=True`` and
     the loss gradient ``c nabla_f l_b``; or why the batch cannot be linearised.
 
-    ``counter`` (a ``_SavedBytes``) counts the bytes the graphs save and the ones
+    ``counter`` (a ``SavedBytes``) counts the bytes the graphs save and the ones
     the linearisation holds itself.
     """
-    counter = counter if counter is not None else _SavedBytes(set())
+    counter = counter if counter is not None else SavedBytes(set())
     X = batch_to_device(X, device)
     y = y.to(device)
     counter.add_inputs(X, y)
@@ -401,7 +330,7 @@ def build_linearized_ggn(
 
     """
     params = list(params)
-    counter = _SavedBytes.beside(model)
+    counter = SavedBytes.beside(model)
     linearizations = []
     try:
         n_batches = len(data)
@@ -490,31 +419,4 @@ def _adjoint_check(operator: LinearizedGGN, lin: _Linearization) -> str | None:
             f"<u, J v> = <J^T u, v> ({float(left):.6g} against {float(right):.6g}): a "
             "backward pass without a graph of its own (e.g. @once_differentiable)?"
         )
-    return None
-
-
-def forward_graph_bytes(
-    model: nn.Module, data: Iterable, device: torch.device | str = "cpu"
-) -> int | None:
-    """Bytes of one forward pass of the first batch of ``data`` with its graph to the
-    parameters that require grad: the tensors autograd saves (each storage once, the model's own
-    parameters and buffers not counted), the outputs and the inputs. ``None`` for an
-    empty loader or a model that returns no tensor.
-
-    The streaming (curvlinops) products hold about this graph plus per column a
-    tangent and a gradient of each activation (the planner's estimate).
-    """
-    counter = _SavedBytes.beside(model)
-    for X, y in data:
-        X = batch_to_device(X, device)
-        inputs = X.values() if isinstance(X, dict) else [X]
-        counter.add_inputs(X, y)
-        with counter.hooks(), torch.enable_grad():
-            outputs = model(X)
-        if not isinstance(outputs, torch.Tensor):
-            return None
-        for tensor in (outputs, y, *inputs):
-            if isinstance(tensor, torch.Tensor):
-                counter.count(tensor)
-        return counter.bytes
     return None

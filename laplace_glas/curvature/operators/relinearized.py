@@ -32,12 +32,12 @@ import torch
 from torch import nn
 
 from laplace_glas.curvature.budget import format_bytes, return_freed_memory
+from laplace_glas.curvature.operators.graph_bytes import SavedBytes
 from laplace_glas.curvature.operators.linearized import (
     _COLUMN_BYTES,
     LinearizedGGN,
     _adjoint_check,
     _Linearization,
-    _SavedBytes,
     linearize_batch,
 )
 
@@ -121,7 +121,7 @@ class RelinearizedGGN(LinearizedGGN):
             yield self._linearized(X, y, i)
 
     def _linearized(self, X: torch.Tensor | dict, y: torch.Tensor, index: int) -> _Linearization:
-        counter = _SavedBytes.beside(self.model)
+        counter = SavedBytes.beside(self.model)
         lin = linearize_batch(
             self.model, self.loss_func, self.params, X, y, num_data=self.num_data,
             batch_size_fn=self.batch_size_fn, device=self.device, counter=counter,
