@@ -4,6 +4,8 @@ Jacobians in closed form and curvlinops' operator), and the planner's choice of 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import loader, mlp, output_jacobian, softmax_ggn
@@ -273,3 +275,38 @@ def test_planner_keeps_the_factors_where_they_are_smaller():
     assert "larger than the factors" in _jacobian(problem, "auto", _budget(problem, 2**30))
     plan = plan_solve(problem, 3)
     assert type(plan.operator) is FactoredGGN and plan.operator_name == "factored"
+
+
+def _peak_live_bytes(run, trace_path):
+    """The largest number of bytes allocated during ``run()`` and live at once, from
+    torch.profiler's record of the allocator's events; and ``run()``'s result."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = run()
+    prof.export_chrome_trace(str(trace_path))
+    live, total, peak = {}, 0, 0
+    for event in json.loads(trace_path.read_text())["traceEvents"]:
+        if event.get("name") == "[memory]":
+            address, size = event["args"]["Addr"], event["args"]["Bytes"]
+            if size > 0:
+                live[address] = size
+                total += size
+            elif address in live:
+                total -= live.pop(address)
+            peak = max(peak, total)
+    return result, peak
+
+
+def test_a_list_of_batches_is_written_into_one_buffer(tmp_path):
+    # its examples are known before the pass, as a DataLoader's: the rows were kept per
+    # batch and concatenated at the end, beside themselves (twice the rows at the peak)
+    model = LoraSequence().to(F64).eval()
+    X, y = sequence_data(n=200, likelihood="regression")
+    batches = [(X[i : i + 10], y[i : i + 10]) for i in range(0, 200, 10)]
+    built, peak = _peak_live_bytes(
+        lambda: build_jacobian_ggn(model, trainable(model), batches, "regression", 200),
+        tmp_path / "trace.json",
+    )
+    rows = built.J.numel() * built.J.element_size()
+    assert rows <= peak < 1.5 * rows

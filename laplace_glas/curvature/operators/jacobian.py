@@ -47,6 +47,7 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 from tqdm.auto import tqdm
 
+from laplace_glas.curvature.batch_sizes import survey_batch_sizes
 from laplace_glas.curvature.batches import batch_size, split_batch_to
 from laplace_glas.curvature.budget import format_bytes
 from laplace_glas.curvature.operators.factor_join import (
@@ -351,7 +352,7 @@ def build_jacobian_ggn(
     else:
         route = _func_batches(model, params, batches, likelihood, n_terms, options)
     try:
-        return _collect(route, _dataset_length(loader), budget_bytes)
+        return _collect(route, _examples(loader, dict_key_x, dict_key_y), budget_bytes)
     except _Unsupported as err:
         return str(err)
     finally:
@@ -391,12 +392,17 @@ def _collect(route, capacity: int | None, budget_bytes: int) -> JacobianGGN | st
     return JacobianGGN(J)
 
 
-def _dataset_length(loader: Iterable) -> int | None:
-    """The number of examples of a ``DataLoader`` over a sized dataset (else None)."""
-    try:
-        return len(loader.sampler) if loader.batch_sampler is not None else None
-    except (AttributeError, TypeError):
-        return None
+def _examples(loader: Iterable, dict_key_x: str, dict_key_y: str) -> int | None:
+    """The number of examples of ``loader`` where it is known before the pass (a
+    ``DataLoader`` over a sized dataset, a list of batches, ... : see
+    :func:`~laplace_glas.curvature.batch_sizes.survey_batch_sizes`), else None.
+
+    Known, the rows are written into one buffer as they come; unknown, the batches' rows
+    are concatenated at the end, beside themselves (a list of batches was: 2.2 GiB
+    measured for 0.9 GiB of rows).
+    """
+    sizes = survey_batch_sizes(loader, dict_key_x, dict_key_y)
+    return None if sizes is None else sizes.examples
 
 
 def estimate_jacobian_bytes(
