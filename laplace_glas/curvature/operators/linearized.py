@@ -53,9 +53,11 @@ batch when the loader has a length); the planner then streams, rebuilding one ba
 graphs per product (:mod:`~laplace_glas.curvature.operators.relinearized`) where they fit
 the budget, else curvlinops' products. The count is what the allocator keeps
 (torch.profiler's record of the allocations a batch leaves live agrees to a few
-scalars). On the host, glibc's heap keeps more resident, the pages kept storages share
-with freed temporaries (a batch's resident memory grew 1.5-14% above its count for the
-models of ``benchmarks/linearized_cost.py``, 4% for a GRU regressor), and a process's
+scalars). On the host, glibc's heap keeps more resident: about a page per kept storage,
+shared with freed temporaries, which the count leaves out (``benchmarks/
+kept_graph_memory.py``: a batch's resident memory 1.7-13.5% above its count for the
+models of ``benchmarks/linearized_cost.py`` and a GRU regressor in batches of 200, 34%
+for the GRU in batches of 32, whose storages are a few pages each), and a process's
 first pass takes some MiB for itself; the measured-peak warning reports what
 :data:`~laplace_glas.curvature.budget.HOST_SLACK` does not cover.
 """
