@@ -344,8 +344,9 @@ def _jacobian(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
     if solver == "factored":
         return ""
     s, wants_dual = budget.itemsize, solver in ("auto", "dual")
+    examples = None if budget.batches is None else budget.batches.examples
     rows = estimate_jacobian_bytes(
-        problem.n_terms, problem.out_shape, problem.likelihood, problem.n_params, s
+        problem.n_terms, problem.out_shape, problem.likelihood, problem.n_params, s, examples
     )
     build = 6 * (budget.graph or 0)
     lanczos, dual = budget.factored_peaks(rows, build, 1, rows // (problem.n_params * s))

@@ -168,6 +168,8 @@ def test_per_token_outputs_leave_ignored_targets_out():
     assert problem.n_terms == 46
     op = build_jacobian_ggn(model, trainable(model), data, "classification", 46)
     assert isinstance(op, JacobianGGN) and op.n_rows == 8 * 4  # T (V - 1)
+    D = sum(p.numel() for p in trainable(model))
+    assert estimate_jacobian_bytes(46, (8, 5), "classification", D, 8, 6) == op.J.nbytes
     reference = dense_ggn(model, X, y, "classification")
     G = operator_matrix(op)
     assert torch.allclose(G, reference, rtol=1e-10, atol=1e-12 * reference.abs().max())
@@ -237,8 +239,14 @@ def test_budget_and_unsupported_cases_return_reasons():
     # the planner's estimate needs no pass over the data
     problem = problem_of(model, data, "classification", (3,))
     D = sum(p.numel() for p in params)
-    assert estimate_jacobian_bytes(10, (3,), "classification", D, 8) == 10 * 3 * D * 8
-    assert estimate_jacobian_bytes(22, (4, 5), "classification", D, 8) == 6 * 20 * D * 8
+    # the rows the build stores: C - 1 per position for softmax cross-entropy
+    built = build_jacobian_ggn(model, params, data, "classification", 10)
+    assert estimate_jacobian_bytes(10, (3,), "classification", D, 8) == built.J.nbytes
+    assert estimate_jacobian_bytes(10, (3,), "classification", D, 8) == 10 * 2 * D * 8
+    assert estimate_jacobian_bytes(22, (4, 5), "classification", D, 8) == 6 * 16 * D * 8
+    assert estimate_jacobian_bytes(10, (3,), "regression", D, 8) == 10 * 3 * D * 8
+    # padded targets: the surveyed examples, not the labelled positions / P
+    assert estimate_jacobian_bytes(22, (4, 5), "classification", D, 8, 9) == 9 * 16 * D * 8
     reason = _jacobian(problem, "auto", _budget(problem, 1000))
     assert isinstance(reason, str) and "exceeds the memory budget" in reason
 

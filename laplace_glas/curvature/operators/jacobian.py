@@ -406,17 +406,29 @@ def _examples(loader: Iterable, dict_key_x: str, dict_key_y: str) -> int | None:
 
 
 def estimate_jacobian_bytes(
-    n_terms: int, out_shape: Sequence[int], likelihood: str, n_params: int, itemsize: int
+    n_terms: int,
+    out_shape: Sequence[int],
+    likelihood: str,
+    n_params: int,
+    itemsize: int,
+    n_examples: int | None = None,
 ) -> int:
     """The planner's estimate of :func:`jacobian_bytes` before any pass over the data:
-    ``R`` rows per example (``prod(out_shape)``, the output), and ``N`` examples
-    (``n_terms``; for an output of ``P`` positions with classification, at least
-    ``n_terms / P``).
+    ``R`` rows per example, those :func:`reduced_rows` stores (``prod(out_shape)`` for
+    regression, ``P (C - 1)`` for softmax cross-entropy over ``P`` positions of ``C``
+    classes), and ``N`` examples: ``n_examples`` where the loader's sizes are known,
+    else ``n_terms`` (for an output of ``P`` positions with classification, at least
+    ``n_terms / P``: padded targets make it more).
     """
     R = 1
     for size in out_shape:
         R *= int(size)
-    n_examples = int(n_terms)
-    if likelihood == "classification" and len(out_shape) > 1:
-        n_examples = -(-int(n_terms) // max(1, R // int(out_shape[-1])))
+    C = int(out_shape[-1]) if len(out_shape) else 1
+    positions = max(1, R // max(1, C))
+    if likelihood == "classification" and C >= 2:
+        R = positions * (C - 1)
+    if n_examples is None:
+        n_examples = int(n_terms)
+        if likelihood == "classification" and len(out_shape) > 1:
+            n_examples = -(-int(n_terms) // positions)
     return jacobian_bytes(n_examples, R, n_params, itemsize)
