@@ -76,6 +76,7 @@ from laplace_glas.curvature.operators.factored import (
 )
 from laplace_glas.curvature.operators.jacobian import (
     build_jacobian_ggn,
+    estimate_build_bytes,
     estimate_jacobian_bytes,
 )
 from laplace_glas.curvature.operators.linearized import build_linearized_ggn
@@ -337,8 +338,8 @@ def _jacobian(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
     (``''`` where ``solver='factored'`` asks for the factored operator).
 
     Tried first: no pass over the data when the estimate (:func:`estimate_jacobian_bytes`,
-    ``N R D s``, in the factored formulas with a batch's build, ``6 g``: its factors,
-    graph and backward, 5.6 g measured on GPT-2) exceeds the budget; the build stops after
+    ``N R D s``, in the factored formulas with a batch's build,
+    :func:`estimate_build_bytes`) exceeds the budget; the build stops after
     the first batch when they outweigh the factors. Recorded (named) once built.
     """
     if solver == "factored":
@@ -348,7 +349,11 @@ def _jacobian(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
     rows = estimate_jacobian_bytes(
         problem.n_terms, problem.out_shape, problem.likelihood, problem.n_params, s, examples
     )
-    build = 6 * (budget.graph or 0)
+    largest = 0 if budget.batches is None else budget.batches.largest
+    build = estimate_build_bytes(
+        problem.model, problem.params, problem.likelihood, problem.out_shape,
+        budget.graph or 0, largest, s,
+    )  # fmt: skip
     lanczos, dual = budget.factored_peaks(rows, build, 1, rows // (problem.n_params * s))
     best = min(lanczos, dual) if wants_dual and dual is not None else lanczos
     if best > budget.total:  # not recorded: the model may not allow this strategy at all
