@@ -126,7 +126,9 @@ def with_measured_peak(eig, peak: PeakMemory):
             f"the {plan.get('strategy') or 'chosen'} strategy's estimate"
             + (f" ({format_bytes(estimate)})" if estimate >= 0 else "")
             + " was low for this model and data (later batches larger than the first, "
-            "or a backward pass that takes more than its graph). " + advice,
+            "a backward pass that takes more than its graph, or on the host the heap's "
+            "pages beside many small kept tensors: small batches of a recurrent "
+            "model). " + advice,
             UserWarning,
             stacklevel=3,
         )
