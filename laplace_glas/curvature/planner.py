@@ -361,7 +361,7 @@ def _jacobian(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
             f"explicit Jacobians' estimated peak {format_bytes(best)} exceeds the memory "
             f"budget {format_bytes(budget.total)}"
         )
-    built = _build(build_jacobian_ggn, problem, budget)
+    built = _build(build_jacobian_ggn, problem, budget, n_examples=examples)
     if isinstance(built, str):
         return built
     rows = built.J.numel() * built.J.element_size()

@@ -305,6 +305,7 @@ def build_jacobian_ggn(
     budget_bytes: int = 2 * 2**30,
     loss_fn: nn.Module | None = None,
     progress_bar: bool = False,
+    n_examples: int | None = None,
 ) -> JacobianGGN | str:
     """One pass over ``loader``: the unit-noise mean-loss GGN from stored Jacobians, or
     why not.
@@ -332,6 +333,9 @@ def build_jacobian_ggn(
         A custom loss is not covered (the reason is returned).
     progress_bar : bool
         Show a ``tqdm`` bar over the batches.
+    n_examples : int, optional
+        The loader's examples where the caller has surveyed them (the planner); else
+        surveyed here where they are known before the pass.
 
     Returns
     -------
@@ -353,7 +357,9 @@ def build_jacobian_ggn(
     else:
         route = _func_batches(model, params, batches, likelihood, n_terms, options)
     try:
-        return _collect(route, _examples(loader, dict_key_x, dict_key_y), budget_bytes)
+        if n_examples is None:
+            n_examples = _examples(loader, dict_key_x, dict_key_y)
+        return _collect(route, n_examples, budget_bytes)
     except _Unsupported as err:
         return str(err)
     finally:
