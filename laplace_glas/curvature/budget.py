@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 import os
 from typing import Any
 
@@ -86,6 +87,7 @@ from laplace_glas.curvature.batch_sizes import BatchSizes
 
 __all__ = [
     "DEFAULT_SHARE",
+    "HOST_PAGE_BYTES",
     "HOST_SLACK",
     "Estimates",
     "MemoryBudgetError",
@@ -105,6 +107,12 @@ HOST_SLACK = 32 * 2**20
 fit, takes during it (libraries torch loads at a process's first product, memory the
 allocator keeps from an earlier step; see
 :class:`~laplace_glas.curvature.peak_memory.PeakMemory`)."""
+
+HOST_PAGE_BYTES = mmap.PAGESIZE
+"""Bytes the host heap keeps resident beside each storage a kept graph holds: freed
+temporaries share the pages at a kept storage's ends, so handing the freed pages back
+leaves about a page per storage (the kept-graph estimate of
+:func:`~laplace_glas.curvature.operators.linearized.build_linearized_ggn` counts them)."""
 
 _FALLBACK_FREE = 4 * 2**30  # bytes assumed free where the system does not say
 

@@ -126,9 +126,8 @@ def with_measured_peak(eig, peak: PeakMemory):
             f"the {plan.get('strategy') or 'chosen'} strategy's estimate"
             + (f" ({format_bytes(estimate)})" if estimate >= 0 else "")
             + " was low for this model and data (later batches larger than the first, "
-            "a backward pass that takes more than its graph, or on the host the heap's "
-            "pages beside many small kept tensors: small batches of a recurrent "
-            "model). " + advice,
+            "a backward pass that takes more than its graph, or on the host memory "
+            "the process took for itself during its first pass). " + advice,
             UserWarning,
             stacklevel=3,
         )

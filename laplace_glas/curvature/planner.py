@@ -463,9 +463,9 @@ def _linearized(problem: CurvatureProblem, budget: Estimates):
     if isinstance(built, str):
         return built
     per_batch = built.saved_bytes // max(1, len(built.linearizations))
-    peak = built.saved_bytes + per_batch + budget.total - room
+    peak = built.resident_bytes + per_batch + budget.total - room
     budget.record("linearised", peak)
-    built.column_chunk = max(1, min(built.column_chunk, (room - built.saved_bytes) // per_batch))
+    built.column_chunk = max(1, min(built.column_chunk, (room - built.resident_bytes) // per_batch))
     return built
 
 

@@ -198,11 +198,12 @@ def test_kept_graphs_refused_after_a_short_first_batch_need_the_whole_loader_s_s
         by_batches = build_linearized_ggn(**uneven.loss_arguments(), budget_bytes=1)
     assert isinstance(refused, OverBudget) and isinstance(by_batches, OverBudget)
     # projected from the first batch's 5 examples to all 305, each batch's pullback (D
-    # numbers, whatever its size) to every batch: the kept graphs' bytes to 1%
-    assert refused.needed - refused.batch_bytes == pytest.approx(kept.saved_bytes, rel=0.01)
+    # numbers) and heap pages (one per storage), whatever its size, to every batch: the
+    # kept graphs' bytes and pages to 1%
+    assert refused.needed - refused.batch_bytes == pytest.approx(kept.resident_bytes, rel=0.01)
     per_batch = [b.saved_bytes for b in _kept_batches(uneven)]
     assert refused.batch_bytes == pytest.approx(max(per_batch), rel=0.01)  # the largest's
-    assert by_batches.needed < 0.6 * kept.saved_bytes  # six first batches: 30 examples
+    assert by_batches.needed < 0.6 * kept.resident_bytes  # six first batches: 30 examples
 
 
 def _kept_batches(problem):

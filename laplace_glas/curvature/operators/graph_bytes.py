@@ -92,6 +92,11 @@ class SavedBytes:
             self.seen[pointer] = spanned
             self.bytes += spanned - counted
 
+    @property
+    def storages(self) -> int:
+        """The number of distinct storages counted."""
+        return len(self.seen)
+
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self.count(tensor)
         return tensor.detach()

@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 
 from laplace_glas.curvature.batch_sizes import survey_batch_sizes
 from laplace_glas.curvature.batches import batch_size, split_batch_to
-from laplace_glas.curvature.budget import format_bytes
+from laplace_glas.curvature.budget import format_bytes, return_freed_memory
 from laplace_glas.curvature.operators.factor_join import (
     _assemble,
 )
@@ -245,6 +245,7 @@ def _factored_batches(model, params, loader, likelihood, n_terms, options):
                     recorder = _Recorder(offsets)
             del layers, explicit
             yield _factor_jacobian(factors, B, R, n_params, out.dtype, out.device)
+            del factors, out, rows  # not held beside the next batch's build
     finally:
         recorder.remove()
 
@@ -287,7 +288,9 @@ def _func_batches(model, params, loader, likelihood, n_terms, options):
         if i == 0:  # examples that interact (a batch statistic) break the per-example vmap
             factor = DenseFactor(torch.arange(J.shape[-1], device=J.device), J)
             _check_first_batch(model, params, keys, X, out, rows, [factor], J.shape[-1], J.dtype)
+            del factor
         yield J
+        del J, out, rows  # not held beside the next batch's build
 
 
 # ---------------------------------------------------------------------- build
@@ -389,6 +392,8 @@ def _collect(route, capacity: int | None, budget_bytes: int) -> JacobianGGN | st
             filled += J.shape[0]
         else:
             parts.append(J)
+        del J  # the batch's rows are in the buffer: not held beside the next batch's build
+        return_freed_memory()
     if buffer is None and not parts:
         return "an empty loader"
     if buffer is not None:
@@ -423,23 +428,24 @@ def estimate_build_bytes(
 ) -> int:
     """The planner's estimate of one batch's build temporaries beside the stored rows.
 
-    The factored route: ``6 g`` for a forward graph of ``g`` bytes (the batch's factors,
-    graph and backward pass; 5.6 g measured on GPT-2). The ``torch.func`` route:
-    ``vmap(jacrev)`` differentiates all ``O = prod(out_shape)`` outputs of every example
-    at once, ``O g`` for its backward pass, beside the batch's full Jacobian and its
-    rows, ``B (O + R) D s`` for the largest batch of ``B`` examples (``R`` rows per
-    example, as :func:`estimate_jacobian_bytes`; a transformer scored per token,
+    Both routes hold the largest batch's rows, ``B R D s`` for ``B`` examples (``R``
+    rows per example, as :func:`estimate_jacobian_bytes`), until they are copied into
+    the stored ones. Beside them, the factored route takes ``6 g`` for a forward graph
+    of ``g`` bytes (the batch's factors, graph and backward pass; 5.6 g measured on
+    GPT-2); the ``torch.func`` route's ``vmap(jacrev)`` differentiates all
+    ``O = prod(out_shape)`` outputs of every example at once, ``O g`` for its backward
+    pass beside the batch's full Jacobian, ``B O D s`` (a transformer scored per token,
     ``O = 128``, measured 1.4-1.7 times its rows where ``6 g`` was counted).
     """
+    D = sum(p.numel() for p in params)
+    example_rows = estimate_jacobian_bytes(1, out_shape, likelihood, D, itemsize, n_examples=1)
     if unsupported_reason(model, params, likelihood) is None:
-        return 6 * graph
+        return 6 * graph + largest_batch * example_rows
     outputs = 1
     for size in out_shape:
         outputs *= int(size)
-    D = sum(p.numel() for p in params)
-    example_rows = estimate_jacobian_bytes(1, out_shape, likelihood, D, itemsize, n_examples=1)
     full = outputs * D * itemsize  # an example's full Jacobian
-    return max(6 * graph, outputs * graph + largest_batch * (full + example_rows))
+    return max(6 * graph, outputs * graph + largest_batch * full) + largest_batch * example_rows
 
 
 def estimate_jacobian_bytes(

@@ -53,13 +53,15 @@ batch when the loader has a length); the planner then streams, rebuilding one ba
 graphs per product (:mod:`~laplace_glas.curvature.operators.relinearized`) where they fit
 the budget, else curvlinops' products. The count is what the allocator keeps
 (torch.profiler's record of the allocations a batch leaves live agrees to a few
-scalars). On the host, glibc's heap keeps more resident: about a page per kept storage,
-shared with freed temporaries, which the count leaves out (``benchmarks/
-kept_graph_memory.py``: a batch's resident memory 1.7-13.5% above its count for the
-models of ``benchmarks/linearized_cost.py`` and a GRU regressor in batches of 200, 34%
-for the GRU in batches of 32, whose storages are a few pages each), and a process's
-first pass takes some MiB for itself; the measured-peak warning reports what
-:data:`~laplace_glas.curvature.budget.HOST_SLACK` does not cover.
+scalars). On the host, the heap keeps more resident: about a page per kept storage,
+shared with freed temporaries (:data:`~laplace_glas.curvature.budget.HOST_PAGE_BYTES`),
+which the estimate adds per batch, whatever its size (``benchmarks/
+kept_graph_memory.py``: without them a batch's resident memory was 1.7-13.5% above its
+count for the models of ``benchmarks/linearized_cost.py`` and a GRU regressor in
+batches of 200, 34% for the GRU in batches of 32, whose storages are a few pages each;
+with them 0.94-1.03 of it). A process's first pass takes some MiB for itself; the
+measured-peak warning reports what :data:`~laplace_glas.curvature.budget.HOST_SLACK`
+does not cover.
 """
 
 from __future__ import annotations
@@ -76,7 +78,12 @@ from tqdm.auto import tqdm
 from laplace_glas.autodiff.frozen import frozen_elementwise_derivatives
 from laplace_glas.curvature.batch_sizes import BatchSizes
 from laplace_glas.curvature.batches import batch_to_device
-from laplace_glas.curvature.budget import OverBudget, format_bytes, return_freed_memory
+from laplace_glas.curvature.budget import (
+    HOST_PAGE_BYTES,
+    OverBudget,
+    format_bytes,
+    return_freed_memory,
+)
 from laplace_glas.curvature.operators.graph_bytes import SavedBytes
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES, TorchOperator
 
@@ -110,7 +117,9 @@ class LinearizedGGN(TorchOperator):
 
     Built by :func:`build_linearized_ggn`. ``matmat_torch(V)`` returns ``G V`` for
     ``V (D, m)`` in the parameters' dtype and device; the SciPy interface converts to
-    and from NumPy. ``saved_bytes`` is the memory the graphs keep.
+    and from NumPy. ``saved_bytes`` is the memory the graphs keep, ``heap_bytes`` what
+    the host heap keeps resident beside them (a page per kept storage; 0 off the host),
+    ``resident_bytes`` their sum.
     """
 
     def __init__(
@@ -119,6 +128,7 @@ class LinearizedGGN(TorchOperator):
         params: Sequence[torch.Tensor],
         saved_bytes: int,
         column_bytes: int = _COLUMN_BYTES,
+        heap_bytes: int = 0,
     ):
         ref = params[0]
         n_params = sum(p.numel() for p in params)
@@ -131,11 +141,17 @@ class LinearizedGGN(TorchOperator):
         self.torch_dtype = ref.dtype
         self.device = ref.device
         self.saved_bytes = int(saved_bytes)
+        self.heap_bytes = int(heap_bytes)
         self.n_products = 0
         self.batched = True  # is_grads_batched until vmap refuses the backward pass
         # a batched backward pass needs about one batch's kept bytes per column
         per_batch = max(1, self.saved_bytes // max(1, len(self.linearizations)))
         self.column_chunk = max(1, min(column_bytes, _COLUMN_BYTES) // per_batch)
+
+    @property
+    def resident_bytes(self) -> int:
+        """The kept graphs' bytes and the host heap's pages beside them."""
+        return self.saved_bytes + self.heap_bytes
 
     # -- torch
     def _product(self, lin: _Linearization, V: torch.Tensor, batched: bool) -> torch.Tensor:
@@ -308,8 +324,9 @@ def build_linearized_ggn(
     device : torch.device or str
         Where the batches go (the model's device).
     budget_bytes : int
-        Largest memory the kept graphs may hold, with one batch's more for a product's
-        temporaries; above it the reason is returned, an
+        Largest memory the kept graphs (and on the host the heap's page per kept
+        storage) may hold, with one batch's more for a product's temporaries; above
+        it the reason is returned, an
         :class:`~laplace_glas.curvature.budget.OverBudget` with the projected bytes
         (``needed``, ``None`` for a loader without a length) and the first batch's.
     column_bytes : int
@@ -333,6 +350,7 @@ def build_linearized_ggn(
     """
     params = list(params)
     counter = SavedBytes.beside(model)
+    page = HOST_PAGE_BYTES if torch.device(device).type == "cpu" else 0
     linearizations = []
     try:
         n_batches = len(data)
@@ -349,16 +367,18 @@ def build_linearized_ggn(
         # the batch's freed temporaries, interleaved on the heap with its kept graphs,
         # stay resident unless handed back (a GRU's: 6 MiB beside 17 MiB kept a batch)
         return_freed_memory()
-        projected = counter.bytes
+        kept_bytes = counter.bytes + page * counter.storages  # and the heap's pages
+        projected = kept_bytes
         if len(linearizations) == 1:  # give up before the pass, not after
             first_batch, whole = counter.bytes, None  # a product's share; all batches'
             if batch_sizes is not None:  # each batch's pullback is D numbers, whatever its size
                 fixed = sum(t.numel() * t.element_size() for t in kept.pullback)
                 first_batch = batch_sizes.to_largest(counter.bytes, fixed)
-                whole = batch_sizes.to_loader(counter.bytes, fixed)
+                # a batch keeps as many storages (pages) whatever its size
+                whole = batch_sizes.to_loader(kept_bytes, fixed + page * counter.storages)
             elif n_batches is not None:
-                whole = counter.bytes * n_batches
-            projected = counter.bytes if whole is None else whole
+                whole = kept_bytes * n_batches
+            projected = kept_bytes if whole is None else whole
         if projected + first_batch > budget_bytes:  # and one product's temporaries
             known = n_batches is not None
             done = len(linearizations)
@@ -367,16 +387,18 @@ def build_linearized_ggn(
             plural = {"batch": "batches", "slice": "slices"}.get(unit, unit + "s")
             return OverBudget(
                 f"the kept graphs exceed the memory budget ({format_bytes(projected)} "
-                f"{'after' if projected == counter.bytes else 'projected from'} "
+                f"{'after' if projected == kept_bytes else 'projected from'} "
                 f"{done}{of} {plural if of or done > 1 else unit} and "
                 f"{format_bytes(first_batch)} for a product; "
                 f"{format_bytes(budget_bytes)} of the budget left for them)",
-                needed=None if whole is None else max(whole, counter.bytes) + first_batch,
+                needed=None if whole is None else max(whole, kept_bytes) + first_batch,
                 batch_bytes=first_batch,
             )
     if not linearizations:
         return "the loader is empty"
-    operator = LinearizedGGN(linearizations, params, counter.bytes, column_bytes)
+    operator = LinearizedGGN(
+        linearizations, params, counter.bytes, column_bytes, heap_bytes=page * counter.storages
+    )
     reason = _adjoint_check(operator, linearizations[0])
     if reason is not None:
         return reason
