@@ -670,3 +670,40 @@ def test_kept_graphs_estimate_their_resident_memory_with_the_heap_s_pages():
     assert op.heap_bytes > 0.2 * op.saved_bytes
     assert op.saved_bytes < 0.85 * grown  # the count alone: 1.34x under
     assert grown == pytest.approx(op.resident_bytes, rel=0.1)
+
+
+class Tagger(nn.Module):
+    """Embedding -> LSTM (2 x 128) -> Linear: logits per position."""
+
+    def __init__(self, vocab: int = 30):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 64)
+        self.lstm = nn.LSTM(64, 128, num_layers=2, batch_first=True)
+        self.head = nn.Linear(128, vocab)
+
+    def forward(self, x):
+        return self.head(self.lstm(self.embed(x))[0])
+
+
+@pytest.mark.skipif(status_bytes("VmRSS") is None, reason="needs /proc/self/status (Linux)")
+def test_products_do_not_leave_their_temporaries_resident():
+    # each product's freed temporaries sat on the heap between the kept graphs: the
+    # resident memory crept up over a solve (here up to 11-12 MiB over 20 products; a
+    # fit of 8 such batches measured 405-455 MiB for a 390 MiB estimate)
+    torch.manual_seed(0)
+    model = Tagger().eval()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 30, (64, 40), generator=g), torch.randint(0, 30, (64, 40), generator=g)
+    batches = [(x[:32], y[:32]), (x[32:], y[32:])]
+    op = linearized(model, batches, TokenCrossEntropy(), 64 * 40)
+    columns = torch.randn(op.shape[0], 21, generator=g)
+    grown = []
+    with autodiff_friendly(model):
+        op.matmat_torch(columns[:, :1])  # the process's first products' own costs
+        gc.collect()
+        return_freed_memory()
+        before = status_bytes("VmRSS")
+        for j in range(1, 21):
+            op.matmat_torch(columns[:, j : j + 1])
+            grown.append(status_bytes("VmRSS") - before)
+    assert max(grown) < 2 * 2**20

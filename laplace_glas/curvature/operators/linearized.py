@@ -47,7 +47,7 @@ numbers). :func:`build_linearized_ggn` counts them
 through ``torch.autograd.graph.saved_tensors_hooks`` and the ones it holds itself, each
 storage once and whole, a batch's inputs by the rows they span, the model's own
 parameters and buffers not counted; the heap's freed pages are handed back after each
-batch, so that a batch's temporaries do not stay resident beside the graphs) and gives up,
+batch and each product, so that temporaries do not stay resident beside the graphs) and gives up,
 returning the reason, when they exceed ``budget_bytes`` (projected from the first
 batch when the loader has a length); the planner then streams, rebuilding one batch's
 graphs per product (:mod:`~laplace_glas.curvature.operators.relinearized`) where they fit
@@ -199,6 +199,9 @@ class LinearizedGGN(TorchOperator):
                         break
                 else:
                     self.n_products += m
+                    # the product's freed temporaries, interleaved on the heap with the
+                    # kept graphs: handed back, not left to creep up over the solve
+                    return_freed_memory()
                     return result.T
             finally:
                 close = getattr(batches, "close", None)  # a rebuilt pass: end its loader
