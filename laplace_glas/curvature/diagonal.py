@@ -27,11 +27,11 @@ from backpack import backpack, extend, memory_cleanup
 from backpack.context import CTX
 from backpack.extensions import DiagGGNExact
 from torch import nn
-from tqdm.auto import tqdm
 
 from laplace_glas.curvature.batches import scored_pair
 from laplace_glas.curvature.distributed import Shards, all_reduce_sum, flag_failure
 from laplace_glas.curvature.losses import summed_unit_noise_loss
+from laplace_glas.progress import progress
 
 __all__ = ["ggn_diagonal"]
 
@@ -111,7 +111,7 @@ def _summed_diagonal(
     loss_fn = extend(loss_fn)
     total = None
     try:  # a rank whose pass fails still takes part in the all-reduce (flagged)
-        for batch in tqdm(loader, disable=not progress_bar, desc="GGN diagonal"):
+        for batch in progress(loader, "GGN diagonal", progress_bar):
             X, y = _batch_for_diagonal(batch, likelihood, ignore_index, dict_key_y, device)
             if X is None:
                 continue

@@ -27,7 +27,6 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature.batches import (
@@ -38,6 +37,7 @@ from laplace_glas.curvature.batches import (
     split_batch_to,
 )
 from laplace_glas.curvature.losses import TokenCrossEntropy, count_targets
+from laplace_glas.progress import progress
 from laplace_glas.validation import check_model_output
 
 __all__ = [
@@ -100,7 +100,7 @@ def loss_at_map(
     factor = 0.5 if likelihood == "regression" else 1.0
     total = torch.zeros((), device=device, dtype=dtype)
     n_terms, n_points, out_shape = 0, 0, None
-    batches = tqdm(loader, desc="[GLAS] loss at MAP", disable=not progress_bar)
+    batches = progress(loader, "[GLAS] loss at MAP", progress_bar)
     for i, data in enumerate(batches):
         X, y = split_batch_to(data, device, dict_key_y)
         check_finite("The training inputs", X, i)

@@ -55,12 +55,12 @@ from typing import Any
 
 import torch
 from torch.func import functional_call, vjp, vmap
-from tqdm.auto import tqdm
 
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.autodiff.rnn import elementary_rnns
 from laplace_glas.posterior.view import FittedPosterior, fitted_posterior
 from laplace_glas.predictive.jvp import jvp_directions, row_chunks, unflatten
+from laplace_glas.progress import progress
 from laplace_glas.validation import (
     check_model_output,
     flag,
@@ -262,7 +262,7 @@ def alignment(
         autodiff_friendly(la.model),
         elementary_rnns(la.model, only_off_cpu=False),
     ):
-        for rows in tqdm(chunks, disable=not progress_bar, desc="alignment"):
+        for rows in progress(chunks, "alignment", progress_bar):
             f, JU = jvp_directions(la.model, names, shapes, theta, rows, U, la.jvp_chunk_size)
             if f.ndim < 2:
                 raise ValueError(

@@ -17,6 +17,7 @@ from torch import nn
 from laplace_glas.curvature.batches import XYBatches
 from laplace_glas.curvature.eigensolve import mean_ggn_operator
 from laplace_glas.curvature.fitting import count_terms, curvature_loss, loss_at_map
+from laplace_glas.progress import progress
 
 PAD = 0
 
@@ -144,3 +145,30 @@ def test_regression_outputs_must_be_batch_by_outputs(out_shape):
     y = torch.randn(out_shape)
     with pytest.raises(ValueError, match=r"Regression needs model outputs of shape \(batch"):
         loss_at_map(Shaped(), loader(X, y), "regression")
+
+
+class CountingLoader(torch.utils.data.DataLoader):
+    """A DataLoader that counts the iterators started over it."""
+
+    started = 0
+
+    def __iter__(self):
+        type(self).started += 1
+        return super().__iter__()
+
+
+@pytest.mark.parametrize("show", [False, True])
+def test_a_pass_starts_one_iterator_with_or_without_a_progress_bar(show):
+    # tqdm.auto's bar called iter() when built and again when iterated: two iterators
+    # (with num_workers > 0, two sets of worker processes) per pass over a DataLoader
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(12, 3, generator=g), torch.randn(12, 2))
+    model = nn.Linear(3, 2)
+    CountingLoader.started = 0
+    counting = CountingLoader(data, batch_size=4)
+    result = loss_at_map(model, counting, "regression", progress_bar=show)
+    assert CountingLoader.started == 1
+    assert result.n_terms == 12
+    bar = progress(counting, "pass", show)
+    assert (bar is counting) != show
+    assert len(list(bar)) == 3 and CountingLoader.started == 2

@@ -58,7 +58,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.func import functional_call, jvp
-from tqdm.auto import tqdm
 
 from laplace_glas.curvature.batches import batch_size, split_batch_to
 from laplace_glas.curvature.budget import OverBudget, format_bytes, return_freed_memory
@@ -82,6 +81,7 @@ from laplace_glas.curvature.operators.factors import (
     _Unsupported,
 )
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES, TorchOperator
+from laplace_glas.progress import progress
 
 __all__ = [
     "EmbeddingFactor",
@@ -374,7 +374,7 @@ def build_factored_ggn(
     all_explicit: list = []
     used, R = 0, None
     try:
-        batches = tqdm(loader, desc="[GLAS] factored GGN", disable=not progress_bar)
+        batches = progress(loader, "[GLAS] factored GGN", progress_bar)
         for i, data in enumerate(batches):
             X, y = split_batch_to(data, device, dict_key_y)
             out, rows, layers, explicit, R = _batch_factors(

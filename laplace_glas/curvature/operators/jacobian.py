@@ -45,7 +45,6 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
-from tqdm.auto import tqdm
 
 from laplace_glas.curvature.batch_sizes import survey_batch_sizes
 from laplace_glas.curvature.batches import batch_size, split_batch_to
@@ -68,6 +67,7 @@ from laplace_glas.curvature.operators.factors import (
     _row_vectors,
     _Unsupported,
 )
+from laplace_glas.progress import progress
 from laplace_glas.validation import check_model_output
 
 __all__ = [
@@ -354,7 +354,7 @@ def build_jacobian_ggn(
     options = dict(
         ignore_index=ignore_index, dict_key_x=dict_key_x, dict_key_y=dict_key_y, device=device
     )
-    batches = tqdm(loader, desc="[GLAS] Jacobians", disable=not progress_bar)
+    batches = progress(loader, "[GLAS] Jacobians", progress_bar)
     if unsupported_reason(model, params, likelihood) is None:
         route = _factored_batches(model, params, batches, likelihood, n_terms, options)
     else:

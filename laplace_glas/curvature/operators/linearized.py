@@ -73,7 +73,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from laplace_glas.autodiff.frozen import frozen_elementwise_derivatives
 from laplace_glas.curvature.batch_sizes import BatchSizes
@@ -86,6 +85,7 @@ from laplace_glas.curvature.budget import (
 )
 from laplace_glas.curvature.operators.graph_bytes import SavedBytes
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES, TorchOperator
+from laplace_glas.progress import progress
 
 __all__ = ["LinearizedGGN", "build_linearized_ggn"]
 
@@ -359,7 +359,7 @@ def build_linearized_ggn(
         n_batches = len(data)
     except TypeError:
         n_batches = None
-    for X, y in tqdm(data, desc="Linearising", disable=not progress_bar):
+    for X, y in progress(data, "Linearising", progress_bar):
         kept = linearize_batch(
             model, loss_func, params, X, y, num_data=num_data, batch_size_fn=batch_size_fn,
             device=device, counter=counter,
