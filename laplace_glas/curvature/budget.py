@@ -29,7 +29,7 @@ forward graph, a product's temporaries) to the largest batch's; by the number of
 batches where the sizes are not known without a pass over the data:
 
 * jacobian: the rows ``N R D s``
-  (:func:`~laplace_glas.curvature.operators.jacobian.estimate_jacobian_bytes`, before
+  (:func:`~laplace_glas.curvature.operators.jacobian_estimates.estimate_jacobian_bytes`, before
   any pass over the data) in the factored formulas below, with ``M = N R`` and one
   batch's build ``6 g`` (its factors, forward graph ``g`` and backward; 5.6 g measured
   on the GPT-2 LoRA classifier of ``benchmarks/scale.py``) in place of a layer's join;

@@ -159,7 +159,7 @@ class ComplementPass:
             factored_kron_refusal(
                 self.model,
                 problem.params,
-                loader,
+                loader if problem.first_batch is None else [problem.first_batch],
                 problem.likelihood,
                 problem.out_shape,
                 self.dict_key_y,

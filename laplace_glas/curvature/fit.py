@@ -129,7 +129,7 @@ class SubspaceFit(ComplementPass, FitAgreement):
         self._agree(shards, train_loader, k=k, update=update, generator=generator)
         # nothing is assigned until the solve has succeeded: a failed fit leaves the
         # previous posterior (or the unfitted state) as it was
-        loss, n_data, out_shape = self._loss_at_map(train_loader, show, shards)
+        loss, n_data, out_shape, first_batch = self._loss_at_map(train_loader, show, shards)
         return_freed_memory()  # the loss pass's activations: not resident beside the solve
         stored = None
         if update:
@@ -140,8 +140,9 @@ class SubspaceFit(ComplementPass, FitAgreement):
                 )
             stored = StoredCurvature(*self.H, self.n_data)
         problem = self._curvature_problem(
-            train_loader, out_shape, n_data, generator, self.subsample_size, shards, show
-        )
+            train_loader, out_shape, n_data, generator, self.subsample_size, shards, show,
+            first_batch=first_batch,
+        )  # fmt: skip
         # the complement's pass first (its refusals come before the eigen-solve's cost),
         # unless KFAC's factors may come from the solve's operator
         complement = self._complement_pass(train_loader, shards, show, update, problem)
@@ -307,7 +308,7 @@ class SubspaceFit(ComplementPass, FitAgreement):
         )
         out_shape, n_terms = getattr(self, "_out_shape", None), None
         if not out_shape:  # before fit: a pass at the MAP gives both
-            _, n_terms, out_shape = self._loss_at_map(train_loader, False, shards)
+            _, n_terms, out_shape, _ = self._loss_at_map(train_loader, False, shards)
         # after fit: the output shape per point is the model's; N is this loader's
         problem = self._curvature_problem(
             train_loader, out_shape, n_terms, generator, subsample_size, shards, progress_bar
@@ -323,10 +324,12 @@ class SubspaceFit(ComplementPass, FitAgreement):
         subsample_size: int | None,
         shards: Shards | None,
         progress_bar: bool,
+        first_batch: Any = None,
     ) -> CurvatureProblem:
         """The curvature of ``loader`` with this posterior's settings
         (:meth:`~laplace_glas.curvature.problem.CurvatureProblem.build`; ``n_terms=None``
-        counts ``N``).
+        counts ``N``; ``first_batch``, the loader's first item where the pass at the MAP
+        kept it).
         """
         return CurvatureProblem.build(
             self.model,
@@ -345,6 +348,7 @@ class SubspaceFit(ComplementPass, FitAgreement):
             dtype=self._dtype,
             shards=shards,
             progress_bar=progress_bar,
+            first_batch=first_batch,
         )
 
     def _solve(

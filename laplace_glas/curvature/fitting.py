@@ -63,6 +63,9 @@ class MapLoss(NamedTuple):
     """``N``: data points, or for sequence outputs the targets not ``ignore_index``."""
     out_shape: torch.Size
     """The model output of one data point, e.g. ``(C,)`` or ``(seq_len, vocab)``."""
+    first_batch: Any = None
+    """The loader's first item as it came (``None`` where not kept): the planner's
+    one-batch measurements reuse it rather than start another iterator of the loader."""
 
 
 def likelihood_loss(likelihood: str, reduction: str, ignore_index: int) -> nn.Module:
@@ -99,9 +102,10 @@ def loss_at_map(
     lossfunc = likelihood_loss(likelihood, "sum", ignore_index)
     factor = 0.5 if likelihood == "regression" else 1.0
     total = torch.zeros((), device=device, dtype=dtype)
-    n_terms, n_points, out_shape = 0, 0, None
+    n_terms, n_points, out_shape, first_batch = 0, 0, None, None
     batches = progress(loader, "[GLAS] loss at MAP", progress_bar)
     for i, data in enumerate(batches):
+        first_batch = data if i == 0 else first_batch
         X, y = split_batch_to(data, device, dict_key_y)
         check_finite("The training inputs", X, i)
         check_input_dtype("The training inputs", X, dtype, i)
@@ -139,7 +143,7 @@ def loss_at_map(
         raise ValueError("The training loader is empty: there is no data to fit.")
     if n_terms == 0:
         raise ValueError("Every training target equals ignore_index: nothing to fit.")
-    return MapLoss(total, n_terms, out_shape)
+    return MapLoss(total, n_terms, out_shape, first_batch)
 
 
 def check_labels(out: torch.Tensor, y: torch.Tensor, ignore_index: int, batch_index: int) -> int:

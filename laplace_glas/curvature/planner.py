@@ -74,8 +74,8 @@ from laplace_glas.curvature.operators.factored import (
     FactorSizes,
     build_factored_ggn,
 )
-from laplace_glas.curvature.operators.jacobian import (
-    build_jacobian_ggn,
+from laplace_glas.curvature.operators.jacobian import build_jacobian_ggn
+from laplace_glas.curvature.operators.jacobian_estimates import (
     estimate_build_bytes,
     estimate_jacobian_bytes,
 )
@@ -338,13 +338,13 @@ def _jacobian(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
     (``''`` where ``solver='factored'`` asks for the factored operator).
 
     Tried first: no pass over the data when the estimate (:func:`estimate_jacobian_bytes`,
-    ``N R D s``, in the factored formulas with a batch's build,
-    :func:`estimate_build_bytes`) exceeds the budget; the build stops after
-    the first batch when they outweigh the factors. Recorded (named) once built.
+    ``N R D s``, in the factored formulas with a batch's build, :func:`estimate_build_bytes`)
+    exceeds the budget or the first batch's Jacobians outweigh its factors (checked on
+    ``problem.first_batch`` where known). Recorded (named) once built.
     """
     if solver == "factored":
         return ""
-    s, wants_dual = budget.itemsize, solver in ("auto", "dual")
+    s, wants_dual, first = budget.itemsize, solver in ("auto", "dual"), problem.first_batch
     examples = None if budget.batches is None else budget.batches.examples
     rows = estimate_jacobian_bytes(
         problem.n_terms, problem.out_shape, problem.likelihood, problem.n_params, s, examples
@@ -361,7 +361,7 @@ def _jacobian(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
             f"explicit Jacobians' estimated peak {format_bytes(best)} exceeds the memory "
             f"budget {format_bytes(budget.total)}"
         )
-    built = _build(build_jacobian_ggn, problem, budget, n_examples=examples)
+    built = _build(build_jacobian_ggn, problem, budget, n_examples=examples, first_batch=first)
     if isinstance(built, str):
         return built
     rows = built.J.numel() * built.J.element_size()

@@ -88,6 +88,11 @@ class CurvatureProblem:
         The ranks of a data-parallel fit (``None``: one process).
     progress_bar : bool
         Show progress bars while operators are built and applied.
+    first_batch : any
+        The first item of ``loader`` where it is known (the pass at the MAP kept it),
+        else ``None``: one-batch measurements take it from :meth:`first_data` instead of
+        starting another iterator of the loader (with ``num_workers > 0``, another set
+        of worker processes).
 
     """
 
@@ -111,6 +116,15 @@ class CurvatureProblem:
     dtype: torch.dtype = torch.float32
     shards: Shards | None = None
     progress_bar: bool = False
+    first_batch: Any = None
+
+    def first_data(self) -> Iterable:
+        """``(X, y)`` batches whose first is the loader's first: ``first_batch`` alone
+        where it is known, else :attr:`data`.
+        """
+        if self.first_batch is None:
+            return self.data
+        return XYBatches([self.first_batch], self.dict_key_y)
 
     @property
     def n_params(self) -> int:
@@ -157,9 +171,11 @@ class CurvatureProblem:
         dtype: torch.dtype = torch.float32,
         shards: Shards | None = None,
         progress_bar: bool = False,
+        first_batch: Any = None,
     ) -> CurvatureProblem:
         """The problem of ``loader`` (or of a subsample of ``subsample_size`` points
-        drawn with ``generator``).
+        drawn with ``generator``; ``first_batch``, the loader's first item where the
+        caller has it, is kept for the loader itself, not for a subsample).
 
         ``n_terms`` is ``N`` of ``loader`` when the caller has counted it (the pass at
         the MAP); otherwise it is counted from the targets (summed over ``shards``).
@@ -207,7 +223,8 @@ class CurvatureProblem:
                 dtype=dtype,
             )
             data = XYBatches(eigen_loader, dict_key_y)
-            batch_size_fn = _batch_size_fn(loader, dict_key_x, dict_key_y)
+            first = next(iter(loader)) if first_batch is None else first_batch
+            batch_size_fn = _batch_size_fn(first, dict_key_x, dict_key_y)
         except Exception as err:
             if shards is None:
                 raise
@@ -233,12 +250,15 @@ class CurvatureProblem:
             dtype=dtype,
             shards=shards,
             progress_bar=progress_bar,
+            first_batch=first_batch if eigen_loader is loader else None,
         )
 
 
-def _batch_size_fn(loader: Iterable, dict_key_x: str, dict_key_y: str) -> Callable | None:
-    """The ``batch_size_fn`` curvlinops takes for mapping inputs (``None`` for tensors)."""
-    first_X = split_batch(next(iter(loader)), dict_key_y)[0]
+def _batch_size_fn(first_batch: Any, dict_key_x: str, dict_key_y: str) -> Callable | None:
+    """The ``batch_size_fn`` curvlinops takes for mapping inputs (``None`` for tensors),
+    from a loader's first item.
+    """
+    first_X = split_batch(first_batch, dict_key_y)[0]
     if not isinstance(first_X, MutableMapping):
         return None
 

@@ -56,7 +56,7 @@ def streaming_estimate(budget: Estimates, problem: CurvatureProblem) -> tuple[in
     largest batch).
     """
     if budget.streaming is None:
-        graph = forward_graph_bytes(problem.model, problem.data, problem.device)
+        graph = forward_graph_bytes(problem.model, problem.first_data(), problem.device)
         return_freed_memory()  # the measured graph's activations
         budget.graph = None if graph is None else budget.to_largest(graph)
         budget.streaming = budget.streaming_peak(budget.graph)
@@ -85,7 +85,7 @@ def sliced_problem(problem: CurvatureProblem, budget: Estimates) -> CurvaturePro
     peak, _ = streaming_estimate(budget, problem)
     if peak is None or peak <= budget.total or problem.shards is not None:
         return problem
-    X = batch_to_device(next(iter(problem.data))[0], problem.device)
+    X = batch_to_device(next(iter(problem.first_data()))[0], problem.device)
     b = batch_size(X, problem.dict_key_x)
     if budget.batches is not None:
         b = budget.batches.largest  # the graph is the largest batch's
@@ -99,7 +99,8 @@ def sliced_problem(problem: CurvatureProblem, budget: Estimates) -> CurvaturePro
         count = budget.batches.batches
     keys = (problem.dict_key_x, problem.dict_key_y)
     loader = SubBatches(problem.loader, size, *keys, full=b, count=count)
-    return replace(problem, loader=loader, data=XYBatches(loader, problem.dict_key_y))
+    data = XYBatches(loader, problem.dict_key_y)
+    return replace(problem, loader=loader, data=data, first_batch=None)  # a slice comes first
 
 
 def streamed_factored(

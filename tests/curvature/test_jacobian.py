@@ -17,9 +17,11 @@ from laplace_glas.curvature.operators.factored import FactoredGGN
 from laplace_glas.curvature.operators.jacobian import (
     JacobianGGN,
     build_jacobian_ggn,
+    reduced_rows,
+)
+from laplace_glas.curvature.operators.jacobian_estimates import (
     estimate_build_bytes,
     estimate_jacobian_bytes,
-    reduced_rows,
 )
 from laplace_glas.curvature.planner import _jacobian, plan_solve
 from laplace_glas.curvature.problem import CurvatureProblem

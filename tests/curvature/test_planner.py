@@ -170,3 +170,52 @@ def test_compute_eigenpairs_after_fit_recounts_n_and_records_the_plan():
     again = la.compute_eigenpairs(loader(X, model(X).detach(), 3))
     assert again.n_data == 7 and again.plan["n_data"] == 7
     assert (again.plan["operator"], again.plan["solver"]) == ("curvlinops", "lanczos")
+
+
+class CountingLoader(torch.utils.data.DataLoader):
+    """A DataLoader that counts the iterators started over it."""
+
+    started = 0
+
+    def __iter__(self):
+        type(self).started += 1
+        return super().__iter__()
+
+
+@pytest.mark.parametrize("model_name, passes", [("mlp", 2), ("recurrent", 3)])
+def test_a_fit_starts_an_iterator_per_pass_only(model_name, passes):
+    # the planner's one-batch measurements (the batch-size function, the streaming
+    # estimate's forward graph, the complement's and the Jacobians' first-batch checks)
+    # each started an iterator of the loader, with num_workers > 0 a set of worker
+    # processes: 6 for the MLP's default fit (9 with the progress bars' own), 4 for the
+    # LSTM's (vmap refused its first batch inside a pass); now the pass at the MAP and
+    # the operator's pass, as KronLaplace's fit, and for the LSTM the GGN diagonal's
+    # pass that decides the complement
+    g = torch.Generator().manual_seed(0)
+    if model_name == "mlp":
+        model = mlp([3, 8, 2], dtype=F64).eval()
+        X = torch.randn(12, 3, generator=g, dtype=F64)
+    else:
+        model = Recurrent().to(F64).eval()
+        X = torch.randn(12, 5, 3, generator=g, dtype=F64)
+    data = torch.utils.data.TensorDataset(X, torch.randn(12, 2, generator=g, dtype=F64))
+    CountingLoader.started = 0
+    la = ActiveSubspaceLaplace(model, "regression", n_components=2)
+    la.fit(CountingLoader(data, batch_size=5))
+    assert CountingLoader.started == passes
+    assert la.lanczos_info.plan["strategy"] == ("dual" if model_name == "mlp" else "linearised")
+
+
+def test_the_first_batch_is_kept_for_the_loader_itself_only():
+    model, data = regression()
+    first = next(iter(data))
+    problem = build(model, data, first_batch=first)
+    assert problem.first_batch is first
+    (X, y), *rest = list(problem.first_data())
+    assert not rest and torch.equal(X, first[0]) and torch.equal(y, first[1])
+    assert build(model, data).first_batch is None  # unknown: the data's own first
+    assert torch.equal(next(iter(build(model, data).first_data()))[0], first[0])
+    sub = build(
+        model, data, first_batch=first, subsample_size=6, generator=torch.Generator().manual_seed(0)
+    )
+    assert sub.first_batch is None  # a subsample's first batch is another

@@ -10,6 +10,8 @@
 * :mod:`~laplace_glas.curvature.operators.jacobian`: the GGN from stored per-example
   Jacobians (``N R D`` numbers; adapters, heads, subnetworks, small models), products as
   two GEMMs.
+* :mod:`~laplace_glas.curvature.operators.jacobian_estimates`: the planner's estimates of
+  the stored Jacobians' memory, before any pass.
 * :mod:`~laplace_glas.curvature.operators.linearized`: products from kept forward graphs
   (no forward pass per product), for the models the factored operator does not cover.
 * :mod:`~laplace_glas.curvature.operators.graph_bytes`: the bytes a kept autograd graph

@@ -31,7 +31,8 @@ The Jacobians are built one batch at a time:
   covered; :func:`build_jacobian_ggn` returns the reason).
 
 The first batch is checked against forward mode (``S v`` against ``Lambda^{1/2} J v``
-from ``torch.func.jvp``). Memory: ``N R D itemsize`` bytes (:func:`jacobian_bytes`)
+from ``torch.func.jvp``). Memory: ``N R D itemsize`` bytes
+(:func:`~laplace_glas.curvature.operators.jacobian_estimates.jacobian_bytes`)
 plus one batch's factors or Jacobians; the build stops, returning the reason, once the
 Jacobians pass ``budget_bytes``, or before the first backward pass when one forward pass
 of the first batch shows that they would take more than the factors (then the factored
@@ -41,6 +42,7 @@ operator is the leaner choice).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,15 +76,7 @@ __all__ = [
     "DenseFactor",
     "JacobianGGN",
     "build_jacobian_ggn",
-    "estimate_build_bytes",
-    "estimate_jacobian_bytes",
-    "jacobian_bytes",
 ]
-
-
-def jacobian_bytes(n_examples: int, n_rows: int, n_params: int, itemsize: int) -> int:
-    """Bytes of the stored Jacobians: ``N R D itemsize``."""
-    return int(n_examples) * int(n_rows) * int(n_params) * int(itemsize)
 
 
 class DenseFactor(ExplicitFactor):
@@ -216,7 +210,7 @@ def _factored_batches(model, params, loader, likelihood, n_terms, options):
     try:
         for i, data in enumerate(loader):
             X, y = split_batch_to(data, options["device"], options["dict_key_y"])
-            if i == 0:
+            if i == 0 and not options.get("checked"):
                 reason = _larger_than_factors(model, recorder, X, likelihood, n_params)
                 if reason is not None:
                     yield reason
@@ -268,6 +262,14 @@ def _func_batches(model, params, loader, likelihood, n_terms, options):
         return check_model_output(out)[0]
 
     jacobian = vmap(jacrev(single), in_dims=(None, 0))
+    if options.get("first") is not None:  # a model vmap cannot batch: refused before a pass
+        X = split_batch_to(options["first"], options["device"], options["dict_key_y"])[0]
+        X = {k: v[:1] for k, v in X.items()} if isinstance(X, Mapping) else X[:1]
+        try:
+            jacobian(tuple(p.detach() for p in params), X)
+        except Exception as err:
+            yield f"torch.func.vmap over the examples failed ({type(err).__name__})"
+            return
     for i, data in enumerate(loader):
         X, y = split_batch_to(data, options["device"], options["dict_key_y"])
         with torch.no_grad():
@@ -293,6 +295,17 @@ def _func_batches(model, params, loader, likelihood, n_terms, options):
         del J, out, rows  # not held beside the next batch's build
 
 
+def _first_batch_check(model, params, first_batch, likelihood, options) -> str | None:
+    """:func:`_larger_than_factors` on a loader's first item, before any pass."""
+    offsets, _, n_params = _parameter_offsets(model, list(params))
+    recorder = _Recorder(offsets)
+    try:
+        X, _ = split_batch_to(first_batch, options["device"], options["dict_key_y"])
+        return _larger_than_factors(model, recorder, X, likelihood, n_params)
+    finally:
+        recorder.remove()
+
+
 # ---------------------------------------------------------------------- build
 def build_jacobian_ggn(
     model: nn.Module,
@@ -309,6 +322,7 @@ def build_jacobian_ggn(
     loss_fn: nn.Module | None = None,
     progress_bar: bool = False,
     n_examples: int | None = None,
+    first_batch: Any = None,
 ) -> JacobianGGN | str:
     """One pass over ``loader``: the unit-noise mean-loss GGN from stored Jacobians, or
     why not.
@@ -339,6 +353,12 @@ def build_jacobian_ggn(
     n_examples : int, optional
         The loader's examples where the caller has surveyed them (the planner); else
         surveyed here where they are known before the pass.
+    first_batch : any, optional
+        The loader's first item where the caller has it (the planner): the check
+        whether one batch's Jacobians outweigh its factors (the factored route) or
+        whether ``vmap`` batches the model (on its first example; the ``torch.func``
+        route) runs on it, so that a build refused for that starts no iterator of the
+        loader.
 
     Returns
     -------
@@ -356,9 +376,16 @@ def build_jacobian_ggn(
     )
     batches = progress(loader, "[GLAS] Jacobians", progress_bar)
     if unsupported_reason(model, params, likelihood) is None:
+        if first_batch is not None:  # Jacobians larger than the factors: no pass at all
+            reason = _first_batch_check(model, params, first_batch, likelihood, options)
+            if reason is not None:
+                return reason
+            options["checked"] = True
         route = _factored_batches(model, params, batches, likelihood, n_terms, options)
-    else:
-        route = _func_batches(model, params, batches, likelihood, n_terms, options)
+    else:  # vmap tried on the first batch's first example before the pass
+        route = _func_batches(
+            model, params, batches, likelihood, n_terms, {**options, "first": first_batch}
+        )
     try:
         if n_examples is None:
             n_examples = _examples(loader, dict_key_x, dict_key_y)
@@ -415,63 +442,3 @@ def _examples(loader: Iterable, dict_key_x: str, dict_key_y: str) -> int | None:
     """
     sizes = survey_batch_sizes(loader, dict_key_x, dict_key_y)
     return None if sizes is None else sizes.examples
-
-
-def estimate_build_bytes(
-    model: nn.Module,
-    params: Sequence[torch.Tensor],
-    likelihood: str,
-    out_shape: Sequence[int],
-    graph: int,
-    largest_batch: int,
-    itemsize: int,
-) -> int:
-    """The planner's estimate of one batch's build temporaries beside the stored rows.
-
-    Both routes hold the largest batch's rows, ``B R D s`` for ``B`` examples (``R``
-    rows per example, as :func:`estimate_jacobian_bytes`), until they are copied into
-    the stored ones. Beside them, the factored route takes ``6 g`` for a forward graph
-    of ``g`` bytes (the batch's factors, graph and backward pass; 5.6 g measured on
-    GPT-2); the ``torch.func`` route's ``vmap(jacrev)`` differentiates all
-    ``O = prod(out_shape)`` outputs of every example at once, ``O g`` for its backward
-    pass beside the batch's full Jacobian, ``B O D s`` (a transformer scored per token,
-    ``O = 128``, measured 1.4-1.7 times its rows where ``6 g`` was counted).
-    """
-    D = sum(p.numel() for p in params)
-    example_rows = estimate_jacobian_bytes(1, out_shape, likelihood, D, itemsize, n_examples=1)
-    if unsupported_reason(model, params, likelihood) is None:
-        return 6 * graph + largest_batch * example_rows
-    outputs = 1
-    for size in out_shape:
-        outputs *= int(size)
-    full = outputs * D * itemsize  # an example's full Jacobian
-    return max(6 * graph, outputs * graph + largest_batch * full) + largest_batch * example_rows
-
-
-def estimate_jacobian_bytes(
-    n_terms: int,
-    out_shape: Sequence[int],
-    likelihood: str,
-    n_params: int,
-    itemsize: int,
-    n_examples: int | None = None,
-) -> int:
-    """The planner's estimate of :func:`jacobian_bytes` before any pass over the data:
-    ``R`` rows per example, those :func:`reduced_rows` stores (``prod(out_shape)`` for
-    regression, ``P (C - 1)`` for softmax cross-entropy over ``P`` positions of ``C``
-    classes), and ``N`` examples: ``n_examples`` where the loader's sizes are known,
-    else ``n_terms`` (for an output of ``P`` positions with classification, at least
-    ``n_terms / P``: padded targets make it more).
-    """
-    R = 1
-    for size in out_shape:
-        R *= int(size)
-    C = int(out_shape[-1]) if len(out_shape) else 1
-    positions = max(1, R // max(1, C))
-    if likelihood == "classification" and C >= 2:
-        R = positions * (C - 1)
-    if n_examples is None:
-        n_examples = int(n_terms)
-        if likelihood == "classification" and len(out_shape) > 1:
-            n_examples = -(-int(n_terms) // positions)
-    return jacobian_bytes(n_examples, R, n_params, itemsize)
