@@ -31,8 +31,11 @@ batches where the sizes are not known without a pass over the data:
 * jacobian: the rows ``N R D s``
   (:func:`~laplace_glas.curvature.operators.jacobian_estimates.estimate_jacobian_bytes`, before
   any pass over the data) in the factored formulas below, with ``M = N R`` and one
-  batch's build ``6 g`` (its factors, forward graph ``g`` and backward; 5.6 g measured
-  on the GPT-2 LoRA classifier of ``benchmarks/scale.py``) in place of a layer's join;
+  batch's build in place of a layer's join
+  (:func:`~laplace_glas.curvature.operators.jacobian_estimates.estimate_build_bytes`:
+  the batch's rows ``B R D s`` beside ``6 g``, its factors, forward graph ``g`` and
+  backward, 5.6 g measured on the GPT-2 LoRA classifier of ``benchmarks/scale.py``;
+  on the ``torch.func`` route at least ``O g`` and the batch's full Jacobian);
 * factored + Lanczos: the factors ``F`` plus one layer's (joining the batches), one
   column's GEMM temporaries ``2 W s`` (``W``: the widest layer's ``N T d_out``) and
   ``2 D s``, plus ``B``; the products of many columns then take the chunks the rest
@@ -40,7 +43,8 @@ batches where the sizes are not known without a pass over the data:
 * dual: ``F`` plus the Gram matrix and its build's temporaries (:func:`gram_build_numbers`:
   ``(M^2 + 2 min(M^2, 2^20)) s`` on the CPU, ``3 M^2 s`` elsewhere; ``M = N R``), its eigen-solve's
   ``(4 k + 40) M`` float64 numbers and ``3 k D s`` for the eigenvectors;
-* linearised: every batch's kept graphs plus one batch's for a product's temporaries
+* linearised: every batch's kept graphs and, on the host, a heap page per kept
+  storage, plus one batch's graphs for a product's temporaries
   (:func:`~laplace_glas.curvature.operators.linearized.build_linearized_ggn`), ``2 D s``
   and ``B``;
 * streaming: one batch's forward graph ``g``

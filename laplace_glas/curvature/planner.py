@@ -349,7 +349,7 @@ def _jacobian(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
     rows = estimate_jacobian_bytes(
         problem.n_terms, problem.out_shape, problem.likelihood, problem.n_params, s, examples
     )
-    largest = 0 if budget.batches is None else budget.batches.largest
+    largest = problem.first_batch_size() if budget.batches is None else budget.batches.largest
     build = estimate_build_bytes(
         problem.model, problem.params, problem.likelihood, problem.out_shape,
         budget.graph or 0, largest, s,

@@ -118,6 +118,12 @@ class CurvatureProblem:
     progress_bar: bool = False
     first_batch: Any = None
 
+    def first_batch_size(self) -> int:
+        """Examples of ``first_batch`` (0 where it is not known)."""
+        if self.first_batch is None:
+            return 0
+        return batch_size(split_batch(self.first_batch, self.dict_key_y)[0], self.dict_key_x)
+
     def first_data(self) -> Iterable:
         """``(X, y)`` batches whose first is the loader's first: ``first_batch`` alone
         where it is known, else :attr:`data`.

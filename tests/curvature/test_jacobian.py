@@ -396,3 +396,27 @@ def test_a_batch_s_rows_are_not_held_beside_the_next_batch_s_build(route, tmp_pa
     estimate = estimate_build_bytes(model, params, likelihood, out_shape, graph, 16, 8)
     small = 1024  # a few scalars and index tensors, left out of the estimate
     assert peak - built.J.nbytes <= estimate + small
+
+
+class ScaledDict(nn.Module):
+    """A raw parameter (the torch.func route) on mapping inputs with a scalar entry."""
+
+    def __init__(self):
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(3, 2, generator=torch.Generator().manual_seed(5)))
+
+    def forward(self, x):
+        return torch.tanh(x["x"] @ self.W) * x["scale"]
+
+
+def test_the_vmap_check_on_the_first_example_keeps_a_mapping_s_scalars():
+    # the first example was sliced from every entry, a 0-dim one too: IndexError out of
+    # the planner, where the pass itself had answered with a reason
+    model = ScaledDict().to(F64).eval()
+    g = torch.Generator().manual_seed(0)
+    X = {"x": torch.randn(8, 3, generator=g, dtype=F64), "scale": torch.tensor(2.0, dtype=F64)}
+    batch = {**X, "labels": torch.randn(8, 2, generator=g, dtype=F64)}
+    built = build_jacobian_ggn(
+        model, trainable(model), [batch], "regression", 8, dict_key_x="x", first_batch=batch
+    )
+    assert isinstance(built, str) and "vmap" in built  # vmap treats the scalar as batched

@@ -182,8 +182,9 @@ class CountingLoader(torch.utils.data.DataLoader):
         return super().__iter__()
 
 
+@pytest.mark.parametrize("show", [False, True])
 @pytest.mark.parametrize("model_name, passes", [("mlp", 2), ("recurrent", 3)])
-def test_a_fit_starts_an_iterator_per_pass_only(model_name, passes):
+def test_a_fit_starts_an_iterator_per_pass_only(model_name, passes, show):
     # the planner's one-batch measurements (the batch-size function, the streaming
     # estimate's forward graph, the complement's and the Jacobians' first-batch checks)
     # each started an iterator of the loader, with num_workers > 0 a set of worker
@@ -201,7 +202,7 @@ def test_a_fit_starts_an_iterator_per_pass_only(model_name, passes):
     data = torch.utils.data.TensorDataset(X, torch.randn(12, 2, generator=g, dtype=F64))
     CountingLoader.started = 0
     la = ActiveSubspaceLaplace(model, "regression", n_components=2)
-    la.fit(CountingLoader(data, batch_size=5))
+    la.fit(CountingLoader(data, batch_size=5), progress_bar=show)
     assert CountingLoader.started == passes
     assert la.lanczos_info.plan["strategy"] == ("dual" if model_name == "mlp" else "linearised")
 

@@ -33,10 +33,11 @@ The Jacobians are built one batch at a time:
 The first batch is checked against forward mode (``S v`` against ``Lambda^{1/2} J v``
 from ``torch.func.jvp``). Memory: ``N R D itemsize`` bytes
 (:func:`~laplace_glas.curvature.operators.jacobian_estimates.jacobian_bytes`)
-plus one batch's factors or Jacobians; the build stops, returning the reason, once the
-Jacobians pass ``budget_bytes``, or before the first backward pass when one forward pass
-of the first batch shows that they would take more than the factors (then the factored
-operator is the leaner choice).
+plus one batch's build (its factors and rows, or its full Jacobians and rows); the
+previous batch's are let go before the next is built. The build stops, returning the
+reason, once the Jacobians pass ``budget_bytes``, or before the first backward pass
+when one forward pass of the first batch shows that they would take more than the
+factors (then the factored operator is the leaner choice).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from torch.func import functional_call, jacrev, vmap
 
 from laplace_glas.curvature.batch_sizes import survey_batch_sizes
 from laplace_glas.curvature.batches import batch_size, split_batch_to
-from laplace_glas.curvature.budget import format_bytes, return_freed_memory
+from laplace_glas.curvature.budget import format_bytes
 from laplace_glas.curvature.operators.factor_join import (
     _assemble,
 )
@@ -208,7 +209,7 @@ def _factored_batches(model, params, loader, likelihood, n_terms, options):
     scale = float(n_terms) ** -0.5
     recorder = _Recorder(offsets)
     try:
-        for i, data in enumerate(loader):
+        for i, data in enumerate(progress(loader, "[GLAS] Jacobians", options["progress_bar"])):
             X, y = split_batch_to(data, options["device"], options["dict_key_y"])
             if i == 0 and not options.get("checked"):
                 reason = _larger_than_factors(model, recorder, X, likelihood, n_params)
@@ -264,13 +265,14 @@ def _func_batches(model, params, loader, likelihood, n_terms, options):
     jacobian = vmap(jacrev(single), in_dims=(None, 0))
     if options.get("first") is not None:  # a model vmap cannot batch: refused before a pass
         X = split_batch_to(options["first"], options["device"], options["dict_key_y"])[0]
-        X = {k: v[:1] for k, v in X.items()} if isinstance(X, Mapping) else X[:1]
-        try:
+        try:  # the first example (a scalar of a mapping stays as it is)
+            one = lambda v: v[:1] if isinstance(v, torch.Tensor) and v.ndim else v  # noqa: E731
+            X = {k: one(v) for k, v in X.items()} if isinstance(X, Mapping) else one(X)
             jacobian(tuple(p.detach() for p in params), X)
         except Exception as err:
             yield f"torch.func.vmap over the examples failed ({type(err).__name__})"
             return
-    for i, data in enumerate(loader):
+    for i, data in enumerate(progress(loader, "[GLAS] Jacobians", options["progress_bar"])):
         X, y = split_batch_to(data, options["device"], options["dict_key_y"])
         with torch.no_grad():
             out = check_model_output(model(X))
@@ -374,17 +376,17 @@ def build_jacobian_ggn(
     options = dict(
         ignore_index=ignore_index, dict_key_x=dict_key_x, dict_key_y=dict_key_y, device=device
     )
-    batches = progress(loader, "[GLAS] Jacobians", progress_bar)
+    options["progress_bar"] = progress_bar  # the bar (an iterator) starts with the pass
     if unsupported_reason(model, params, likelihood) is None:
         if first_batch is not None:  # Jacobians larger than the factors: no pass at all
             reason = _first_batch_check(model, params, first_batch, likelihood, options)
             if reason is not None:
                 return reason
             options["checked"] = True
-        route = _factored_batches(model, params, batches, likelihood, n_terms, options)
+        route = _factored_batches(model, params, loader, likelihood, n_terms, options)
     else:  # vmap tried on the first batch's first example before the pass
         route = _func_batches(
-            model, params, batches, likelihood, n_terms, {**options, "first": first_batch}
+            model, params, loader, likelihood, n_terms, {**options, "first": first_batch}
         )
     try:
         if n_examples is None:
@@ -420,7 +422,6 @@ def _collect(route, capacity: int | None, budget_bytes: int) -> JacobianGGN | st
         else:
             parts.append(J)
         del J  # the batch's rows are in the buffer: not held beside the next batch's build
-        return_freed_memory()
     if buffer is None and not parts:
         return "an empty loader"
     if buffer is not None:
