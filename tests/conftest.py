@@ -62,6 +62,16 @@ def regression_data(
     return X, y.to(dtype)
 
 
+class CountingLoader(torch.utils.data.DataLoader):
+    """A DataLoader that counts the iterators started over it."""
+
+    started = 0
+
+    def __iter__(self):
+        type(self).started += 1
+        return super().__iter__()
+
+
 def loader(X, y, batch_size=32, shuffle=False):
     return DataLoader(TensorDataset(X, y), batch_size=batch_size, shuffle=shuffle)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import loader
+from conftest import CountingLoader, loader
 from test_custom_loss import explicit_loss_ggn
 from torch import nn
 
@@ -145,16 +145,6 @@ def test_regression_outputs_must_be_batch_by_outputs(out_shape):
     y = torch.randn(out_shape)
     with pytest.raises(ValueError, match=r"Regression needs model outputs of shape \(batch"):
         loss_at_map(Shaped(), loader(X, y), "regression")
-
-
-class CountingLoader(torch.utils.data.DataLoader):
-    """A DataLoader that counts the iterators started over it."""
-
-    started = 0
-
-    def __iter__(self):
-        type(self).started += 1
-        return super().__iter__()
 
 
 @pytest.mark.parametrize("show", [False, True])

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import loader, mlp
+from conftest import CountingLoader, loader, mlp
 from curvlinops import EFLinearOperator, GGNLinearOperator, HessianLinearOperator
 from laplace.curvature import CurvlinopsEF, CurvlinopsHessian
 from torch import nn
@@ -170,16 +170,6 @@ def test_compute_eigenpairs_after_fit_recounts_n_and_records_the_plan():
     again = la.compute_eigenpairs(loader(X, model(X).detach(), 3))
     assert again.n_data == 7 and again.plan["n_data"] == 7
     assert (again.plan["operator"], again.plan["solver"]) == ("curvlinops", "lanczos")
-
-
-class CountingLoader(torch.utils.data.DataLoader):
-    """A DataLoader that counts the iterators started over it."""
-
-    started = 0
-
-    def __iter__(self):
-        type(self).started += 1
-        return super().__iter__()
 
 
 @pytest.mark.parametrize("show", [False, True])
