@@ -126,7 +126,7 @@ class CurvatureProblem:
 
     def first_data(self) -> Iterable:
         """``(X, y)`` batches whose first is the loader's first: ``first_batch`` alone
-        where it is known, else :attr:`data`.
+        where it is known, else ``data``.
         """
         if self.first_batch is None:
             return self.data
