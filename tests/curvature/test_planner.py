@@ -178,10 +178,10 @@ def test_a_fit_starts_an_iterator_per_pass_only(model_name, passes, show):
     # the planner's one-batch measurements (the batch-size function, the streaming
     # estimate's forward graph, the complement's and the Jacobians' first-batch checks)
     # each started an iterator of the loader, with num_workers > 0 a set of worker
-    # processes: 6 for the MLP's default fit (9 with the progress bars' own), 4 for the
-    # LSTM's (vmap refused its first batch inside a pass); now the pass at the MAP and
-    # the operator's pass, as KronLaplace's fit, and for the LSTM the GGN diagonal's
-    # pass that decides the complement
+    # processes: 6 for the MLP's and the LSTM's default fits (the MLP's 9 with the
+    # progress bars' own; the LSTM's vmap was refused on its first batch inside a
+    # pass); now the pass at the MAP and the operator's pass, as KronLaplace's fit, and
+    # for the LSTM the GGN diagonal's pass that decides the complement
     g = torch.Generator().manual_seed(0)
     if model_name == "mlp":
         model = mlp([3, 8, 2], dtype=F64).eval()
