@@ -105,7 +105,8 @@ def loss_at_map(
     n_terms, n_points, out_shape, first_batch = 0, 0, None, None
     batches = progress(loader, "[GLAS] loss at MAP", progress_bar)
     for i, data in enumerate(batches):
-        first_batch = data if i == 0 else first_batch
+        if i == 0:
+            first_batch = data  # kept for the planner's one-batch checks
         X, y = split_batch_to(data, device, dict_key_y)
         check_finite("The training inputs", X, i)
         check_input_dtype("The training inputs", X, dtype, i)

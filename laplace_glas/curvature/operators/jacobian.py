@@ -208,10 +208,17 @@ def _factored_batches(model, params, loader, likelihood, n_terms, options):
     offsets, names, n_params = _parameter_offsets(model, list(params))
     scale = float(n_terms) ** -0.5
     recorder = _Recorder(offsets)
+    first = options["first"]  # the loader's first item where known: checked before a pass
     try:
+        if first is not None:
+            X = split_batch_to(first, options["device"], options["dict_key_y"])[0]
+            reason = _larger_than_factors(model, recorder, X, likelihood, n_params)
+            if reason is not None:
+                yield reason
+                return
         for i, data in enumerate(progress(loader, "[GLAS] Jacobians", options["progress_bar"])):
             X, y = split_batch_to(data, options["device"], options["dict_key_y"])
-            if i == 0 and not options.get("checked"):
+            if i == 0 and first is None:
                 reason = _larger_than_factors(model, recorder, X, likelihood, n_params)
                 if reason is not None:
                     yield reason
@@ -263,12 +270,10 @@ def _func_batches(model, params, loader, likelihood, n_terms, options):
         return check_model_output(out)[0]
 
     jacobian = vmap(jacrev(single), in_dims=(None, 0))
-    if options.get("first") is not None:  # a model vmap cannot batch: refused before a pass
+    if options["first"] is not None:  # a model vmap cannot batch: refused before a pass
         X = split_batch_to(options["first"], options["device"], options["dict_key_y"])[0]
-        try:  # the first example (a scalar of a mapping stays as it is)
-            one = lambda v: v[:1] if isinstance(v, torch.Tensor) and v.ndim else v  # noqa: E731
-            X = {k: one(v) for k, v in X.items()} if isinstance(X, Mapping) else one(X)
-            jacobian(tuple(p.detach() for p in params), X)
+        try:
+            jacobian(tuple(p.detach() for p in params), _first_example(X))
         except Exception as err:
             yield f"torch.func.vmap over the examples failed ({type(err).__name__})"
             return
@@ -297,15 +302,11 @@ def _func_batches(model, params, loader, likelihood, n_terms, options):
         del J, out, rows  # not held beside the next batch's build
 
 
-def _first_batch_check(model, params, first_batch, likelihood, options) -> str | None:
-    """:func:`_larger_than_factors` on a loader's first item, before any pass."""
-    offsets, _, n_params = _parameter_offsets(model, list(params))
-    recorder = _Recorder(offsets)
-    try:
-        X, _ = split_batch_to(first_batch, options["device"], options["dict_key_y"])
-        return _larger_than_factors(model, recorder, X, likelihood, n_params)
-    finally:
-        recorder.remove()
+def _first_example(X: torch.Tensor | Mapping) -> torch.Tensor | Mapping:
+    """The first example of a batch's inputs (a mapping's 0-dim entries as they are)."""
+    if isinstance(X, Mapping):
+        return {k: _first_example(v) for k, v in X.items()}
+    return X[:1] if isinstance(X, torch.Tensor) and X.ndim else X
 
 
 # ---------------------------------------------------------------------- build
@@ -376,18 +377,12 @@ def build_jacobian_ggn(
     options = dict(
         ignore_index=ignore_index, dict_key_x=dict_key_x, dict_key_y=dict_key_y, device=device
     )
-    options["progress_bar"] = progress_bar  # the bar (an iterator) starts with the pass
+    # the bar (an iterator) starts with the pass, after the checks on the first batch
+    options.update(progress_bar=progress_bar, first=first_batch)
     if unsupported_reason(model, params, likelihood) is None:
-        if first_batch is not None:  # Jacobians larger than the factors: no pass at all
-            reason = _first_batch_check(model, params, first_batch, likelihood, options)
-            if reason is not None:
-                return reason
-            options["checked"] = True
         route = _factored_batches(model, params, loader, likelihood, n_terms, options)
-    else:  # vmap tried on the first batch's first example before the pass
-        route = _func_batches(
-            model, params, loader, likelihood, n_terms, {**options, "first": first_batch}
-        )
+    else:
+        route = _func_batches(model, params, loader, likelihood, n_terms, options)
     try:
         if n_examples is None:
             n_examples = _examples(loader, dict_key_x, dict_key_y)

@@ -381,7 +381,8 @@ def build_linearized_ggn(
         # the batch's freed temporaries, interleaved on the heap with its kept graphs,
         # stay resident unless handed back (a GRU's: 6 MiB beside 17 MiB kept a batch)
         return_freed_memory()
-        kept_bytes = counter.bytes + page * counter.storages  # and the heap's pages
+        pages = page * counter.storages  # the heap's, a page per kept storage
+        kept_bytes = counter.bytes + pages
         projected = kept_bytes
         if len(linearizations) == 1:  # give up before the pass, not after
             first_batch, whole = counter.bytes, None  # a product's share; all batches'
@@ -389,7 +390,7 @@ def build_linearized_ggn(
                 fixed = sum(t.numel() * t.element_size() for t in kept.pullback)
                 first_batch = batch_sizes.to_largest(counter.bytes, fixed)
                 # a batch keeps as many storages (pages) whatever its size
-                whole = batch_sizes.to_loader(kept_bytes, fixed + page * counter.storages)
+                whole = batch_sizes.to_loader(kept_bytes, fixed + pages)
             elif n_batches is not None:
                 whole = kept_bytes * n_batches
             projected = kept_bytes if whole is None else whole
