@@ -17,6 +17,7 @@ __all__ = [
     "MissingKeyError",
     "SubBatches",
     "XYBatches",
+    "batch_copy",
     "batch_input",
     "batch_size",
     "batch_to_device",
@@ -198,6 +199,20 @@ def batch_to_device(X: Any, device: torch.device | str) -> Any:
     if isinstance(X, Mapping):
         return {
             key: value.to(device) if isinstance(value, torch.Tensor) else value
+            for key, value in X.items()
+        }
+    return X
+
+
+def batch_copy(X: Any) -> Any:
+    """``X`` with its tensors copied: a tensor, or a mapping's tensor values (for data
+    kept beyond the loader's next step, which may refill its tensors in place).
+    """
+    if isinstance(X, torch.Tensor):
+        return X.clone()
+    if isinstance(X, Mapping):
+        return {
+            key: value.clone() if isinstance(value, torch.Tensor) else value
             for key, value in X.items()
         }
     return X

@@ -41,6 +41,7 @@ from laplace_glas.curvature.distributed import (
 from laplace_glas.curvature.eigenpairs import Eigenpairs, NumericalRankWarning
 from laplace_glas.curvature.eigensolve import compute_eigenpairs
 from laplace_glas.curvature.fitting import MapLoss, loss_at_map
+from laplace_glas.curvature.kept_batches import KEPT_BYTES, KeptBatches
 from laplace_glas.curvature.operators.updated import StoredCurvature, add_stored_curvature
 from laplace_glas.curvature.peak_memory import PeakMemory, with_measured_peak
 from laplace_glas.curvature.planner import Plan, plan_solve
@@ -129,7 +130,9 @@ class SubspaceFit(ComplementPass, FitAgreement):
         self._agree(shards, train_loader, k=k, update=update, generator=generator)
         # nothing is assigned until the solve has succeeded: a failed fit leaves the
         # previous posterior (or the unfitted state) as it was
-        loss, n_data, out_shape, first_batch = self._loss_at_map(train_loader, show, shards)
+        loss, n_data, out_shape, first_batch, kept = self._loss_at_map(
+            train_loader, show, shards, keep_bytes=self._keep_bytes(train_loader, shards)
+        )
         return_freed_memory()  # the loss pass's activations: not resident beside the solve
         stored = None
         if update:
@@ -141,13 +144,15 @@ class SubspaceFit(ComplementPass, FitAgreement):
             stored = StoredCurvature(*self.H, self.n_data)
         problem = self._curvature_problem(
             train_loader, out_shape, n_data, generator, self.subsample_size, shards, show,
-            first_batch=first_batch,
+            first_batch=first_batch, kept=kept,
         )  # fmt: skip
+        del first_batch, kept  # held by the problem where it needs them
         # the complement's pass first (its refusals come before the eigen-solve's cost),
         # unless KFAC's factors may come from the solve's operator
-        complement = self._complement_pass(train_loader, shards, show, update, problem)
+        passes = problem.replay_of(train_loader)  # the kept batches, where they are
+        complement = self._complement_pass(passes, shards, show, update, problem)
         eig = self._solve(problem, k, generator, stored=stored, complement=complement)
-        complement = self._complement_after_solve(complement, train_loader, show)
+        complement = self._complement_after_solve(complement, passes, show)
         if complement.source is not None:
             eig = replace(eig, plan={**eig.plan, "kron_factors": complement.source})
         if update:
@@ -203,9 +208,22 @@ class SubspaceFit(ComplementPass, FitAgreement):
         )
         return update, show, k
 
-    def _loss_at_map(self, loader: Any, show: bool, shards: Shards | None = None) -> MapLoss:
+    def _keep_bytes(self, loader: Any, shards: Shards | None) -> int:
+        """Bytes of the training batches the pass at the MAP may keep for the fit's
+        later passes (:mod:`~laplace_glas.curvature.kept_batches`): ``KEPT_BYTES``;
+        none for a data-parallel fit, a solve on a subsample or a loader that is a list
+        or tuple already.
+        """
+        if shards is not None or self.subsample_size is not None:
+            return 0
+        return 0 if isinstance(loader, list | tuple) else KEPT_BYTES
+
+    def _loss_at_map(
+        self, loader: Any, show: bool, shards: Shards | None = None, keep_bytes: int = 0
+    ) -> MapLoss:
         """:func:`laplace_glas.curvature.fitting.loss_at_map` with this posterior's
-        settings, summed over the ranks of ``shards``.
+        settings, summed over the ranks of ``shards`` (``keep_bytes``: see
+        :meth:`_keep_bytes`).
         """
         local, error = None, None
         try:  # a rank whose pass fails still takes part in the all-reduce
@@ -220,6 +238,7 @@ class SubspaceFit(ComplementPass, FitAgreement):
                 dtype=self._dtype,
                 loss_fn=self.loss_fn,
                 progress_bar=show,
+                keep_bytes=keep_bytes,
             )
         except Exception as err:
             if shards is None:
@@ -308,7 +327,8 @@ class SubspaceFit(ComplementPass, FitAgreement):
         )
         out_shape, n_terms = getattr(self, "_out_shape", None), None
         if not out_shape:  # before fit: a pass at the MAP gives both
-            _, n_terms, out_shape, _ = self._loss_at_map(train_loader, False, shards)
+            at_map = self._loss_at_map(train_loader, False, shards)
+            n_terms, out_shape = at_map.n_terms, at_map.out_shape
         # after fit: the output shape per point is the model's; N is this loader's
         problem = self._curvature_problem(
             train_loader, out_shape, n_terms, generator, subsample_size, shards, progress_bar
@@ -325,11 +345,12 @@ class SubspaceFit(ComplementPass, FitAgreement):
         shards: Shards | None,
         progress_bar: bool,
         first_batch: Any = None,
+        kept: KeptBatches | None = None,
     ) -> CurvatureProblem:
         """The curvature of ``loader`` with this posterior's settings
         (:meth:`~laplace_glas.curvature.problem.CurvatureProblem.build`; ``n_terms=None``
-        counts ``N``; ``first_batch``, the loader's first item where the pass at the MAP
-        kept it).
+        counts ``N``; ``first_batch``, the loader's first item, and ``kept``, all its
+        items, where the pass at the MAP kept them).
         """
         return CurvatureProblem.build(
             self.model,
@@ -349,6 +370,7 @@ class SubspaceFit(ComplementPass, FitAgreement):
             shards=shards,
             progress_bar=progress_bar,
             first_batch=first_batch,
+            kept=kept,
         )
 
     def _solve(

@@ -36,6 +36,7 @@ from laplace_glas.curvature.batches import (
     split_batch,
     split_batch_to,
 )
+from laplace_glas.curvature.kept_batches import BatchKeeper, KeptBatches
 from laplace_glas.curvature.losses import TokenCrossEntropy, count_targets
 from laplace_glas.progress import progress
 from laplace_glas.validation import check_model_output
@@ -66,6 +67,9 @@ class MapLoss(NamedTuple):
     first_batch: Any = None
     """The loader's first item as it came (``None`` where not kept): the planner's
     one-batch measurements reuse it rather than start another iterator of the loader."""
+    kept: KeptBatches | None = None
+    """Every item of the pass, where ``keep_bytes`` held them (``None`` otherwise): the
+    fit's later passes replay them (:mod:`~laplace_glas.curvature.kept_batches`)."""
 
 
 def likelihood_loss(likelihood: str, reduction: str, ignore_index: int) -> nn.Module:
@@ -91,22 +95,26 @@ def loss_at_map(
     dtype: torch.dtype = torch.float32,
     loss_fn: nn.Module | None = None,
     progress_bar: bool = False,
+    keep_bytes: int = 0,
 ) -> MapLoss:
     """One pass: validate the data and sum laplace-torch's loss at the model's weights.
 
     The loss is ``0.5 * sum ||f_n - y_n||^2`` for regression and
     ``sum_n -log softmax(f_n)[y_n]`` for classification. ``loss_fn`` (if given) is
     tried on the first batch so that a loss that cannot take these outputs fails
-    here, with the shapes in the message, rather than inside curvlinops.
+    here, with the shapes in the message, rather than inside curvlinops. The items
+    are kept (``MapLoss.kept``) where all of them take at most ``keep_bytes``.
     """
     lossfunc = likelihood_loss(likelihood, "sum", ignore_index)
     factor = 0.5 if likelihood == "regression" else 1.0
     total = torch.zeros((), device=device, dtype=dtype)
     n_terms, n_points, out_shape, first_batch = 0, 0, None, None
+    keeper = BatchKeeper(keep_bytes)
     batches = progress(loader, "[GLAS] loss at MAP", progress_bar)
     for i, data in enumerate(batches):
         if i == 0:
             first_batch = data  # kept for the planner's one-batch checks
+        keeper.add(data)
         X, y = split_batch_to(data, device, dict_key_y)
         check_finite("The training inputs", X, i)
         check_input_dtype("The training inputs", X, dtype, i)
@@ -144,7 +152,7 @@ def loss_at_map(
         raise ValueError("The training loader is empty: there is no data to fit.")
     if n_terms == 0:
         raise ValueError("Every training target equals ignore_index: nothing to fit.")
-    return MapLoss(total, n_terms, out_shape, first_batch)
+    return MapLoss(total, n_terms, out_shape, first_batch, keeper.kept())
 
 
 def check_labels(out: torch.Tensor, y: torch.Tensor, ignore_index: int, batch_index: int) -> int:

@@ -21,6 +21,7 @@ from torch import nn
 from laplace_glas.curvature.batches import XYBatches, batch_size, split_batch, subsample_loader
 from laplace_glas.curvature.distributed import Shards, sum_count
 from laplace_glas.curvature.fitting import count_terms, curvature_loss
+from laplace_glas.curvature.kept_batches import KeptBatches
 from laplace_glas.curvature.operators.curvlinops import mean_ggn_operator
 
 __all__ = ["CurvatureProblem", "curvature_likelihood"]
@@ -93,6 +94,12 @@ class CurvatureProblem:
         else ``None``: one-batch measurements take it from :meth:`first_data` instead of
         starting another iterator of the loader (with ``num_workers > 0``, another set
         of worker processes).
+    replays : any
+        The training loader whose batches ``loader`` replays (the tuple the pass at
+        the MAP kept, :mod:`~laplace_glas.curvature.kept_batches`), else ``None``.
+    kept_bytes : int
+        Bytes of those kept batches (0 where none are kept), held for the whole fit
+        (at most :data:`~laplace_glas.curvature.kept_batches.KEPT_BYTES`).
 
     """
 
@@ -117,6 +124,14 @@ class CurvatureProblem:
     shards: Shards | None = None
     progress_bar: bool = False
     first_batch: Any = None
+    replays: Any = None
+    kept_bytes: int = 0
+
+    def replay_of(self, loader: Any) -> Any:
+        """What a pass over ``loader`` iterates: the batches this problem keeps where
+        it replays ``loader``, else ``loader`` itself.
+        """
+        return self.loader if loader is not None and loader is self.replays else loader
 
     def first_batch_size(self) -> int:
         """Examples of ``first_batch`` (0 where it is not known)."""
@@ -178,10 +193,13 @@ class CurvatureProblem:
         shards: Shards | None = None,
         progress_bar: bool = False,
         first_batch: Any = None,
+        kept: KeptBatches | None = None,
     ) -> CurvatureProblem:
         """The problem of ``loader`` (or of a subsample of ``subsample_size`` points
         drawn with ``generator``; ``first_batch``, the loader's first item where the
-        caller has it, is kept for the loader itself, not for a subsample).
+        caller has it, is kept for the loader itself, not for a subsample; ``kept``,
+        all of its items where the caller kept them, are what the problem's passes
+        iterate instead of ``loader``, unless it solves on a subsample).
 
         ``n_terms`` is ``N`` of ``loader`` when the caller has counted it (the pass at
         the MAP); otherwise it is counted from the targets (summed over ``shards``).
@@ -212,6 +230,9 @@ class CurvatureProblem:
             if n_terms == 0:
                 raise ValueError("The loader is empty (or all its targets are ignore_index).")
         eigen_loader, eigen_n, error = loader, n_terms, None
+        replaying = kept is not None and subsample_size is None
+        if replaying:
+            eigen_loader = kept.batches
         if subsample_size is not None:
             try:
                 eigen_loader = subsample_loader(loader, subsample_size, generator)
@@ -256,7 +277,9 @@ class CurvatureProblem:
             dtype=dtype,
             shards=shards,
             progress_bar=progress_bar,
-            first_batch=first_batch if eigen_loader is loader else None,
+            first_batch=first_batch if subsample_size is None else None,
+            replays=loader if replaying else None,
+            kept_bytes=kept.nbytes if replaying else 0,
         )
 
 

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import laplace_glas.curvature.fit as fit_module
 import laplace_glas.curvature.planner as dispatch
 from laplace_glas import (
     ActiveSubspaceLaplace,
@@ -422,12 +423,14 @@ class OutputScale(nn.Module):
 )
 @pytest.mark.usefixtures("without_jacobian")
 def test_irreproducible_products_warn_about_the_residuals(data, solver, match, monkeypatch):
-    """The curvlinops operator passes over the data once per product. (The factored and
-    linearised operators, which solver='auto' and 'block' use within their memory
-    budget, read the data once, so their products are consistent: a model with a
-    free-standing parameter, the linearised operator refused and the stored Jacobians
-    not tried keep curvlinops here.)
+    """The curvlinops operator passes over the data once per product where the batches
+    are read from the loader (here: none kept by the pass at the MAP, as for data larger
+    than their share of the budget). (The factored and linearised operators, which
+    solver='auto' and 'block' use within their memory budget, read the data once, so
+    their products are consistent: a model with a free-standing parameter, the
+    linearised operator refused and the stored Jacobians not tried keep curvlinops here.)
     """
+    monkeypatch.setattr(fit_module, "KEPT_BYTES", 0)
     monkeypatch.setattr(dispatch, "build_linearized_ggn", lambda *a, **kw: "refused here")
     torch.manual_seed(0)
     model = OutputScale(mlp([1, 8, 1]))
@@ -436,6 +439,24 @@ def test_irreproducible_products_warn_about_the_residuals(data, solver, match, m
         model, "regression", n_components=K, solver=solver, loss_scaling="mean", complement="zero"
     )
     with pytest.warns(LanczosConvergenceWarning, match=match):
+        la.fit(Augmenting(*data))
+    assert la.lanczos_info.operator.startswith("curvlinops")
+
+
+@pytest.mark.parametrize("solver", ["lanczos", "block"])
+@pytest.mark.usefixtures("without_jacobian")
+def test_kept_batches_give_curvlinops_one_draw_of_the_augmentation(data, solver, monkeypatch):
+    """The same model and loader as above with the batches kept by the pass at the MAP
+    (the default for data this small): every product replays them, the residuals are
+    reproducible and the solve converges."""
+    monkeypatch.setattr(dispatch, "build_linearized_ggn", lambda *a, **kw: "refused here")
+    torch.manual_seed(0)
+    model = OutputScale(mlp([1, 8, 1]))
+    la = ActiveSubspaceLaplace(
+        model, "regression", n_components=K, solver=solver, loss_scaling="mean", complement="zero"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LanczosConvergenceWarning)
         la.fit(Augmenting(*data))
     assert la.lanczos_info.operator.startswith("curvlinops")
 

@@ -59,7 +59,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, jvp
 
-from laplace_glas.curvature.batches import batch_size, split_batch_to
+from laplace_glas.curvature.batches import batch_copy, batch_size, split_batch_to
 from laplace_glas.curvature.budget import OverBudget, format_bytes, return_freed_memory
 from laplace_glas.curvature.operators.factor_join import (
     _assemble,
@@ -377,6 +377,7 @@ def build_factored_ggn(
         batches = progress(loader, "[GLAS] factored GGN", progress_bar)
         for i, data in enumerate(batches):
             X, y = split_batch_to(data, device, dict_key_y)
+            X = batch_copy(X)  # the first layer's factor is X: not the loader's own tensor
             out, rows, layers, explicit, R = _batch_factors(
                 model, recorder, X, y, likelihood, ignore_index, scale, offsets, dict_key_x
             )

@@ -1,0 +1,209 @@
+"""The training batches kept by the pass at the MAP and replayed by the fit's later passes."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from conftest import CountingLoader, mlp, mlp_problem, output_jacobian
+from torch.utils.data import TensorDataset
+
+from laplace_glas import ActiveSubspaceLaplace
+from laplace_glas.curvature import fit as fit_module
+from laplace_glas.curvature.kept_batches import BatchKeeper, KeptBatches, item_storages
+from laplace_glas.curvature.problem import CurvatureProblem
+
+F64 = torch.float64
+
+
+def test_item_storages_counts_each_storage_once_and_the_strings():
+    t = torch.zeros(3, 4, dtype=F64)
+    storages, spans, strings = item_storages((t, t[1:], torch.zeros(5, dtype=torch.int64)))
+    assert sorted(storages.values()) == [40, 96] and strings == 0  # the view: t's storage
+    assert len(spans) == 2  # t and its view merged
+    mapping = {"input_ids": torch.zeros(2, 3, dtype=torch.int64), "n": [1, np.int64(2)]}
+    mapping["text"] = "abc"
+    storages, _, strings = item_storages(mapping)
+    assert list(storages.values()) == [48] and strings == 3
+    assert item_storages([np.zeros(4, dtype=np.float32), None]) is None
+    assert item_storages((t, object())) is None  # a size not known: not kept
+
+
+def test_the_keeper_keeps_a_pass_within_its_limit_or_none_of_it():
+    def batch():
+        return torch.zeros(10, dtype=F64)  # 80 bytes
+
+    keeper = BatchKeeper(200)
+    first = batch()
+    keeper.add(first)
+    keeper.add(batch())
+    kept = keeper.kept()
+    assert kept.nbytes == 160 and len(kept.batches) == 2 and kept.batches[0] is first
+    keeper.add(batch())  # 240 bytes > 200: every batch let go, also the later ones
+    keeper.add(batch())
+    assert keeper.kept() is None
+    nothing = BatchKeeper(0)
+    nothing.add(batch())
+    assert nothing.kept() is None
+    unknown = BatchKeeper(10**6)
+    unknown.add((batch(), object()))
+    unknown.add(batch())
+    assert unknown.kept() is None
+    assert BatchKeeper(10**6).kept() is None  # an empty pass
+    rows = BatchKeeper(10**6)  # views of distinct rows of one tensor: kept, counted once
+    data = torch.zeros(4, 10, dtype=F64)
+    for i in range(4):
+        rows.add((data[i], "a"))
+    assert len(rows.kept().batches) == 4 and rows.nbytes == 320 + 4
+    refilled = BatchKeeper(10**6)  # a loader that refills one buffer in place
+    buffer = batch()
+    refilled.add((buffer, "a"))
+    refilled.add((buffer[:5], "a"))
+    assert refilled.kept() is None
+
+
+class AugmentingLoader:
+    """Fresh input noise on every pass (random augmentation); records each pass's inputs."""
+
+    def __init__(self, X, y, batch_size):
+        self.X, self.y, self.batch_size = X, y, batch_size
+        self.generator = torch.Generator().manual_seed(1)
+        self.passes: list[list[torch.Tensor]] = []
+
+    def __len__(self):
+        return -(-len(self.X) // self.batch_size)
+
+    def __iter__(self):
+        seen: list[torch.Tensor] = []
+        self.passes.append(seen)
+        for start in range(0, len(self.X), self.batch_size):
+            X = self.X[start : start + self.batch_size]
+            X = X + 0.1 * torch.randn(X.shape, generator=self.generator, dtype=X.dtype)
+            seen.append(X)
+            yield X, self.y[start : start + self.batch_size]
+
+
+def _fit(model, data, **kwargs):
+    la = ActiveSubspaceLaplace(model, "regression", n_components=3, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la.fit(data)
+    return la
+
+
+@pytest.mark.parametrize("solver", ["auto", "lanczos"])
+def test_every_pass_of_a_fit_sees_the_batches_of_the_pass_at_the_map(solver):
+    # 'lanczos' multiplies with curvlinops' operator, a pass over the data per product:
+    # an augmenting loader gave every product other data; now one fixed operator, the
+    # GGN of the data whose loss the fit reports
+    g = torch.Generator().manual_seed(0)
+    model = mlp([3, 8, 2], dtype=F64).eval()
+    X = torch.randn(24, 3, generator=g, dtype=F64)
+    y = torch.randn(24, 2, generator=g, dtype=F64)
+    data = AugmentingLoader(X, y, batch_size=5)
+    la = _fit(model, data, solver=solver)
+    assert len(data.passes) == 1
+    seen = torch.cat(data.passes[0])
+    with torch.no_grad():
+        loss = 0.5 * ((model(seen) - y) ** 2).sum()
+    torch.testing.assert_close(la.loss, loss, rtol=1e-12, atol=0)
+    _, J = output_jacobian(model, seen)
+    dense = torch.einsum("ncd,nce->de", J, J) / len(seen)
+    reference = torch.linalg.eigvalsh(dense).flip(0)[:3]
+    torch.testing.assert_close(la.eigenvalues, reference, rtol=1e-8, atol=0)
+
+
+def test_batches_beyond_the_limit_are_read_from_the_loader(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    model = mlp([3, 8, 2], dtype=F64).eval()
+    dataset = TensorDataset(
+        torch.randn(12, 3, generator=g, dtype=F64), torch.randn(12, 2, generator=g, dtype=F64)
+    )
+    CountingLoader.started = 0
+    kept = _fit(model, CountingLoader(dataset, batch_size=5))
+    assert CountingLoader.started == 1
+    monkeypatch.setattr(fit_module, "KEPT_BYTES", 0)
+    CountingLoader.started = 0
+    read = _fit(model, CountingLoader(dataset, batch_size=5))
+    assert CountingLoader.started == 2  # the pass at the MAP and the factors' pass
+    torch.testing.assert_close(read.eigenvalues, kept.eigenvalues, rtol=1e-12, atol=0)
+    assert read.lanczos_info.strategy == kept.lanczos_info.strategy
+
+
+class RefillingLoader:
+    """Yields the same two tensors on every step, refilled in place with the next batch."""
+
+    def __init__(self, X, y, batch_size):
+        self.X, self.y, self.batch_size = X, y, batch_size
+
+    def __len__(self):
+        return len(self.X) // self.batch_size
+
+    def __iter__(self):
+        Xb, yb = self.X[: self.batch_size].clone(), self.y[: self.batch_size].clone()
+        for start in range(0, len(self.X), self.batch_size):
+            Xb.copy_(self.X[start : start + self.batch_size])
+            yb.copy_(self.y[start : start + self.batch_size])
+            yield Xb, yb
+
+
+@pytest.mark.parametrize("solver", ["auto", "lanczos"])
+def test_a_loader_that_refills_its_tensors_is_read_on_every_pass(solver):
+    # keeping its items would keep the last batch four times
+    g = torch.Generator().manual_seed(0)
+    model = mlp([3, 8, 2], dtype=F64).eval()
+    X = torch.randn(24, 3, generator=g, dtype=F64)
+    y = torch.randn(24, 2, generator=g, dtype=F64)
+    refilled = _fit(model, RefillingLoader(X, y, 6), solver=solver)
+    listed = _fit(model, [(X[i : i + 6], y[i : i + 6]) for i in range(0, 24, 6)], solver=solver)
+    torch.testing.assert_close(refilled.eigenvalues, listed.eigenvalues, rtol=1e-8, atol=0)
+    torch.testing.assert_close(refilled.loss, listed.loss, rtol=1e-12, atol=0)
+
+
+def test_the_problem_replays_the_kept_batches():
+    model, data, _ = mlp_problem()
+    batches = tuple(data)
+    nbytes = sum(sum(item_storages(b)[0].values()) for b in batches)
+    keeping = CurvatureProblem.build(
+        model, list(model.parameters()), data, "regression", torch.Size([2]),
+        dtype=F64, kept=KeptBatches(batches, nbytes),
+    )  # fmt: skip
+    assert keeping.loader is batches and keeping.replays is data and keeping.kept_bytes == nbytes
+    assert keeping.replay_of(data) is batches and keeping.replay_of(batches) is batches
+    assert keeping.data.loader is batches
+
+
+def test_a_subsample_solve_keeps_no_batches():
+    model, data, _ = mlp_problem()
+    batches = tuple(data)
+    sub = CurvatureProblem.build(
+        model, list(model.parameters()), data, "regression", torch.Size([2]), dtype=F64,
+        subsample_size=20, generator=torch.Generator().manual_seed(0),
+        kept=KeptBatches(batches, 1),
+    )  # fmt: skip
+    assert sub.replays is None and sub.kept_bytes == 0 and sub.loader is not batches
+
+
+def test_the_fitted_posterior_lets_the_kept_batches_go():
+    g = torch.Generator().manual_seed(0)
+    model = mlp([3, 8, 2], dtype=F64).eval()
+    dataset = TensorDataset(
+        torch.randn(12, 3, generator=g, dtype=F64), torch.randn(12, 2, generator=g, dtype=F64)
+    )
+    seen = []
+
+    class Watching(torch.utils.data.DataLoader):
+        def __iter__(self):
+            for batch in super().__iter__():
+                seen.append(weakref.ref(batch[0]))
+                yield batch
+
+    CountingLoader.started = 0
+    la = _fit(model, Watching(dataset, batch_size=5))
+    assert la.lanczos_info is not None and len(seen) == 3  # one pass: the batches were kept
+    gc.collect()
+    assert all(ref() is None for ref in seen)
