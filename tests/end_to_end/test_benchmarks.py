@@ -130,3 +130,26 @@ def test_scale_benchmark_one_fit_in_a_fresh_process():
     assert out["operator"] and out["solver"]
     values = out["values"]
     assert len(values) == 10 and values == sorted(values, reverse=True) and values[0] > 0
+
+
+def test_fit_floor_benchmark_quick_table():
+    """benchmarks/fit_floor.py --quick: a row per fit-cost case, its floor positive and
+    below the measured GLAS fit (no fit beats the arithmetic it must do)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "fit_floor.py"),
+            *("--quick", "--repeats", "1", "--steps", "5"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith(("| c1-", "| c10-"))]
+    assert [row.split(" | ")[0] for row in rows] == ["| c1-k10", "| c1-k50", "| c10-k10"]
+    for row in rows:
+        cells = row.strip("| ").split(" | ")
+        floor, glas = float(cells[2]), float(cells[3])
+        assert 0 < floor < glas
