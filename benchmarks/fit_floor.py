@@ -116,7 +116,7 @@ def main() -> None:
         )
         listed = ", ".join(f"{p} {f / 1e9:.2f}" for p, f in phases.items())
         print(
-            f"| {name} | {sum(phases.values()) / 1e9:.1f} ({listed}) | {floor:.3f} | "
+            f"| {name} | {sum(phases.values()) / 1e9:.1f} ({listed}) | {floor:.3g} | "
             f"{glas:.3f} | {kron:.3f} | {floor / kron:.2f}x | {glas / kron:.2f}x | "
             f"<= {target}x | {glas / floor:.1f}x |",
             flush=True,
