@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import gc
-import warnings
 import weakref
 
 import numpy as np
 import pytest
 import torch
-from conftest import CountingLoader, mlp, mlp_problem, output_jacobian
+from conftest import CountingLoader, fit_quietly, mlp, mlp_problem, output_jacobian
 from torch.utils.data import TensorDataset
 
-from laplace_glas import ActiveSubspaceLaplace
 from laplace_glas.curvature import fit as fit_module
 from laplace_glas.curvature.kept_batches import BatchKeeper, KeptBatches, item_storages
 from laplace_glas.curvature.problem import CurvatureProblem
@@ -87,12 +85,15 @@ class AugmentingLoader:
             yield X, self.y[start : start + self.batch_size]
 
 
-def _fit(model, data, **kwargs):
-    la = ActiveSubspaceLaplace(model, "regression", n_components=3, **kwargs)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        la.fit(data)
-    return la
+def _toy():
+    """A float64 3-8-2 MLP and 24 regression points."""
+    g = torch.Generator().manual_seed(0)
+    model = mlp([3, 8, 2], dtype=F64).eval()
+    return (
+        model,
+        torch.randn(24, 3, generator=g, dtype=F64),
+        torch.randn(24, 2, generator=g, dtype=F64),
+    )
 
 
 @pytest.mark.parametrize("solver", ["auto", "lanczos"])
@@ -100,12 +101,9 @@ def test_every_pass_of_a_fit_sees_the_batches_of_the_pass_at_the_map(solver):
     # 'lanczos' multiplies with curvlinops' operator, a pass over the data per product:
     # an augmenting loader gave every product other data; now one fixed operator, the
     # GGN of the data whose loss the fit reports
-    g = torch.Generator().manual_seed(0)
-    model = mlp([3, 8, 2], dtype=F64).eval()
-    X = torch.randn(24, 3, generator=g, dtype=F64)
-    y = torch.randn(24, 2, generator=g, dtype=F64)
+    model, X, y = _toy()
     data = AugmentingLoader(X, y, batch_size=5)
-    la = _fit(model, data, solver=solver)
+    la = fit_quietly(model, data, solver=solver)
     assert len(data.passes) == 1
     seen = torch.cat(data.passes[0])
     with torch.no_grad():
@@ -124,11 +122,11 @@ def test_batches_beyond_the_limit_are_read_from_the_loader(monkeypatch):
         torch.randn(12, 3, generator=g, dtype=F64), torch.randn(12, 2, generator=g, dtype=F64)
     )
     CountingLoader.started = 0
-    kept = _fit(model, CountingLoader(dataset, batch_size=5))
+    kept = fit_quietly(model, CountingLoader(dataset, batch_size=5))
     assert CountingLoader.started == 1
     monkeypatch.setattr(fit_module, "KEPT_BYTES", 0)
     CountingLoader.started = 0
-    read = _fit(model, CountingLoader(dataset, batch_size=5))
+    read = fit_quietly(model, CountingLoader(dataset, batch_size=5))
     assert CountingLoader.started == 2  # the pass at the MAP and the factors' pass
     torch.testing.assert_close(read.eigenvalues, kept.eigenvalues, rtol=1e-12, atol=0)
     assert read.lanczos_info.strategy == kept.lanczos_info.strategy
@@ -154,12 +152,11 @@ class RefillingLoader:
 @pytest.mark.parametrize("solver", ["auto", "lanczos"])
 def test_a_loader_that_refills_its_tensors_is_read_on_every_pass(solver):
     # keeping its items would keep the last batch four times
-    g = torch.Generator().manual_seed(0)
-    model = mlp([3, 8, 2], dtype=F64).eval()
-    X = torch.randn(24, 3, generator=g, dtype=F64)
-    y = torch.randn(24, 2, generator=g, dtype=F64)
-    refilled = _fit(model, RefillingLoader(X, y, 6), solver=solver)
-    listed = _fit(model, [(X[i : i + 6], y[i : i + 6]) for i in range(0, 24, 6)], solver=solver)
+    model, X, y = _toy()
+    refilled = fit_quietly(model, RefillingLoader(X, y, 6), solver=solver)
+    listed = fit_quietly(
+        model, [(X[i : i + 6], y[i : i + 6]) for i in range(0, 24, 6)], solver=solver
+    )
     torch.testing.assert_close(refilled.eigenvalues, listed.eigenvalues, rtol=1e-8, atol=0)
     torch.testing.assert_close(refilled.loss, listed.loss, rtol=1e-12, atol=0)
 
@@ -203,7 +200,7 @@ def test_the_fitted_posterior_lets_the_kept_batches_go():
                 yield batch
 
     CountingLoader.started = 0
-    la = _fit(model, Watching(dataset, batch_size=5))
+    la = fit_quietly(model, Watching(dataset, batch_size=5))
     assert la.lanczos_info is not None and len(seen) == 3  # one pass: the batches were kept
     gc.collect()
     assert all(ref() is None for ref in seen)
