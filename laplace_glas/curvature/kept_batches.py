@@ -49,7 +49,7 @@ class KeptBatches:
 
 
 def _tensor_span(t: torch.Tensor) -> tuple[int, int]:
-    """``(first, last)`` byte addresses a tensor reads, ``last`` exclusive."""
+    """``(start, stop)``: the byte addresses a tensor reads, ``stop`` exclusive."""
     extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1
     return t.data_ptr(), t.data_ptr() + extent * t.element_size()
 
@@ -118,7 +118,7 @@ class BatchKeeper:
         self._batches: list | None = [] if self.limit > 0 else None
         self._storages: dict[int, int] = {}
         self._spans: list[tuple[int, int]] = []  # disjoint, sorted
-        self._immutable = 0
+        self._string_bytes = 0
 
     def add(self, data: Any) -> None:
         """Keep ``data`` (the loader's next item), or stop keeping."""
@@ -126,9 +126,9 @@ class BatchKeeper:
             return
         found = item_storages(data)
         if found is not None:
-            storages, spans, immutable = found
+            storages, spans, strings = found
             new = {a: b for a, b in storages.items() if a not in self._storages}
-            size = self.nbytes + sum(new.values()) + immutable
+            size = self.nbytes + sum(new.values()) + strings
         if found is None or size > self.limit or _overlaps(spans, self._spans):
             self._batches, self._storages, self._spans = None, {}, []
             return
@@ -136,12 +136,12 @@ class BatchKeeper:
         self._storages.update(new)
         for span in spans:
             bisect.insort(self._spans, span)
-        self._immutable += immutable
+        self._string_bytes += strings
 
     @property
     def nbytes(self) -> int:
         """Bytes of the kept items' storages (each storage once) and strings."""
-        return sum(self._storages.values()) + self._immutable
+        return sum(self._storages.values()) + self._string_bytes
 
     def kept(self) -> KeptBatches | None:
         """The items of the whole pass, or ``None`` where they were not all kept."""
