@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from laplace_glas.curvature.batches import SubBatches, XYBatches, batch_size, split_batch
+from laplace_glas.curvature.kept_batches import ReplayedBatches
 
 __all__ = ["BatchSizes", "survey_batch_sizes"]
 
@@ -108,6 +109,8 @@ def survey_batch_sizes(
         return survey_batch_sizes(loader.loader, dict_key_x, loader.dict_key_y)
     if isinstance(loader, DataLoader):
         return _data_loader_sizes(loader)
+    if isinstance(loader, ReplayedBatches):
+        loader = loader.items
     if isinstance(loader, list | tuple):
         try:
             sizes = [batch_size(split_batch(d, dict_key_y)[0], dict_key_x) for d in loader]

@@ -12,39 +12,52 @@ keeps them as they came and the later passes replay them, so that
   random gives the eigen-solver one fixed operator, and the loss at the MAP belongs
   to the data of the curvature.
 
-The batches are kept while their storages take at most :data:`KEPT_BYTES`, an eighth of
-the host memory a fit's measured peak may exceed its budget by
+The batches are kept while they take at most :data:`KEPT_BYTES` (their storages, and
+:data:`_OBJECT_BYTES` per tensor and container), an eighth of the host memory a fit's
+measured peak may exceed its budget by
 (:data:`~laplace_glas.curvature.budget.HOST_SLACK`): the strategies' estimates leave
-them out. Not kept: the batches of a data-parallel fit (each rank's shard is its own),
-of a fit that solves on a subsample (the solve draws its own batches), a loader that
-already is a list or tuple, items holding objects whose size is not known, and batches
-that read memory an earlier one reads (a loader that refills its tensors in place
-would leave copies of its last batch).
+them out. (A loader that yields CUDA tensors keeps them on the device.) Each replay
+hands out shallow copies of the items' lists and mappings, so that a model may take
+keys out of its input mapping; their tensors are shared, so a model must not change
+its inputs in place. Not kept: the batches of a data-parallel fit (each rank's shard
+is its own), of a fit that solves on a subsample (the solve draws its own batches), a
+loader that already is a list or tuple, items holding anything but tensors, numbers,
+strings, tuples, lists and mappings, and items that hold a tensor or a list or mapping
+an earlier item held, or tensors reading memory an earlier item's read (a loader that
+reuses its objects or refills its tensors in place would leave copies of its last
+batch).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+import copy
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from laplace_glas.curvature.budget import HOST_SLACK
+__all__ = [
+    "KEPT_BYTES",
+    "BatchKeeper",
+    "ItemContents",
+    "KeptBatches",
+    "ReplayedBatches",
+    "item_storages",
+]
 
-__all__ = ["KEPT_BYTES", "BatchKeeper", "KeptBatches", "item_storages"]
-
-KEPT_BYTES = HOST_SLACK // 8
-"""Most bytes of training batches the pass at the MAP keeps (4 MiB)."""
+KEPT_BYTES = 4 * 2**20
+"""Most bytes of training batches the pass at the MAP keeps: an eighth of
+:data:`~laplace_glas.curvature.budget.HOST_SLACK`."""
 
 
 @dataclass(frozen=True)
 class KeptBatches:
     """Every item of a loader, in order, as one pass yielded them, and their bytes."""
 
-    batches: tuple
+    batches: ReplayedBatches
     nbytes: int
 
 
@@ -54,33 +67,53 @@ def _tensor_span(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + extent * t.element_size()
 
 
-def item_storages(data: Any) -> tuple[dict[int, int], list[tuple[int, int]], int] | None:
-    """What a loader's item holds (tuples, lists and mappings of tensors, numbers,
-    strings and ``None``): its storages, ``{address: bytes}``, the address spans its
-    tensors read (merged where they overlap, sorted), and the bytes of its strings;
-    ``None`` where the item holds anything else (NumPy arrays included: a default
-    collate makes tensors of them).
+_OBJECT_BYTES = 1024
+"""Bytes charged per tensor and per container of a kept item besides its storages (the
+Python objects and tensor headers: 20,000 items of two one-number tensors took 32 MiB)."""
+
+
+class ItemContents(NamedTuple):
+    """What a loader's item holds, as :class:`BatchKeeper` counts it."""
+
+    storages: dict[int, int]
+    """The storages behind its tensors, ``{address: bytes}``."""
+    spans: list[tuple[int, int]]
+    """The address spans its tensors read, merged where they overlap, sorted."""
+    objects: set[int]
+    """``id`` of its tensors and mutable containers (lists, mappings)."""
+    other_bytes: int
+    """Its strings' bytes and :data:`_OBJECT_BYTES` per tensor and container."""
+
+
+def item_storages(data: Any) -> ItemContents | None:
+    """The contents of a loader's item (tuples, lists and mappings of tensors, numbers,
+    strings and ``None``); ``None`` where the item holds anything else (NumPy arrays
+    included: a default collate makes tensors of them).
     """
     storages: dict[int, int] = {}
     spans: list[tuple[int, int]] = []
-    strings = 0
+    objects: set[int] = set()
+    other = 0
     stack = [data]
     while stack:
         value = stack.pop()
         if isinstance(value, torch.Tensor):
             storage = value.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
             if value.numel():
-                storages[storage.data_ptr()] = storage.nbytes()
                 spans.append(_tensor_span(value))
-        elif isinstance(value, Mapping):
-            stack.extend(value.values())
-        elif isinstance(value, tuple | list):
-            stack.extend(value)
+            objects.add(id(value))
+            other += _OBJECT_BYTES
+        elif isinstance(value, Mapping | tuple | list):
+            stack.extend(value.values() if isinstance(value, Mapping) else value)
+            if not isinstance(value, tuple):
+                objects.add(id(value))
+            other += _OBJECT_BYTES
         elif isinstance(value, str | bytes):
-            strings += len(value)
+            other += len(value)
         elif not (value is None or isinstance(value, int | float | bool | complex | np.generic)):
             return None
-    return storages, _merged(spans), strings
+    return ItemContents(storages, _merged(spans), objects, other)
 
 
 def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -106,11 +139,13 @@ def _overlaps(spans: list[tuple[int, int]], kept: list[tuple[int, int]]) -> bool
 
 
 class BatchKeeper:
-    """Keeps a pass's items while their storages take at most ``limit`` bytes (0: keeps
-    none). Once an item would take the total past ``limit``, holds an object of unknown
-    size or reads memory an earlier item reads (a loader refilling its tensors in
-    place; views of distinct rows of one tensor are kept), every item is let go: the
-    later passes iterate the loader itself.
+    """Keeps a pass's items while they take at most ``limit`` bytes (0: keeps none).
+
+    Once an item would take the total past ``limit``, holds an object of unknown size,
+    or holds a tensor or mutable container an earlier item held, or tensors reading
+    memory an earlier item's read (a loader reusing its objects or refilling its
+    tensors in place; views of distinct rows of one tensor are kept), every item is let
+    go: the later passes iterate the loader itself.
     """
 
     def __init__(self, limit: int):
@@ -118,7 +153,9 @@ class BatchKeeper:
         self._batches: list | None = [] if self.limit > 0 else None
         self._storages: dict[int, int] = {}
         self._spans: list[tuple[int, int]] = []  # disjoint, sorted
-        self._string_bytes = 0
+        self._objects: set[int] = set()  # ids of kept objects: unique while they live
+        self.nbytes = 0
+        """Bytes of the kept items (each storage once)."""
 
     def add(self, data: Any) -> None:
         """Keep ``data`` (the loader's next item), or stop keeping."""
@@ -126,25 +163,51 @@ class BatchKeeper:
             return
         found = item_storages(data)
         if found is not None:
-            storages, spans, strings = found
-            new = {a: b for a, b in storages.items() if a not in self._storages}
-            size = self.nbytes + sum(new.values()) + strings
-        if found is None or size > self.limit or _overlaps(spans, self._spans):
-            self._batches, self._storages, self._spans = None, {}, []
+            new = {a: b for a, b in found.storages.items() if a not in self._storages}
+            size = self.nbytes + sum(new.values()) + found.other_bytes
+            reused = not found.objects.isdisjoint(self._objects)
+        if found is None or size > self.limit or reused or _overlaps(found.spans, self._spans):
+            self._batches, self._storages, self._spans, self._objects = None, {}, [], set()
             return
         self._batches.append(data)
         self._storages.update(new)
-        for span in spans:
+        self._objects |= found.objects
+        for span in found.spans:
             bisect.insort(self._spans, span)
-        self._string_bytes += strings
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the kept items' storages (each storage once) and strings."""
-        return sum(self._storages.values()) + self._string_bytes
+        self.nbytes = size
 
     def kept(self) -> KeptBatches | None:
         """The items of the whole pass, or ``None`` where they were not all kept."""
         if not self._batches:
             return None
-        return KeptBatches(tuple(self._batches), self.nbytes)
+        return KeptBatches(ReplayedBatches(tuple(self._batches)), self.nbytes)
+
+
+class ReplayedBatches:
+    """The kept items, replayed: each pass gets shallow copies of their lists and
+    mappings (a model may take keys out of its input mapping), the tensors themselves.
+    """
+
+    def __init__(self, items: tuple):
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self) -> Iterator[Any]:
+        for item in self.items:
+            yield _shallow_copy(item)
+
+
+def _shallow_copy(value: Any) -> Any:
+    """``value`` with its tuples, lists and mappings copied, their tensors shared."""
+    if isinstance(value, tuple):
+        return type(value)(_shallow_copy(v) for v in value) if type(value) is tuple else value
+    if isinstance(value, list):
+        return [_shallow_copy(v) for v in value]
+    if isinstance(value, MutableMapping):
+        out = copy.copy(value)
+        for key in value:
+            out[key] = _shallow_copy(value[key])
+        return out
+    return value

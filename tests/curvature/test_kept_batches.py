@@ -12,36 +12,48 @@ from conftest import CountingLoader, fit_quietly, mlp, mlp_problem, output_jacob
 from torch.utils.data import TensorDataset
 
 from laplace_glas.curvature import fit as fit_module
-from laplace_glas.curvature.kept_batches import BatchKeeper, KeptBatches, item_storages
+from laplace_glas.curvature.batch_sizes import survey_batch_sizes
+from laplace_glas.curvature.kept_batches import (
+    _OBJECT_BYTES as OBJECT,
+)
+from laplace_glas.curvature.kept_batches import (
+    BatchKeeper,
+    KeptBatches,
+    item_storages,
+)
 from laplace_glas.curvature.problem import CurvatureProblem
 
 F64 = torch.float64
 
 
-def test_item_storages_counts_each_storage_once_and_the_strings():
+def test_item_storages_counts_each_storage_once_the_objects_and_the_strings():
     t = torch.zeros(3, 4, dtype=F64)
-    storages, spans, strings = item_storages((t, t[1:], torch.zeros(5, dtype=torch.int64)))
-    assert sorted(storages.values()) == [40, 96] and strings == 0  # the view: t's storage
-    assert len(spans) == 2  # t and its view merged
+    item = (t, t[1:], torch.zeros(5, dtype=torch.int64), t[:0])
+    found = item_storages(item)
+    assert sorted(found.storages.values()) == [40, 96]  # the views: t's storage, once
+    assert len(found.spans) == 2  # t and its view merged; the empty view reads nothing
+    assert found.objects == {id(x) for x in item} and found.other_bytes == 5 * OBJECT
     mapping = {"input_ids": torch.zeros(2, 3, dtype=torch.int64), "n": [1, np.int64(2)]}
     mapping["text"] = "abc"
-    storages, _, strings = item_storages(mapping)
-    assert list(storages.values()) == [48] and strings == 3
+    found = item_storages(mapping)
+    assert list(found.storages.values()) == [48] and found.other_bytes == 3 + 3 * OBJECT
+    assert found.objects == {id(mapping), id(mapping["input_ids"]), id(mapping["n"])}
     assert item_storages([np.zeros(4, dtype=np.float32), None]) is None
     assert item_storages((t, object())) is None  # a size not known: not kept
 
 
 def test_the_keeper_keeps_a_pass_within_its_limit_or_none_of_it():
     def batch():
-        return torch.zeros(10, dtype=F64)  # 80 bytes
+        return torch.zeros(10, dtype=F64)  # 80 bytes and a tensor's OBJECT
 
-    keeper = BatchKeeper(200)
+    each = 80 + OBJECT
+    keeper = BatchKeeper(2 * each + 10)
     first = batch()
     keeper.add(first)
     keeper.add(batch())
     kept = keeper.kept()
-    assert kept.nbytes == 160 and len(kept.batches) == 2 and kept.batches[0] is first
-    keeper.add(batch())  # 240 bytes > 200: every batch let go, also the later ones
+    assert kept.nbytes == 2 * each and len(kept.batches) == 2 and kept.batches.items[0] is first
+    keeper.add(batch())  # past the limit: every batch let go, also the later ones
     keeper.add(batch())
     assert keeper.kept() is None
     nothing = BatchKeeper(0)
@@ -56,12 +68,42 @@ def test_the_keeper_keeps_a_pass_within_its_limit_or_none_of_it():
     data = torch.zeros(4, 10, dtype=F64)
     for i in range(4):
         rows.add((data[i], "a"))
-    assert len(rows.kept().batches) == 4 and rows.nbytes == 320 + 4
-    refilled = BatchKeeper(10**6)  # a loader that refills one buffer in place
-    buffer = batch()
-    refilled.add((buffer, "a"))
-    refilled.add((buffer[:5], "a"))
-    assert refilled.kept() is None
+    assert len(rows.kept().batches) == 4 and rows.nbytes == 320 + 4 * (2 * OBJECT + 1)
+
+
+def _reusing_loaders():
+    """Items that reuse an earlier item's memory or objects, by each way we know."""
+    buffer = torch.zeros(10, dtype=F64)
+    yield "refilled in place", [(buffer, "a"), (buffer[:5], "a")]
+    same = [torch.zeros(3), torch.zeros(3)]
+    yield "one list, new tensors", [same, same]
+    swapped = torch.zeros(3)
+    yield "one tensor, its storage swapped", [(swapped,), (swapped,)]
+    mapping = {"x": torch.zeros(3)}
+    yield "one mapping", [mapping, mapping]
+
+
+@pytest.mark.parametrize("name, items", list(_reusing_loaders()))
+def test_items_reusing_an_earlier_items_objects_or_memory_are_not_kept(name, items):
+    keeper = BatchKeeper(10**6)
+    for item in items:
+        keeper.add(item)
+    assert keeper.kept() is None, name
+
+
+def test_each_replay_hands_out_fresh_containers_of_the_same_tensors():
+    X = torch.zeros(2, 3)
+    item = ({"input_ids": X, "labels": [X]}, X)
+    keeper = BatchKeeper(10**6)
+    keeper.add(item)
+    replay = keeper.kept().batches
+    first = next(iter(replay))
+    first[0].pop("input_ids")  # a model taking a key out of its input mapping
+    first[0]["labels"].clear()
+    again = next(iter(replay))
+    assert again[0]["input_ids"] is X and again[0]["labels"][0] is X and again[1] is X
+    assert len(replay) == 1
+    assert survey_batch_sizes(replay, "input_ids") == survey_batch_sizes([item], "input_ids")
 
 
 class AugmentingLoader:
@@ -164,7 +206,7 @@ def test_a_loader_that_refills_its_tensors_is_read_on_every_pass(solver):
 def test_the_problem_replays_the_kept_batches():
     model, data, _ = mlp_problem()
     batches = tuple(data)
-    nbytes = sum(sum(item_storages(b)[0].values()) for b in batches)
+    nbytes = sum(sum(item_storages(b).storages.values()) for b in batches)
     keeping = CurvatureProblem.build(
         model, list(model.parameters()), data, "regression", torch.Size([2]),
         dtype=F64, kept=KeptBatches(batches, nbytes),
@@ -199,7 +241,6 @@ def test_the_fitted_posterior_lets_the_kept_batches_go():
                 seen.append(weakref.ref(batch[0]))
                 yield batch
 
-    CountingLoader.started = 0
     la = fit_quietly(model, Watching(dataset, batch_size=5))
     assert la.lanczos_info is not None and len(seen) == 3  # one pass: the batches were kept
     gc.collect()
