@@ -13,7 +13,7 @@ keeps them as they came and the later passes replay them, so that
   to the data of the curvature.
 
 The batches are kept while they take at most :data:`KEPT_BYTES` (their storages, and
-:data:`_OBJECT_BYTES` per tensor and container), an eighth of the host memory a fit's
+:data:`OBJECT_BYTES` per tensor and container), an eighth of the host memory a fit's
 measured peak may exceed its budget by
 (:data:`~laplace_glas.curvature.budget.HOST_SLACK`): the strategies' estimates leave
 them out. (A loader that yields CUDA tensors keeps them on the device.) Each replay
@@ -41,6 +41,7 @@ import torch
 
 __all__ = [
     "KEPT_BYTES",
+    "OBJECT_BYTES",
     "BatchKeeper",
     "ItemContents",
     "KeptBatches",
@@ -67,7 +68,7 @@ def _tensor_span(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + extent * t.element_size()
 
 
-_OBJECT_BYTES = 1024
+OBJECT_BYTES = 1024
 """Bytes charged per tensor and per container of a kept item besides its storages (the
 Python objects and tensor headers: 20,000 items of two one-number tensors took 32 MiB)."""
 
@@ -82,7 +83,7 @@ class ItemContents(NamedTuple):
     objects: set[int]
     """``id`` of its tensors and mutable containers (lists, mappings)."""
     other_bytes: int
-    """Its strings' bytes and :data:`_OBJECT_BYTES` per tensor and container."""
+    """Its strings' bytes and :data:`OBJECT_BYTES` per tensor and container."""
 
 
 def item_storages(data: Any) -> ItemContents | None:
@@ -103,12 +104,12 @@ def item_storages(data: Any) -> ItemContents | None:
             if value.numel():
                 spans.append(_tensor_span(value))
             objects.add(id(value))
-            other += _OBJECT_BYTES
+            other += OBJECT_BYTES
         elif isinstance(value, Mapping | tuple | list):
             stack.extend(value.values() if isinstance(value, Mapping) else value)
             if not isinstance(value, tuple):
                 objects.add(id(value))
-            other += _OBJECT_BYTES
+            other += OBJECT_BYTES
         elif isinstance(value, str | bytes):
             other += len(value)
         elif not (value is None or isinstance(value, int | float | bool | complex | np.generic)):

@@ -13,14 +13,8 @@ from torch.utils.data import TensorDataset
 
 from laplace_glas.curvature import fit as fit_module
 from laplace_glas.curvature.batch_sizes import survey_batch_sizes
-from laplace_glas.curvature.kept_batches import (
-    _OBJECT_BYTES as OBJECT,
-)
-from laplace_glas.curvature.kept_batches import (
-    BatchKeeper,
-    KeptBatches,
-    item_storages,
-)
+from laplace_glas.curvature.kept_batches import OBJECT_BYTES as OBJECT
+from laplace_glas.curvature.kept_batches import BatchKeeper, KeptBatches, item_storages
 from laplace_glas.curvature.problem import CurvatureProblem
 
 F64 = torch.float64
