@@ -7,7 +7,7 @@ curvlinops wants ``(X, y)`` pairs; :class:`XYBatches` adapts one to the other.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -190,32 +190,31 @@ def check_input_dtype(what: str, X: Any, dtype: torch.dtype, batch_index: int) -
         )
 
 
+def _map_tensors(X: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``fn`` applied to ``X`` if it is a tensor, else to the tensor values of a mapping
+    (other values and other inputs unchanged).
+    """
+    if isinstance(X, torch.Tensor):
+        return fn(X)
+    if isinstance(X, Mapping):
+        return {
+            key: fn(value) if isinstance(value, torch.Tensor) else value for key, value in X.items()
+        }
+    return X
+
+
 def batch_to_device(X: Any, device: torch.device | str) -> Any:
     """``X`` on ``device``: a tensor, or the tensor values of a mapping (other values and
     other inputs unchanged).
     """
-    if isinstance(X, torch.Tensor):
-        return X.to(device)
-    if isinstance(X, Mapping):
-        return {
-            key: value.to(device) if isinstance(value, torch.Tensor) else value
-            for key, value in X.items()
-        }
-    return X
+    return _map_tensors(X, lambda t: t.to(device))
 
 
 def batch_copy(X: Any) -> Any:
     """``X`` with its tensors copied: a tensor, or a mapping's tensor values (for data
     kept beyond the loader's next step, which may refill its tensors in place).
     """
-    if isinstance(X, torch.Tensor):
-        return X.clone()
-    if isinstance(X, Mapping):
-        return {
-            key: value.clone() if isinstance(value, torch.Tensor) else value
-            for key, value in X.items()
-        }
-    return X
+    return _map_tensors(X, torch.Tensor.clone)
 
 
 class XYBatches:

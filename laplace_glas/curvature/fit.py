@@ -41,7 +41,7 @@ from laplace_glas.curvature.distributed import (
 from laplace_glas.curvature.eigenpairs import Eigenpairs, NumericalRankWarning
 from laplace_glas.curvature.eigensolve import compute_eigenpairs
 from laplace_glas.curvature.fitting import MapLoss, loss_at_map
-from laplace_glas.curvature.kept_batches import KEPT_BYTES, KeptBatches
+from laplace_glas.curvature.kept_batches import KEPT_BYTES, ReplayedBatches
 from laplace_glas.curvature.operators.updated import StoredCurvature, add_stored_curvature
 from laplace_glas.curvature.peak_memory import PeakMemory, with_measured_peak
 from laplace_glas.curvature.planner import Plan, plan_solve
@@ -345,7 +345,7 @@ class SubspaceFit(ComplementPass, FitAgreement):
         shards: Shards | None,
         progress_bar: bool,
         first_batch: Any = None,
-        kept: KeptBatches | None = None,
+        kept: ReplayedBatches | None = None,
     ) -> CurvatureProblem:
         """The curvature of ``loader`` with this posterior's settings
         (:meth:`~laplace_glas.curvature.problem.CurvatureProblem.build`; ``n_terms=None``

@@ -36,7 +36,7 @@ from laplace_glas.curvature.batches import (
     split_batch,
     split_batch_to,
 )
-from laplace_glas.curvature.kept_batches import BatchKeeper, KeptBatches
+from laplace_glas.curvature.kept_batches import BatchKeeper, ReplayedBatches
 from laplace_glas.curvature.losses import TokenCrossEntropy, count_targets
 from laplace_glas.progress import progress
 from laplace_glas.validation import check_model_output
@@ -67,7 +67,7 @@ class MapLoss(NamedTuple):
     first_batch: Any = None
     """The loader's first item as it came (``None`` where not kept): the planner's
     one-batch measurements reuse it rather than start another iterator of the loader."""
-    kept: KeptBatches | None = None
+    kept: ReplayedBatches | None = None
     """Every item of the pass, where ``keep_bytes`` held them (``None`` otherwise): the
     fit's later passes replay them (:mod:`~laplace_glas.curvature.kept_batches`)."""
 

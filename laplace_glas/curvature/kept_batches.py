@@ -33,7 +33,6 @@ from __future__ import annotations
 import bisect
 import copy
 from collections.abc import Iterator, Mapping, MutableMapping
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -44,22 +43,13 @@ __all__ = [
     "OBJECT_BYTES",
     "BatchKeeper",
     "ItemContents",
-    "KeptBatches",
     "ReplayedBatches",
-    "item_storages",
+    "item_contents",
 ]
 
 KEPT_BYTES = 4 * 2**20
 """Most bytes of training batches the pass at the MAP keeps: an eighth of
 :data:`~laplace_glas.curvature.budget.HOST_SLACK`."""
-
-
-@dataclass(frozen=True)
-class KeptBatches:
-    """Every item of a loader, in order, as one pass yielded them, and their bytes."""
-
-    batches: ReplayedBatches
-    nbytes: int
 
 
 def _tensor_span(t: torch.Tensor) -> tuple[int, int]:
@@ -86,7 +76,7 @@ class ItemContents(NamedTuple):
     """Its strings' bytes and :data:`OBJECT_BYTES` per tensor and container."""
 
 
-def item_storages(data: Any) -> ItemContents | None:
+def item_contents(data: Any) -> ItemContents | None:
     """The contents of a loader's item (tuples, lists and mappings of tensors, numbers,
     strings and ``None``); ``None`` where the item holds anything else (NumPy arrays
     included: a default collate makes tensors of them).
@@ -162,7 +152,7 @@ class BatchKeeper:
         """Keep ``data`` (the loader's next item), or stop keeping."""
         if self._batches is None:
             return
-        found = item_storages(data)
+        found = item_contents(data)
         if found is not None:
             new = {a: b for a, b in found.storages.items() if a not in self._storages}
             size = self.nbytes + sum(new.values()) + found.other_bytes
@@ -177,20 +167,21 @@ class BatchKeeper:
             bisect.insort(self._spans, span)
         self.nbytes = size
 
-    def kept(self) -> KeptBatches | None:
+    def kept(self) -> ReplayedBatches | None:
         """The items of the whole pass, or ``None`` where they were not all kept."""
         if not self._batches:
             return None
-        return KeptBatches(ReplayedBatches(tuple(self._batches)), self.nbytes)
+        return ReplayedBatches(tuple(self._batches), self.nbytes)
 
 
 class ReplayedBatches:
-    """The kept items, replayed: each pass gets shallow copies of their lists and
+    """Every item of a loader, in order, as one pass yielded them (``items``), and their
+    bytes (``nbytes``), replayed: each pass gets shallow copies of their lists and
     mappings (a model may take keys out of its input mapping), the tensors themselves.
     """
 
-    def __init__(self, items: tuple):
-        self.items = items
+    def __init__(self, items: tuple, nbytes: int):
+        self.items, self.nbytes = items, nbytes
 
     def __len__(self) -> int:
         return len(self.items)

@@ -21,7 +21,7 @@ from torch import nn
 from laplace_glas.curvature.batches import XYBatches, batch_size, split_batch, subsample_loader
 from laplace_glas.curvature.distributed import Shards, sum_count
 from laplace_glas.curvature.fitting import count_terms, curvature_loss
-from laplace_glas.curvature.kept_batches import KeptBatches
+from laplace_glas.curvature.kept_batches import ReplayedBatches
 from laplace_glas.curvature.operators.curvlinops import mean_ggn_operator
 
 __all__ = ["CurvatureProblem", "curvature_likelihood"]
@@ -95,7 +95,7 @@ class CurvatureProblem:
         starting another iterator of the loader (with ``num_workers > 0``, another set
         of worker processes).
     replays : any
-        The training loader whose batches ``loader`` replays (the tuple the pass at
+        The training loader whose batches ``loader`` replays (the items the pass at
         the MAP kept, :mod:`~laplace_glas.curvature.kept_batches`), else ``None``.
     kept_bytes : int
         Bytes of those kept batches (0 where none are kept), held for the whole fit
@@ -193,7 +193,7 @@ class CurvatureProblem:
         shards: Shards | None = None,
         progress_bar: bool = False,
         first_batch: Any = None,
-        kept: KeptBatches | None = None,
+        kept: ReplayedBatches | None = None,
     ) -> CurvatureProblem:
         """The problem of ``loader`` (or of a subsample of ``subsample_size`` points
         drawn with ``generator``; ``first_batch``, the loader's first item where the
@@ -232,7 +232,7 @@ class CurvatureProblem:
         eigen_loader, eigen_n, error = loader, n_terms, None
         replaying = kept is not None and subsample_size is None
         if replaying:
-            eigen_loader = kept.batches
+            eigen_loader = kept
         if subsample_size is not None:
             try:
                 eigen_loader = subsample_loader(loader, subsample_size, generator)

@@ -14,26 +14,26 @@ from torch.utils.data import TensorDataset
 from laplace_glas.curvature import fit as fit_module
 from laplace_glas.curvature.batch_sizes import survey_batch_sizes
 from laplace_glas.curvature.kept_batches import OBJECT_BYTES as OBJECT
-from laplace_glas.curvature.kept_batches import BatchKeeper, KeptBatches, item_storages
+from laplace_glas.curvature.kept_batches import BatchKeeper, ReplayedBatches, item_contents
 from laplace_glas.curvature.problem import CurvatureProblem
 
 F64 = torch.float64
 
 
-def test_item_storages_counts_each_storage_once_the_objects_and_the_strings():
+def test_item_contents_counts_each_storage_once_the_objects_and_the_strings():
     t = torch.zeros(3, 4, dtype=F64)
     item = (t, t[1:], torch.zeros(5, dtype=torch.int64), t[:0])
-    found = item_storages(item)
+    found = item_contents(item)
     assert sorted(found.storages.values()) == [40, 96]  # the views: t's storage, once
     assert len(found.spans) == 2  # t and its view merged; the empty view reads nothing
     assert found.objects == {id(x) for x in item} and found.other_bytes == 5 * OBJECT
     mapping = {"input_ids": torch.zeros(2, 3, dtype=torch.int64), "n": [1, np.int64(2)]}
     mapping["text"] = "abc"
-    found = item_storages(mapping)
+    found = item_contents(mapping)
     assert list(found.storages.values()) == [48] and found.other_bytes == 3 + 3 * OBJECT
     assert found.objects == {id(mapping), id(mapping["input_ids"]), id(mapping["n"])}
-    assert item_storages([np.zeros(4, dtype=np.float32), None]) is None
-    assert item_storages((t, object())) is None  # a size not known: not kept
+    assert item_contents([np.zeros(4, dtype=np.float32), None]) is None
+    assert item_contents((t, object())) is None  # a size not known: not kept
 
 
 def test_the_keeper_keeps_a_pass_within_its_limit_or_none_of_it():
@@ -46,7 +46,7 @@ def test_the_keeper_keeps_a_pass_within_its_limit_or_none_of_it():
     keeper.add(first)
     keeper.add(batch())
     kept = keeper.kept()
-    assert kept.nbytes == 2 * each and len(kept.batches) == 2 and kept.batches.items[0] is first
+    assert kept.nbytes == 2 * each and len(kept) == 2 and kept.items[0] is first
     keeper.add(batch())  # past the limit: every batch let go, also the later ones
     keeper.add(batch())
     assert keeper.kept() is None
@@ -62,7 +62,7 @@ def test_the_keeper_keeps_a_pass_within_its_limit_or_none_of_it():
     data = torch.zeros(4, 10, dtype=F64)
     for i in range(4):
         rows.add((data[i], "a"))
-    assert len(rows.kept().batches) == 4 and rows.nbytes == 320 + 4 * (2 * OBJECT + 1)
+    assert len(rows.kept()) == 4 and rows.nbytes == 320 + 4 * (2 * OBJECT + 1)
 
 
 def _reusing_loaders():
@@ -90,7 +90,7 @@ def test_each_replay_hands_out_fresh_containers_of_the_same_tensors():
     item = ({"input_ids": X, "labels": [X]}, X)
     keeper = BatchKeeper(10**6)
     keeper.add(item)
-    replay = keeper.kept().batches
+    replay = keeper.kept()
     first = next(iter(replay))
     first[0].pop("input_ids")  # a model taking a key out of its input mapping
     first[0]["labels"].clear()
@@ -200,25 +200,25 @@ def test_a_loader_that_refills_its_tensors_is_read_on_every_pass(solver):
 def test_the_problem_replays_the_kept_batches():
     model, data, _ = mlp_problem()
     batches = tuple(data)
-    nbytes = sum(sum(item_storages(b).storages.values()) for b in batches)
+    nbytes = sum(sum(item_contents(b).storages.values()) for b in batches)
+    kept = ReplayedBatches(batches, nbytes)
     keeping = CurvatureProblem.build(
         model, list(model.parameters()), data, "regression", torch.Size([2]),
-        dtype=F64, kept=KeptBatches(batches, nbytes),
+        dtype=F64, kept=kept,
     )  # fmt: skip
-    assert keeping.loader is batches and keeping.replays is data and keeping.kept_bytes == nbytes
-    assert keeping.replay_of(data) is batches and keeping.replay_of(batches) is batches
-    assert keeping.data.loader is batches
+    assert keeping.loader is kept and keeping.replays is data and keeping.kept_bytes == nbytes
+    assert keeping.replay_of(data) is kept and keeping.replay_of(kept) is kept
+    assert keeping.data.loader is kept
 
 
 def test_a_subsample_solve_keeps_no_batches():
     model, data, _ = mlp_problem()
-    batches = tuple(data)
+    kept = ReplayedBatches(tuple(data), 1)
     sub = CurvatureProblem.build(
         model, list(model.parameters()), data, "regression", torch.Size([2]), dtype=F64,
-        subsample_size=20, generator=torch.Generator().manual_seed(0),
-        kept=KeptBatches(batches, 1),
+        subsample_size=20, generator=torch.Generator().manual_seed(0), kept=kept,
     )  # fmt: skip
-    assert sub.replays is None and sub.kept_bytes == 0 and sub.loader is not batches
+    assert sub.replays is None and sub.kept_bytes == 0 and sub.loader is not kept
 
 
 def test_the_fitted_posterior_lets_the_kept_batches_go():
