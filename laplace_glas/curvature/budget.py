@@ -250,11 +250,11 @@ GRAM_CHUNK_ELEMENTS = 2**20
 
 def gram_build_numbers(M: int, device: torch.device | str = "cpu") -> int:
     """Numbers held while the dual solve builds its ``M x M`` Gram matrix ``K``: on the
-    CPU ``K`` plus two chunks per thread (``M^2 + 2 min(M^2, 2^20)`` at most), elsewhere
+    CPU ``K`` plus three chunks per thread (``M^2 + 3 min(M^2, 2^20)`` at most), elsewhere
     ``K``, a layer's block and its Hadamard factor (``3 M^2``).
     """
     if torch.device(device).type == "cpu":
-        return M * M + 2 * min(M * M, GRAM_CHUNK_ELEMENTS)
+        return M * M + 3 * min(M * M, GRAM_CHUNK_ELEMENTS)
     return 3 * M * M
 
 

@@ -462,21 +462,24 @@ def test_join_frees_each_layers_batches_before_releasing_memory():
 
 
 @pytest.mark.parametrize("workers", [1, 3])
-@pytest.mark.parametrize("outputs, bias", [(1, True), (3, True), (2, False)])
-def test_gram_built_in_chunks_equals_explicit_rows(monkeypatch, outputs, bias, workers):
+@pytest.mark.parametrize(
+    "outputs, bias, inputs", [(1, True, 4), (3, True, 4), (2, False, 4), (3, False, 1)]
+)
+def test_gram_built_in_chunks_equals_explicit_rows(monkeypatch, outputs, bias, inputs, workers):
     """The CPU Gram build (upper triangle, a column chunk of examples at a time, uneven
-    last chunk, one thread or a pool) against ``S S^T`` with ``S``'s rows formed by the
-    factors' products.
+    last chunk, one thread or a pool, all layers' terms of a chunk summed together)
+    against ``S S^T`` with ``S``'s rows formed by the factors' products. One output
+    (R = 1) or one input without a bias makes a layer's term a single Gram matrix.
     """
     import laplace_glas.curvature.solvers.gram as gram
 
     g = torch.Generator().manual_seed(3)
     N = 23
-    X = torch.randn(N, 4, generator=g, dtype=F64)
+    X = torch.randn(N, inputs, generator=g, dtype=F64)
     y = torch.randn(N, outputs, generator=g, dtype=F64)
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Linear(4, 6, bias=bias), nn.Tanh(), nn.Linear(6, outputs, bias=bias)
+        nn.Linear(inputs, 6, bias=bias), nn.Tanh(), nn.Linear(6, outputs, bias=bias)
     ).double()
     op = build_factored_ggn(model, list(model.parameters()), loader(X, y, 7), "regression", N)
     M = N * op.n_rows
@@ -510,7 +513,7 @@ def test_gram_build_error_in_a_chunk_is_raised_not_waited_on(monkeypatch):
 
     def build():
         try:
-            K.hadamard_update(X, A)
+            K.add_products([(X, A)])
         except ValueError as err:
             raised.append(err)
 
