@@ -6,7 +6,7 @@ the float32 GEMM rate measured here, against the measured fits (median of
 ``--repeats`` in one process, after one unmeasured fit each):
 
 * the factor pass: the forward pass and the backward pass of each of the ``R`` rows
-  of ``Lambda^{1/2}`` (R = 1 for regression, C for classification),
+  of ``Lambda^{1/2}`` (R = 1 for regression, C - 1 for classification),
   ``2 N D (1 + R)``;
 * the dual solve (``R = 1``): the Gram matrix
   ``K = sum_l (A_l A_l^T) o (G_l G_l^T)``, ``N^2 sum_l (d_in + 1 + d_out)`` (its upper
@@ -56,7 +56,7 @@ def floor_flops(C: int, k: int, model: torch.nn.Module, N: int) -> dict[str, flo
     """The unavoidable flops of each phase of a fit on ``N`` examples (see the module)."""
     D = sum(p.numel() for p in model.parameters())
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    R = C  # rows of Lambda^{1/2}: 1 for unit-noise regression, C for the softmax
+    R = max(1, C - 1)  # rows of Lambda^{1/2}: 1 for unit-noise regression, C - 1 for the softmax
     out = {"factor pass": 2 * N * D * (1 + R)}
     if C == 1:
         out["Gram matrix"] = N**2 * sum(m.in_features + 1 + m.out_features for m in layers)

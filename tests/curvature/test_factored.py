@@ -19,6 +19,7 @@ from laplace_glas.curvature.eigensolve import Eigenpairs, compute_eigenpairs, me
 from laplace_glas.curvature.fitting import curvature_loss
 from laplace_glas.curvature.operators.factored import FactoredGGN, build_factored_ggn
 from laplace_glas.curvature.planner import choose_solver
+from laplace_glas.curvature.solvers import gram
 
 F64 = torch.float64
 
@@ -103,6 +104,10 @@ def problem(name: str, seed: int = 0):
         model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 4))
         y = torch.randint(0, 4, (30,), generator=g)
         return model, torch.randn(30, 3, generator=g), y, "classification"
+    if name == "mlp-binary":  # C = 2: one row of Lambda^{1/2} per example
+        model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+        y = torch.randint(0, 2, (30,), generator=g)
+        return model, torch.randn(30, 3, generator=g), y, "classification"
     if name == "cnn":
         model = nn.Sequential(
             nn.Conv2d(2, 3, 3, padding=1),
@@ -147,6 +152,7 @@ MODELS = [
     "mlp-regression",
     "mlp-scalar",
     "mlp-classification",
+    "mlp-binary",
     "cnn",
     "conv1d",
     "sequence-linear",
@@ -246,7 +252,9 @@ def assert_same_eigenpairs(ours: Eigenpairs, ref: Eigenpairs, val_tol=1e-8, vec_
     assert ((1 - overlap)[separated]).max() < vec_tol
 
 
-@pytest.mark.parametrize("name", ["mlp-regression", "cnn", "sequence-linear", "embedding"])
+@pytest.mark.parametrize(
+    "name", ["mlp-regression", "mlp-binary", "cnn", "sequence-linear", "embedding"]
+)
 @pytest.mark.parametrize("solver", ["dual", "factored", "auto"])
 def test_solvers_match_lanczos_reference(name, solver):
     model, X, y, likelihood = problem(name)
@@ -522,3 +530,23 @@ def test_gram_build_error_in_a_chunk_is_raised_not_waited_on(monkeypatch):
     worker.join(timeout=20)
     assert not worker.is_alive(), "the Gram build hung after a failed chunk"
     assert raised
+
+
+@pytest.mark.parametrize("name, rows", [("mlp-classification", 3), ("mlp-binary", 1)])
+def test_softmax_factors_store_c_minus_one_rows(name, rows):
+    """Softmax cross-entropy stores ``C - 1`` rows of ``Lambda^{1/2}`` per example (a
+    Householder basis of the complement of ``sqrt p``); the Gram matrix ``S S^T`` of
+    the dual solve then has ``N (C - 1)`` rows, with the GGN's non-zero spectrum."""
+    model, X, y, likelihood = problem(name)
+    model, X, y = as64(model, X, y)
+    op = build_factored_ggn(model, list(model.parameters()), loader(X, y, 7), likelihood, len(y))
+    assert op.n_rows == rows
+    eye = torch.eye(op.shape[0], dtype=F64)
+    G = op.matmat_torch(eye)
+    reference = curvlinops_products(model, X, y, likelihood, eye)
+    torch.testing.assert_close(G, reference, rtol=1e-9, atol=1e-12)
+    K = torch.from_numpy(gram.gram_matrix(op).matmat(torch.eye(len(y) * rows, dtype=F64).numpy()))
+    top = torch.linalg.eigvalsh(K).flip(0)[:5]
+    torch.testing.assert_close(
+        top, torch.linalg.eigvalsh(reference).flip(0)[:5], rtol=1e-9, atol=1e-12
+    )

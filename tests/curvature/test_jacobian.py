@@ -14,10 +14,10 @@ from torch import nn
 from laplace_glas.curvature.budget import Estimates
 from laplace_glas.curvature.eigensolve import compute_eigenpairs
 from laplace_glas.curvature.operators.factored import FactoredGGN
+from laplace_glas.curvature.operators.factors import _row_vectors
 from laplace_glas.curvature.operators.jacobian import (
     JacobianGGN,
     build_jacobian_ggn,
-    reduced_rows,
 )
 from laplace_glas.curvature.operators.jacobian_estimates import (
     estimate_build_bytes,
@@ -107,14 +107,14 @@ def sequence_data(n=10, T=5, C=3, likelihood="classification"):
 
 
 @pytest.mark.parametrize("C", [2, 5])
-def test_reduced_rows_square_to_the_softmax_hessian(C):
+def test_rows_square_to_the_softmax_hessian(C):
     """``C - 1`` rows per position whose Gram is ``scale^2 (diag p - p p^T)``, zero
     for ignored targets."""
     g = torch.Generator().manual_seed(C)
     out = 3 * torch.randn(4, 3, C, generator=g, dtype=F64)  # 4 examples, 3 positions
     y = torch.randint(0, C, (4, 3), generator=g)
     y[1, 2] = -100
-    rows = reduced_rows(out, y, "classification", -100, 0.5)
+    rows = _row_vectors(out, y, "classification", -100, 0.5)
     assert rows.shape == (3 * (C - 1), 4, 3, C)
     p = torch.softmax(out, -1)
     Lam = torch.diag_embed(p) - p[..., :, None] * p[..., None, :]

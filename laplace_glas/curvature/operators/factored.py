@@ -21,9 +21,10 @@ One forward pass with hooks keeps the layer inputs ``a``; one batched backward p
 
 and a product ``G_1 V = S^T (S V)`` costs one pair of GEMMs per layer (about
 ``4 N T D`` flops per column) and no further pass through the network. ``Lambda_n^{1/2}``
-is the identity for regression (unit noise) and ``diag(sqrt(p)) (I - 1 p^T)`` for
-softmax cross-entropy (``S^T S = diag(p) - p p^T``), one block per position of a
-sequence output, zero for ``ignore_index`` targets.
+is the identity for regression (unit noise) and, for softmax cross-entropy, the ``C - 1``
+rows ``Q^T diag(sqrt p)`` (``Q``: a Householder basis of the complement of ``sqrt p``;
+one row fewer than ``diag(sqrt p)(I - 1 p^T)``), one block per position of a sequence
+output, zero for ``ignore_index`` targets.
 
 Supported parameters: the weight and bias of ``nn.Linear`` (any leading dimensions),
 ``nn.Conv1d`` / ``nn.Conv2d`` (``groups=1``, zero padding; patches via ``unfold``; the

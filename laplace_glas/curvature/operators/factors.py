@@ -218,25 +218,41 @@ def _owners(model: nn.Module) -> dict[int, tuple[str, nn.Module, str]]:
 # ---------------------------------------------------------------------- build
 def _row_vectors(
     out: torch.Tensor, y: torch.Tensor, likelihood: str, ignore_index: int, scale: float
-):
-    """``(R, B, *out.shape[1:])``: row ``r`` of ``Lambda_n^{1/2} / sqrt(N)`` per example."""
+) -> torch.Tensor:
+    """``(R, B, *out.shape[1:])``: the rows of ``Lambda_n^{1/2} / sqrt(N)`` per example.
+
+    Regression (unit noise): the identity's ``R = out[0].numel()`` rows. Softmax
+    cross-entropy: ``C - 1`` rows per position. ``Lambda = diag(p) - p p^T =
+    D_s (I - s s^T) D_s`` with ``s = sqrt(p)`` (a unit vector), and ``I - s s^T = Q Q^T``
+    with ``Q`` the ``C - 1`` columns of the Householder reflector
+    ``H = I - 2 u u^T / u^T u``, ``u = s + sign(s_C) e_C``, other than its last
+    (``H e_C = -sign(s_C) s``); so ``Lambda = (Q^T D_s)^T (Q^T D_s)``, one row fewer than
+    ``diag(sqrt p)(I - 1 p^T)`` (exactly: no eigen-decomposition). Every quantity built
+    from the rows (``S^T S``, its diagonal, KFAC's output-side factor ``sum_r g_r g_r^T``,
+    the non-zero spectrum of ``S S^T``) is the same for any such square root.
+    """
     B = out.shape[0]
-    if likelihood == "regression":
-        R = out[0].numel()
+    if likelihood == "regression" or out.shape[-1] < 2:
+        R = out[0].numel() if likelihood == "regression" else 1
+        if likelihood != "regression":  # one class: Lambda = 0
+            return out.new_zeros(R, B, *out.shape[1:])
         eye = torch.eye(R, dtype=out.dtype, device=out.device) * scale
         return eye.reshape(R, 1, *out.shape[1:]).expand(R, B, *out.shape[1:])
     C = out.shape[-1]
     P = out[0].numel() // C
-    p = torch.softmax(out.detach().reshape(B, P, C), dim=-1)
+    s = torch.softmax(out.detach().reshape(B, P, C), dim=-1).sqrt()
+    u = s.clone()
+    u[..., -1] += torch.where(s[..., -1] >= 0, 1.0, -1.0)
+    H = -2.0 * u[..., :, None] * u[..., None, :] / (u * u).sum(-1)[..., None, None]
+    H.diagonal(dim1=-2, dim2=-1).add_(1.0)
     mask = (y.reshape(B, P) != ignore_index).to(out.dtype) * scale
-    eye = torch.eye(C, dtype=out.dtype, device=out.device)
-    # rows of diag(sqrt p)(I - 1 p^T): sqrt(p_c) (e_c - p)
-    half = (p.sqrt() * mask[..., None])[..., :, None] * (eye - p[..., None, :])  # (B,P,C,C)
+    half = H[..., :, : C - 1].transpose(-1, -2) * (s * mask[..., None])[..., None, :]
     if P == 1:
-        V = half[:, 0].permute(1, 0, 2)  # (C, B, C)
-    else:
-        V = torch.einsum("tu,btcd->tcbud", torch.eye(P, dtype=out.dtype, device=out.device), half)
-    return V.reshape(P * C, B, *out.shape[1:])
+        V = half[:, 0].permute(1, 0, 2)  # (C - 1, B, C)
+    else:  # (B, P, C-1, C) -> block-diagonal rows over the positions
+        eye = torch.eye(P, dtype=out.dtype, device=out.device)
+        V = torch.einsum("tu,btcd->tcbud", eye, half)
+    return V.reshape(P * (C - 1), B, *out.shape[1:])
 
 
 def _same_padding(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
@@ -350,11 +366,9 @@ class _Recorder:
             handle.remove()
 
 
-def _batch_factors(
-    model, recorder, X, y, likelihood, ignore_index, scale, offsets, dict_key_x, rows_fn=None
-):
-    """Forward pass, batched backward over the rows, per-layer factors of one batch
-    (``rows_fn``: the rows of ``Lambda^{1/2}``, default :func:`_row_vectors`).
+def _batch_factors(model, recorder, X, y, likelihood, ignore_index, scale, offsets, dict_key_x):
+    """Forward pass, batched backward over the rows of ``Lambda^{1/2}``
+    (:func:`_row_vectors`), per-layer factors of one batch.
     """
     B = batch_size(X, dict_key_x)
     recorder.reset()
@@ -369,7 +383,7 @@ def _batch_factors(
                 f"{out[0].numel()} output rows per example (more than {_MAX_ROWS}) for "
                 "the factored operator"
             )
-        rows = (rows_fn or _row_vectors)(out, y, likelihood, ignore_index, scale)
+        rows = _row_vectors(out, y, likelihood, ignore_index, scale)
         R = rows.shape[0]
         calls = [(m, x, z) for m, cs in recorder.calls.items() for x, z in cs]
         for _, x, _ in calls:

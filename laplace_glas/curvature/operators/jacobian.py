@@ -12,7 +12,7 @@ matrix,
 
 with the same ``Lambda_n^{1/2}`` as the factored operator
 (:mod:`~laplace_glas.curvature.operators.factored`: the identity for unit-noise
-regression, ``diag(sqrt p)(I - 1 p^T)`` for softmax cross-entropy, zero rows for
+regression, ``C - 1`` rows per position for softmax cross-entropy, zero rows for
 ``ignore_index`` targets). A product ``G_1 V = S^T (S V)`` is two GEMMs (``4 N R D``
 flops per column), and the dual (Gram) solve
 (:mod:`~laplace_glas.curvature.solvers.gram`) forms ``K = S S^T`` with one ``syrk``.
@@ -121,40 +121,6 @@ class JacobianGGN(FactoredGGN):
         return self.factors[0].J
 
 
-# ---------------------------------------------------------------------- Lambda^{1/2}
-def reduced_rows(
-    out: torch.Tensor, y: torch.Tensor, likelihood: str, ignore_index: int, scale: float
-) -> torch.Tensor:
-    """``(R, B, *out.shape[1:])``: the rows of ``Lambda_n^{1/2} / sqrt(N)`` per example,
-    ``C - 1`` per position for softmax cross-entropy.
-
-    ``Lambda = diag(p) - p p^T = D_s (I - s s^T) D_s`` with ``s = sqrt(p)`` (a unit
-    vector), and ``I - s s^T = Q Q^T`` with ``Q`` the ``C - 1`` columns of the
-    Householder reflector ``H = I - 2 u u^T / u^T u``, ``u = s + sign(s_C) e_C``, other
-    than its last (``H e_C = -sign(s_C) s``); so ``Lambda = (Q^T D_s)^T (Q^T D_s)``, one
-    row fewer than ``diag(sqrt p)(I - 1 p^T)`` (exactly: no eigen-decomposition). For
-    regression the rows are the identity's (unit noise), as in
-    ``laplace_glas.curvature.operators.factors._row_vectors``.
-    """
-    if likelihood == "regression" or out.shape[-1] < 2:
-        return _row_vectors(out, y, likelihood, ignore_index, scale)
-    B, C = out.shape[0], out.shape[-1]
-    P = out[0].numel() // C
-    s = torch.softmax(out.detach().reshape(B, P, C), dim=-1).sqrt()
-    u = s.clone()
-    u[..., -1] += torch.where(s[..., -1] >= 0, 1.0, -1.0)
-    H = -2.0 * u[..., :, None] * u[..., None, :] / (u * u).sum(-1)[..., None, None]
-    H.diagonal(dim1=-2, dim2=-1).add_(1.0)
-    mask = (y.reshape(B, P) != ignore_index).to(out.dtype) * scale
-    half = H[..., :, : C - 1].transpose(-1, -2) * (s * mask[..., None])[..., None, :]
-    if P == 1:
-        V = half[:, 0].permute(1, 0, 2)  # (C - 1, B, C)
-    else:  # (B, P, C-1, C) -> block-diagonal rows over the positions
-        eye = torch.eye(P, dtype=out.dtype, device=out.device)
-        V = torch.einsum("tu,btcd->tcbud", eye, half)
-    return V.reshape(P * (C - 1), B, *out.shape[1:])
-
-
 # ---------------------------------------------------------------------- from factors
 def _factor_jacobian(factors: list, B: int, R: int, D: int, dtype, device) -> torch.Tensor:
     """``(B, R, D)`` rows of ``S`` of one batch from its per-layer factors."""
@@ -233,7 +199,6 @@ def _factored_batches(model, params, loader, likelihood, n_terms, options):
                 scale,
                 offsets,
                 options["dict_key_x"],
-                rows_fn=reduced_rows,
             )
             factors = _assemble(layers, explicit)
             B = out.shape[0]
@@ -291,7 +256,7 @@ def _func_batches(model, params, loader, likelihood, n_terms, options):
             yield f"torch.func.vmap over the examples failed ({type(err).__name__})"
             return
         jac = torch.cat([j.reshape(B, out[0].numel(), -1) for j in jac], -1)  # (B, O, D)
-        rows = reduced_rows(out, y, likelihood, options["ignore_index"], scale)
+        rows = _row_vectors(out, y, likelihood, options["ignore_index"], scale)
         J = torch.einsum("rbo,bod->brd", rows.reshape(rows.shape[0], B, -1), jac)
         del jac
         if i == 0:  # examples that interact (a batch statistic) break the per-example vmap

@@ -60,7 +60,7 @@ def estimate_jacobian_bytes(
     n_examples: int | None = None,
 ) -> int:
     """The planner's estimate of :func:`jacobian_bytes` before any pass over the data:
-    ``R`` rows per example, those :func:`reduced_rows` stores (``prod(out_shape)`` for
+    ``R`` rows per example, those the build stores (``prod(out_shape)`` for
     regression, ``P (C - 1)`` for softmax cross-entropy over ``P`` positions of ``C``
     classes), and ``N`` examples: ``n_examples`` where the loader's sizes are known,
     else ``n_terms`` (for an output of ``P`` positions with classification, at least
