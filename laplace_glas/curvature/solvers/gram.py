@@ -121,13 +121,11 @@ def gram_flops(op: FactoredGGN) -> int:
 
 class SymmetricGram:
     """``K`` built as its upper triangle (CPU: a Fortran array for BLAS ``syrk``, half
-    the flops of a GEMM) or as a full tensor (other devices).
-
-    On the CPU :meth:`complete` then mirrors the triangle into the lower half of the
-    same array, and :meth:`matmat` multiplies by the full matrix with torch's threaded
-    GEMM: on the 2-core CPU at ``M = 2,000`` one column took 0.33 ms against 2.3 ms by
-    single-threaded ``symv`` on the triangle, 10 columns 0.9 against 2.9 ms, 62 columns
-    3.4 against 5.5 ms; the mirror took 1 ms.
+    the flops of a GEMM) or as a full tensor (other devices). On the CPU
+    :meth:`complete` fills the lower half, and :meth:`matmat` multiplies by the full
+    matrix with torch's threaded GEMM: on the 2-core CPU at ``M = 2,000`` one column took
+    0.33 ms against 2.3 ms by single-threaded ``symv`` on the triangle, 10 columns 0.9
+    against 2.9 ms, 62 columns 3.4 against 5.5 ms.
     """
 
     def __init__(self, M: int, dtype: torch.dtype, device: torch.device):
@@ -163,7 +161,9 @@ class SymmetricGram:
         blocks and their running sum stay in cache (the sum is written to ``K`` once, not
         once per layer: 27 against 33 ms at ``N = 2,000`` for a 10-300-300-1 MLP), and no
         ``M x M`` temporary is allocated (fresh ``M x M`` arrays cost a page fault per
-        4 KiB on first touch, half the build's time in a new process).
+        4 KiB on first touch, half the build's time in a new process). While the lower
+        triangle is current (no ``syrk`` update came first), each chunk also adds its
+        rows left of the diagonal, from cache, so that :meth:`complete` has nothing to do.
         """
         if not terms:
             return
