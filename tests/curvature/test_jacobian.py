@@ -127,6 +127,14 @@ def test_rows_square_to_the_softmax_hessian(C):
             assert not rows[t * (C - 1) : (t + 1) * (C - 1), b, others].any()
 
 
+def test_rows_of_a_single_class_are_one_zero_row_per_position():
+    """One class: ``Lambda = 0``, one (zero) row per position, as before the rows were
+    reduced to ``C - 1``."""
+    out = torch.randn(4, 3, 1, dtype=F64)
+    rows = _row_vectors(out, torch.zeros(4, 3, dtype=torch.long), "classification", -100, 0.5)
+    assert rows.shape == (3, 4, 3, 1) and not rows.any()
+
+
 @pytest.mark.parametrize("likelihood", ["regression", "classification"])
 def test_factor_route_matches_the_dense_ggn_and_curvlinops(likelihood):
     model = LoraSequence().to(F64).eval()

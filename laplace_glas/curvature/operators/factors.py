@@ -232,14 +232,14 @@ def _row_vectors(
     the non-zero spectrum of ``S S^T``) is the same for any such square root.
     """
     B = out.shape[0]
-    if likelihood == "regression" or out.shape[-1] < 2:
-        R = out[0].numel() if likelihood == "regression" else 1
-        if likelihood != "regression":  # one class: Lambda = 0
-            return out.new_zeros(R, B, *out.shape[1:])
+    if likelihood == "regression":
+        R = out[0].numel()
         eye = torch.eye(R, dtype=out.dtype, device=out.device) * scale
         return eye.reshape(R, 1, *out.shape[1:]).expand(R, B, *out.shape[1:])
     C = out.shape[-1]
     P = out[0].numel() // C
+    if C < 2:  # one class: Lambda = 0, a zero row per position
+        return out.new_zeros(P, B, *out.shape[1:])
     s = torch.softmax(out.detach().reshape(B, P, C), dim=-1).sqrt()
     u = s.clone()
     u[..., -1] += torch.where(s[..., -1] >= 0, 1.0, -1.0)

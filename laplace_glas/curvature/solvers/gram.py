@@ -175,6 +175,8 @@ class SymmetricGram:
                     block = block.view(N, R, N, R) * (A @ A.T)[:, None, :, None]
                 self.K += block.view(self.M, self.M)
             return
+        # single-threaded BLAS calls from a pool of threads taking chunks from a queue: threaded
+        # GEMMs on small chunks stall when another process holds a core, a queue does not
         dtype = self.K.dtype
 
         def fortran(t: torch.Tensor | None) -> np.ndarray | None:
@@ -233,9 +235,8 @@ class SymmetricGram:
             self.K += block
 
     def complete(self) -> None:
-        """Mirror the upper triangle into the lower (CPU; a column chunk at a time, where
-        a ``syrk`` update left it behind), so that :meth:`matmat` reads the full matrix.
-        No update may follow.
+        """Mirror the upper triangle into the lower where a ``syrk`` update left it behind
+        (CPU), so that :meth:`matmat` reads the full matrix. No update may follow.
         """
         if not self.cpu:
             self.full = self.K
@@ -244,11 +245,9 @@ class SymmetricGram:
             self.full = torch.from_numpy(self.K.T)
             return
         chunk = max(1, GRAM_CHUNK_ELEMENTS // self.M)
-        for j0 in range(chunk, self.M, chunk):
+        for j0 in range(0, self.M, chunk):  # rows left of the diagonal block, then it
             j1 = min(self.M, j0 + chunk)
             self.K[j0:j1, :j0] = self.K[:j0, j0:j1].T
-        for j0 in range(0, self.M, chunk):  # the diagonal blocks
-            j1 = min(self.M, j0 + chunk)
             block = self.K[j0:j1, j0:j1]
             block[...] = np.triu(block) + np.triu(block, 1).T
         self.full = torch.from_numpy(self.K.T)  # C-ordered; K^T = K
@@ -318,17 +317,19 @@ def gram_matrix(op: FactoredGGN) -> SymmetricGram:
     N, R = op.n_examples, op.n_rows
     K = SymmetricGram(N * R, op.torch_dtype, op.device)
     terms: list[GramTerm] = []
+    later = []  # factors without a term: added after the terms
     for f in op.factors:
         if isinstance(f, ExplicitFactor):
             terms.append((f.J.reshape(N * R, -1), None))
         elif isinstance(f, OuterFactor) and (term := _outer_term(f, N, R)) is not None:
             terms.append(term)
+        else:
+            later.append(f)
     K.add_products(terms, R)  # first: both triangles built while K is zero
-    for f in op.factors:
+    for f in later:
         if isinstance(f, OuterFactor):
-            if f.a.shape[1] > 1:
-                _positions_update(K, f, N, R)
-        elif not isinstance(f, ExplicitFactor):
+            _positions_update(K, f, N, R)
+        else:
             K.add(_product_block(op, f))
     K.complete()
     return K
