@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from laplace_glas.curvature.solvers import block_krylov
+from laplace_glas.curvature.solvers import block_krylov, krylov_basis
 from laplace_glas.curvature.solvers.block_krylov import block_krylov_eigenpairs
 
 
@@ -18,7 +18,7 @@ def psd(values: torch.Tensor, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("image_dtype", [torch.float64, torch.float32])
 def test_thick_restarts_find_the_leading_eigenpairs(image_dtype, monkeypatch):
     # small row chunks so that the chunked products really run over several chunks
-    monkeypatch.setattr(block_krylov, "_ROWS", 37)
+    monkeypatch.setattr(krylov_basis, "_ROWS", 37)
     values = 10 * torch.arange(1, 301, dtype=torch.float64) ** -1.0
     A = psd(values)
     calls = []
@@ -98,16 +98,16 @@ def test_an_exhausted_one_column_space_goes_on_from_a_random_direction():
 
 
 def test_in_place_product_may_overwrite_its_own_leading_columns(monkeypatch):
-    monkeypatch.setattr(block_krylov, "_ROWS", 7)
+    monkeypatch.setattr(krylov_basis, "_ROWS", 7)
     g = torch.Generator().manual_seed(0)
     A = torch.randn(50, 6, generator=g, dtype=torch.float64)
     S = torch.randn(6, 4, generator=g, dtype=torch.float64)
     expected = A @ S
-    block_krylov._times(A, S, torch.float64, out=A[:, :4])
+    krylov_basis._times(A, S, torch.float64, out=A[:, :4])
     torch.testing.assert_close(A[:, :4], expected)
     B = torch.randn(50, 3, generator=g).float()
     C = torch.randn(50, 2, generator=g, dtype=torch.float64)
-    torch.testing.assert_close(block_krylov._cross(B, C, torch.float64), B.double().T @ C)
+    torch.testing.assert_close(krylov_basis._cross(B, C, torch.float64), B.double().T @ C)
 
 
 @pytest.mark.parametrize("block_size", [3, 5])
@@ -283,3 +283,88 @@ def test_residuals_stalled_at_the_products_round_off_stop_the_solve():
     )  # fmt: skip
     rel = (exact.images - exact.vectors * exact.values).norm(dim=0) / exact.values
     assert bool(exact.converged.all()) and float(rel.max()) <= 1e-5
+
+
+@pytest.mark.parametrize("block_size, max_basis", [(1, 21), (3, 18)])
+def test_residual_estimates_are_the_exact_residuals_of_a_krylov_run(
+    block_size, max_basis, monkeypatch
+):
+    """The Krylov relation: every image but the newest block's lies in the basis' span,
+    thick restarts included, so ``||W s_j||`` (W the newest images less their basis
+    components) is ``||G x_j - theta_j x_j||`` to round-off, on every pass."""
+    values = 10 * torch.arange(1, 301, dtype=torch.float64) ** -1.0
+    A = psd(values, seed=6)
+    spaces, compared = [], []
+    ritz = block_krylov._KrylovBasis.ritz
+
+    def spy_ritz(self):
+        spaces.append(self)
+        self.last = ritz(self)
+        return self.last
+
+    estimate = block_krylov._estimated_residuals
+
+    def spy_estimate(W, S_newest):
+        space = spaces[-1]
+        theta, S = space.last
+        kk = S_newest.shape[1]
+        exact = space.residual_norms(S[:, :kk], theta[:kk])
+        got = estimate(W, S_newest)
+        compared.append(float((got - exact).abs().max() / theta[0]))
+        return got
+
+    monkeypatch.setattr(block_krylov._KrylovBasis, "ritz", spy_ritz)
+    monkeypatch.setattr(block_krylov, "_estimated_residuals", spy_estimate)
+    res = block_krylov_eigenpairs(
+        lambda V: A @ V, 300, 6, block_size=block_size, max_basis=max_basis, tol=1e-10,
+        max_passes=400, generator=torch.Generator().manual_seed(2),
+    )  # fmt: skip
+    assert bool(res.converged.all()) and res.n_passes > max_basis // block_size  # restarted
+    assert len(compared) >= res.n_passes // 2 and max(compared) < 1e-12, max(compared)
+    torch.testing.assert_close(res.values, values[:6], rtol=1e-9, atol=0)
+
+
+def test_exact_residuals_are_computed_only_where_the_estimates_could_pass(monkeypatch):
+    """Each exact residual reads the whole basis and its images: a one-column solve
+    computes them only on its last passes (it did on every pass), with the same pairs."""
+    values = 10 * torch.arange(1, 401, dtype=torch.float64) ** -0.7
+    A = psd(values, seed=8)
+    exact_calls = []
+    exact = block_krylov._KrylovBasis.residual_norms
+
+    def counting(self, S, theta):
+        exact_calls.append(self.m)
+        return exact(self, S, theta)
+
+    monkeypatch.setattr(block_krylov._KrylovBasis, "residual_norms", counting)
+    res = block_krylov_eigenpairs(
+        lambda V: A @ V, 400, 10, block_size=1, max_basis=21, tol=1e-9, max_passes=1000,
+        rank_threshold=1e-14, generator=torch.Generator().manual_seed(3),
+    )  # fmt: skip
+    assert bool(res.converged.all()) and res.n_passes > 30
+    assert len(exact_calls) <= res.n_passes // 4, (len(exact_calls), res.n_passes)
+    torch.testing.assert_close(res.values, values[:10], rtol=1e-8, atol=0)
+    residual = A @ res.vectors - res.vectors * res.values
+    assert float(residual.norm(dim=0).max()) <= 1e-9 * float(values[0])
+
+
+def test_a_full_one_column_basis_restarts_every_few_passes_not_every_pass(monkeypatch):
+    """Keeping all but one Ritz vector restarted on every pass once the basis was full
+    (two products of the whole basis per GGN product); half way between k + 1 and the
+    basis, a restart comes every few passes."""
+    values = 10 * torch.arange(1, 401, dtype=torch.float64) ** -0.7
+    A = psd(values, seed=8)
+    restarts = []
+    restart = block_krylov._KrylovBasis.restart
+
+    def counting(self, S):
+        restarts.append(S.shape[1])
+        restart(self, S)
+
+    monkeypatch.setattr(block_krylov._KrylovBasis, "restart", counting)
+    res = block_krylov_eigenpairs(
+        lambda V: A @ V, 400, 10, block_size=1, max_basis=21, tol=1e-9, max_passes=1000,
+        rank_threshold=1e-14, generator=torch.Generator().manual_seed(3),
+    )  # fmt: skip
+    assert bool(res.converged.all()) and res.n_passes > 40
+    assert restarts and set(restarts) == {15} and len(restarts) <= res.n_passes // 4

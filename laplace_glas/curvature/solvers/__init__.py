@@ -1,7 +1,8 @@
 """Eigen-solvers for the top-k eigenpairs of a symmetric PSD operator.
 
 * :mod:`~laplace_glas.curvature.solvers.block_krylov`: block Krylov with Rayleigh-Ritz,
-  many GGN columns per data pass.
+  many GGN columns per data pass; its basis and the products on it in
+  :mod:`~laplace_glas.curvature.solvers.krylov_basis`.
 * :mod:`~laplace_glas.curvature.solvers.gram`: the dual eigen-solve of the factored GGN
   through the ``NR x NR`` Gram matrix ``K = S S^T``.
 * :mod:`~laplace_glas.curvature.solvers.lanczos`: ARPACK's implicitly restarted Lanczos

@@ -12,13 +12,21 @@ block's image ``G Q_i``; after every pass the Rayleigh-Ritz problem
     T = Q^\\top (G Q), \\qquad T s_j = \\theta_j s_j, \\qquad x_j = Q s_j,
 
 gives Ritz pairs whose residuals ``||G x_j - theta_j x_j|| = ||(G Q) s_j - theta_j Q s_j||``
-cost no further products. The solve stops when the top-k relative residuals are below
+cost no further products. Reading the whole basis and its images for them on every pass
+cost more than the products of a one-column solve on a stored operator; the Krylov
+relation estimates them from the newest block alone (``||W s_j||``, ``W`` its images
+less their basis components, the next block's first orthogonalisation round), and the
+exact residuals are computed where the estimates come within a small factor of the
+test. The solve stops when the top-k relative residuals are below
 ``tol``, or when they have stopped halving for two basis' worth of passes below the
 products' round-off level ``max(tol, sqrt(eps)) theta_1`` (float32 products of a deep
 linearised model can sit above ``tol``: an LSTM tagger's stalled at 6e-5 relative,
 where float64 reached 1e-8 in 53 products; the solver used to run on to its pass
 limit, 400 products, at the same residuals); when the basis would exceed
-``max_basis`` columns it is thick-restarted from the leading Ritz vectors.
+``max_basis`` columns it is thick-restarted from the leading Ritz vectors (half way
+between ``k + p`` of them and a full basis, so that restarts come every few passes).
+The basis is stored column-major, each vector contiguous, which the products with a
+few columns read two to three times faster.
 Rank-deficient operators are fine: directions that vanish in the orthogonalisation
 (measured against their norm before it) are dropped, a space that closes before the
 top k are found goes on from a random block, and a residual below
@@ -33,7 +41,13 @@ from dataclasses import dataclass
 
 import torch
 
-from laplace_glas.curvature.solvers.threads import eigh_threads, single_threaded_torch
+from laplace_glas.curvature.solvers.krylov_basis import (
+    _estimated_residuals,
+    _KrylovBasis,
+    _times,
+    _unit_strides,
+)
+from laplace_glas.curvature.solvers.threads import single_threaded_torch
 from laplace_glas.validation import positive_int
 
 __all__ = ["BlockKrylovResult", "block_krylov_eigenpairs"]
@@ -52,77 +66,64 @@ class BlockKrylovResult:
 
 
 _FRESH_PASSES = 3  # passes a random block grows before the top k are compared again
-_ROWS = 1 << 15  # rows per chunk of the tall-skinny products: temporaries of ~MBs
+_CHECK_MARGIN = 4.0  # estimated residuals within this factor of the test: check exactly
+_ONE_ROUND = 0.5**0.5  # a column keeping this share of its norm needs no second round
 
 
-def _cross(A: torch.Tensor, B: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``A^T B`` accumulated in ``dtype`` over row chunks (both upcast chunk by chunk)."""
-    out = torch.zeros(A.shape[1], B.shape[1], dtype=dtype, device=A.device)
-    for r in range(0, A.shape[0], _ROWS):
-        out.addmm_(A[r : r + _ROWS].to(dtype).T, B[r : r + _ROWS].to(dtype))
-    return out
-
-
-def _times(
-    A: torch.Tensor, S: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+def _orthonormalize(
+    block: torch.Tensor,
+    basis: torch.Tensor | None,
+    drop: float,
+    norms: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``A @ S`` with ``A`` upcast to ``dtype`` row chunk by row chunk.
-
-    ``out`` may overlap ``A``'s leading columns (``out = A[:, :S.shape[1]]``, the thick
-    restart): each row chunk is read completely before it is written.
-    """
-    if out is None:
-        out = torch.empty(A.shape[0], S.shape[1], dtype=dtype, device=A.device)
-    for r in range(0, A.shape[0], _ROWS):
-        out[r : r + _ROWS] = A[r : r + _ROWS].to(dtype) @ S
-    return out
-
-
-def _residual_norms(
-    basis: torch.Tensor, images: torch.Tensor, S: torch.Tensor, theta: torch.Tensor
-) -> torch.Tensor:
-    """``||G x_j - theta_j x_j||`` for the Ritz pairs ``x_j = basis s_j``, accumulated
-    over row chunks (the Ritz vectors are never formed here).
-    """
-    squares = torch.zeros(S.shape[1], dtype=S.dtype, device=S.device)
-    for r in range(0, basis.shape[0], _ROWS):
-        x = basis[r : r + _ROWS].to(S.dtype) @ S
-        gx = images[r : r + _ROWS].to(S.dtype) @ S
-        squares += gx.sub_(x.mul_(theta)).square_().sum(0)
-    return squares.sqrt()
-
-
-def _orthonormalize(block: torch.Tensor, basis: torch.Tensor | None, drop: float) -> torch.Tensor:
     """Columns of ``block`` made orthonormal to ``basis`` and to each other.
 
     One round of classical Gram-Schmidt against the basis, a QR whose numerically
     dependent columns (``|R_ii| <= drop * max_j ||b_j||``, the block's largest column
-    norm before the projection) are dropped, then a second round ("twice is enough":
-    it removes what the first left through cancellation), in which a column that loses
-    more than half its norm is dropped too, and a QR. A column in the basis' span
-    leaves only round-off after the first round; measured against its own remainder
-    it would pass, and normalised it would return the basis' directions, so that the
-    basis stops being orthonormal and the Rayleigh quotients exceed the operator's
-    norm (a float32 GRU on 4 examples, whose Krylov space ends after 4 directions,
-    gave 338 for an eigenvalue of 9.6 after 400 products). ``block`` is overwritten.
+    norm before the projection) are dropped, then, where a kept column lost more than
+    ``1 - 1/sqrt(2)`` of its norm to the first round, a second round ("twice is
+    enough": it removes what the first left through cancellation; a first round that
+    cancelled less leaves the column orthogonal to round-off, the criterion of ARPACK's
+    DGKS step), in which a column that loses more than half its norm is dropped too, and
+    a QR. A column in the basis' span leaves only round-off after the first round;
+    measured against its own remainder it would pass, and normalised it would return
+    the basis' directions, so that the basis stops being orthonormal and the Rayleigh
+    quotients exceed the operator's norm (a float32 GRU on 4 examples, whose Krylov
+    space ends after 4 directions, gave 338 for an eigenvalue of 9.6 after 400
+    products). ``block`` is overwritten. ``norms`` given: ``block`` has had its first
+    round already (see :meth:`_KrylovBasis.project_newest`), ``norms`` are its column
+    norms before it.
     """
     if block.shape[1] == 0:
         return block
-    scale = torch.linalg.vector_norm(block, dim=0).max().clamp(min=torch.finfo(block.dtype).tiny)
-    if basis is not None and basis.shape[1]:
-        block.addmm_(basis, basis.T @ block, alpha=-1)
+    if norms is None:
+        norms = torch.linalg.vector_norm(block, dim=0)
+        if basis is not None and basis.shape[1]:
+            block.addmm_(basis, basis.T @ block, alpha=-1)
+    scale = norms.max().clamp(min=torch.finfo(block.dtype).tiny)
     # MKL's threaded geqrf is no faster on blocks of up to 250 columns (see threads)
     with single_threaded_torch():
-        Q, R = torch.linalg.qr(block)
+        Q, R = torch.linalg.qr(_unit_strides(block))
     del block
-    keep = R.diagonal().abs() > drop * scale
+    left = R.diagonal().abs()
+    keep = left > drop * scale
     Q = Q[:, keep]
-    if basis is not None and basis.shape[1] and Q.shape[1]:
+    cancelled = bool((left[keep] < _ONE_ROUND * norms[keep]).any())
+    if basis is not None and basis.shape[1] and Q.shape[1] and cancelled:
         Q.addmm_(basis, basis.T @ Q, alpha=-1)
         Q = Q[:, torch.linalg.vector_norm(Q, dim=0) > 0.5]  # unit before the round
         with single_threaded_torch():
-            Q, _ = torch.linalg.qr(Q)
-    return Q
+            Q, _ = torch.linalg.qr(_unit_strides(Q))
+    return _unit_strides(Q)
+
+
+def _restart_size(available: int, k: int, p: int, most: int) -> int:
+    """Ritz vectors a thick restart keeps: half way between ``k + p`` and ``most`` (the
+    most that leave room for the next block), as ARPACK keeps up to half of its basis
+    beyond ``k``. Keeping ``most`` restarted on every pass once the basis was full (one
+    column a pass: two products of the whole basis per product).
+    """
+    return min(available, max(k + p, (k + p + most) // 2))
 
 
 def _new_directions(
@@ -130,16 +131,18 @@ def _new_directions(
     basis: torch.Tensor,
     drop: float,
     random_block: Callable[[], torch.Tensor] | None,
-) -> torch.Tensor:
+    norms: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, bool]:
     """:func:`_orthonormalize` of ``block`` against ``basis``; where nothing is left
     (the Krylov space is exhausted: an invariant subspace, which need not hold the top
     k, for a start without components along some of them or a rank below k), that of
-    ``random_block()`` (``None``: an empty block), to go on in the rest of the space.
+    ``random_block()`` (``None``: an empty block), to go on in the rest of the space;
+    and whether the random block was taken (``norms``: see :func:`_orthonormalize`).
     """
-    new = _orthonormalize(block, basis, drop)
+    new = _orthonormalize(block, basis, drop, norms)
     if new.shape[1] == 0 and random_block is not None:
-        new = _orthonormalize(random_block(), basis, drop)
-    return new
+        return _orthonormalize(random_block(), basis, drop), True
+    return new, False
 
 
 def _needs_fresh_block(
@@ -234,27 +237,20 @@ def block_krylov_eigenpairs(
 
     Q = _orthonormalize(random_block(), None, drop)
     space.append(Q, matmat(Q))
-    newest = Q.shape[1]
-    n_products, n_passes = Q.shape[1], 1
+    newest = n_products = Q.shape[1]
+    n_passes = 1
     del Q
     verified: torch.Tensor | None = None  # top-k Ritz values when a fresh block was added
     fresh_at: int | None = None  # the pass that added it
-    # the products' round-off: residuals that stop halving below it are as good as the
-    # products allow (the residual warning's level, max(tol, sqrt(eps)) theta_1)
-    precision = max(tol, torch.finfo(image_dtype or dtype).eps ** 0.5)
-    stall_passes = max(_FRESH_PASSES, 2 * -(-max_basis // p))
-    best, improved_at = float("inf"), 0
+    test = _ResidualTest(k, tol, rank_threshold, image_dtype or dtype, max_basis, p)
+    relation = True  # the Krylov relation holds (see _estimated_residuals)
     while True:
         theta, S = space.ritz()
         kk = min(k, theta.numel())
-        residual = space.residual_norms(S[:, :kk], theta[:kk])
-        floor = rank_threshold * theta[0].clamp(min=0)
-        worst = float(residual.max())
-        if worst < best / 2:
-            best, improved_at = worst, n_passes
-        if kk == k and n_passes - improved_at >= stall_passes:  # stalled: at round-off?
-            floor = torch.maximum(floor, precision * theta[0].clamp(min=0))
-        converged = residual <= torch.maximum(tol * theta[:kk].abs(), floor)
+        estimate = relation and n_passes < max_passes
+        converged, exact, floor, seed, seed_norms = test(
+            space, theta, S, newest, n_passes, estimate
+        )
         if n_passes >= max_passes:
             break
         fresh = False
@@ -270,31 +266,38 @@ def block_krylov_eigenpairs(
                 verified, fresh, fresh_at = theta[:k].clone(), True, n_passes
         # next block: the images of the newest block (or a random one), orthogonalised
         # against the basis
-        seed_block = random_block() if fresh else space.newest_images(newest)
+        if fresh or seed is None:
+            seed, seed_norms = random_block() if fresh else space.newest_images(newest), None
         done = fresh or (kk == k and bool(converged.all()))
-        new = _new_directions(seed_block, space.Q, drop, None if done else random_block)
+        new, restarted = _new_directions(
+            seed, space.Q, drop, None if done else random_block, seed_norms
+        )
+        del seed
+        relation = relation and not (fresh or restarted)  # a random block breaks it
         if new.shape[1] == 0:  # the basis spans the whole space
             break
         if space.m + new.shape[1] > max_basis:  # thick restart from the leading Ritz vectors
-            keep = min(theta.numel(), max(k + p, max_basis - new.shape[1]))
+            keep = _restart_size(theta.numel(), k, p, max_basis - new.shape[1])
             space.restart(S[:, :keep])
             # the basis now holds the Ritz vectors themselves
             theta, S = theta[:keep], torch.eye(keep, dtype=dtype, device=device)
             new = _orthonormalize(new, space.Q, drop)
             if new.shape[1] == 0:
                 break
-        # the room left: short of a block only where the basis may hold the whole space
-        # (max_basis = dim < k + 2 p), and round-off kept more directions than remain
+        # short of a block only where the basis may hold the whole space (max_basis =
+        # dim < k + 2 p), and round-off kept more directions than remain
         room = max_basis - space.m
         if room == 0:
             break
         Q = new[:, : min(p, room)]
+        relation = relation and Q.shape[1] == new.shape[1]  # a cut block leaves images out
         del new
         space.append(Q, matmat(Q))
-        newest = Q.shape[1]
+        newest, n_passes = Q.shape[1], n_passes + 1
         n_products += newest
-        n_passes += 1
         del Q
+    if not exact:  # the loop ended on estimates: the returned test is the exact one
+        converged = test.exact(space, theta, S, kk, floor)[1]
     return BlockKrylovResult(
         values=theta[:kk],
         vectors=_times(space.Q, S[:, :kk], dtype),
@@ -303,6 +306,59 @@ def block_krylov_eigenpairs(
         n_passes=n_passes,
         converged=converged,
     )
+
+
+class _ResidualTest:
+    """The convergence test of a solve's top ``k`` Ritz pairs, pass by pass: a residual
+    below ``tol`` relative, or below the floor ``rank_threshold * theta_1``, raised to
+    the products' round-off ``max(tol, sqrt(eps)) theta_1`` (the residual warning's
+    level) once the residuals have not halved for ``max(3, 2 max_basis / p)`` passes.
+    """
+
+    def __init__(self, k, tol, rank_threshold, image_dtype, max_basis, p):
+        self.k, self.tol, self.rank_threshold = k, tol, rank_threshold
+        self.precision = max(tol, torch.finfo(image_dtype).eps ** 0.5)
+        self.stall_passes = max(_FRESH_PASSES, 2 * -(-max_basis // p))
+        self.best, self.improved_at = float("inf"), 0
+
+    def _stalled(self, n_passes: int, kk: int) -> bool:
+        return kk == self.k and n_passes - self.improved_at >= self.stall_passes
+
+    def exact(self, space, theta, S, kk, floor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact residuals (from the basis and its images) and the test on them."""
+        residual = space.residual_norms(S[:, :kk], theta[:kk])
+        return residual, residual <= torch.maximum(self.tol * theta[:kk].abs(), floor)
+
+    def __call__(self, space, theta, S, newest, n_passes, estimate) -> tuple:
+        """``(converged, exact, floor, seed, norms)`` of this pass. ``estimate``: the
+        Krylov relation holds, so the residuals are estimated first and computed exactly
+        only where the estimates come within ``_CHECK_MARGIN`` of the test (they differ
+        by round-off; the exact ones decide); ``seed`` and ``norms`` are then the next
+        block's first round (:meth:`_KrylovBasis.project_newest`), else None.
+        """
+        kk, top = min(self.k, theta.numel()), theta[0].clamp(min=0)
+        floor = self.rank_threshold * top
+        seed = norms = None
+        exact = not estimate
+        if estimate:
+            loose = (
+                torch.maximum(floor, self.precision * top) if self._stalled(n_passes, kk) else floor
+            )
+            limit = torch.maximum(self.tol * theta[:kk].abs(), loose)
+            seed, norms = space.project_newest(newest)
+            residual = _estimated_residuals(seed, S[space.m - newest : space.m, :kk])
+            exact = kk == self.k and bool((residual <= _CHECK_MARGIN * limit).all())
+        if exact:
+            residual = space.residual_norms(S[:, :kk], theta[:kk])
+        worst = float(residual.max())
+        if worst < self.best / 2:
+            self.best, self.improved_at = worst, n_passes
+        if self._stalled(n_passes, kk):  # at the products' round-off?
+            floor = torch.maximum(floor, self.precision * top)
+        converged = residual <= torch.maximum(self.tol * theta[:kk].abs(), floor)
+        if not exact and kk == self.k and bool(converged.all()):  # the stall raised the floor
+            exact, converged = True, self.exact(space, theta, S, kk, floor)[1]
+        return converged, exact, floor, seed, norms
 
 
 def _block_sizes(
@@ -321,66 +377,3 @@ def _block_sizes(
             f"at least k + 2 * block_size = {k + 2 * p} (or dim)."
         )
     return p, min(dim, max_basis or max(2 * k + p, 3 * p)), max_passes
-
-
-class _KrylovBasis:
-    """The basis ``Q``, its images ``G Q`` and ``T = Q^T G Q`` in preallocated buffers
-    of ``max_basis`` columns; ``m`` columns are in use.
-    """
-
-    def __init__(
-        self,
-        dim: int,
-        max_basis: int,
-        dtype: torch.dtype,
-        image_dtype: torch.dtype,
-        device: torch.device | str,
-    ):
-        self.dtype, self.image_dtype = dtype, image_dtype
-        self.basis = torch.empty(dim, max_basis, dtype=dtype, device=device)
-        self.images = torch.empty(dim, max_basis, dtype=image_dtype, device=device)
-        self.T = torch.zeros(max_basis, max_basis, dtype=dtype, device=device)
-        self.m = 0
-
-    @property
-    def Q(self) -> torch.Tensor:
-        return self.basis[:, : self.m]
-
-    @property
-    def GQ(self) -> torch.Tensor:
-        return self.images[:, : self.m]
-
-    def append(self, Q: torch.Tensor, GQ: torch.Tensor) -> None:
-        """Add the block and its image at column ``m``; extend ``T = basis^T images``."""
-        m, q, T, dtype = self.m, Q.shape[1], self.T, self.dtype
-        self.basis[:, m : m + q] = Q
-        self.images[:, m : m + q] = GQ.to(self.image_dtype)
-        column = _cross(self.basis[:, : m + q], self.images[:, m : m + q], dtype)  # (m + q, q)
-        row = _cross(self.images[:, :m], Q, dtype)  # (m, q): the transposed product
-        T[:m, m : m + q] = (column[:m] + row) / 2
-        T[m : m + q, :m] = T[:m, m : m + q].T
-        T[m : m + q, m : m + q] = (column[m:] + column[m:].T) / 2
-        self.m = m + q
-
-    def ritz(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Ritz values (descending) and the coefficients of the Ritz vectors."""
-        with eigh_threads(self.m):  # a small eigen-problem: threads only synchronise
-            theta, S = torch.linalg.eigh(self.T[: self.m, : self.m])
-        return theta.flip(0), S.flip(1)
-
-    def residual_norms(self, S: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
-        return _residual_norms(self.Q, self.GQ, S, theta)
-
-    def newest_images(self, q: int) -> torch.Tensor:
-        """A copy of the images of the last ``q`` columns, in the basis' dtype."""
-        return self.images[:, self.m - q : self.m].to(self.dtype, copy=True)
-
-    def restart(self, S: torch.Tensor) -> None:
-        """Thick restart: the basis becomes the Ritz vectors ``Q S``."""
-        keep, dtype = S.shape[1], self.dtype
-        _times(self.Q, S, dtype, out=self.basis[:, :keep])
-        _times(self.GQ, S, dtype, out=self.images[:, :keep])
-        self.m = keep
-        T = self.T
-        T[:keep, :keep] = _cross(self.Q, self.GQ, dtype)
-        T[:keep, :keep] = (T[:keep, :keep] + T[:keep, :keep].T) / 2
