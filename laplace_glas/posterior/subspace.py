@@ -101,15 +101,32 @@ class SubspacePosterior:
                 UserWarning,
                 stacklevel=2,
             )
-        return super().log_marginal_likelihood(prior_precision, sigma_noise)
+        if prior_precision is not None:  # laplace-torch's updates, then its formula
+            self.prior_precision = prior_precision
+        if sigma_noise is not None:
+            if self.likelihood != "regression":
+                raise ValueError("Can only change sigma_noise for regression.")
+            self.sigma_noise = sigma_noise
+        log_likelihood = self.log_likelihood
+        # summed in float64: near prior_precision = 1e38 the scatter exceeds float32's
+        # range (an evidence of -inf) where the evidence itself does not
+        evidence = log_likelihood.double() - 0.5 * (
+            self.log_det_ratio.double() + self._scatter(torch.float64)
+        )
+        return evidence.to(log_likelihood.dtype)
 
     @property
     def scatter(self) -> torch.Tensor:
         """``(theta* - mu_0)^T P_0 (theta* - mu_0)`` over the full space (laplace-torch's
         convention).
         """
+        return self._scatter(self.mean.dtype)
+
+    def _scatter(self, dtype: torch.dtype) -> torch.Tensor:
+        """:attr:`scatter` summed in float64, returned in ``dtype``."""
         self._check_H_init()
-        return super().scatter
+        delta = (self.mean - self.prior_mean).to(torch.float64)
+        return ((delta * self.prior_precision_diag.to(torch.float64)) @ delta).to(dtype)
 
     @property
     def log_likelihood(self) -> torch.Tensor:
