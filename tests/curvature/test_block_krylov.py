@@ -324,47 +324,45 @@ def test_residual_estimates_are_the_exact_residuals_of_a_krylov_run(
     torch.testing.assert_close(res.values, values[:6], rtol=1e-9, atol=0)
 
 
-def test_exact_residuals_are_computed_only_where_the_estimates_could_pass(monkeypatch):
-    """Each exact residual reads the whole basis and its images: a one-column solve
-    computes them only on its last passes (it did on every pass), with the same pairs."""
-    values = 10 * torch.arange(1, 401, dtype=torch.float64) ** -0.7
-    A = psd(values, seed=8)
-    exact_calls = []
-    exact = block_krylov._KrylovBasis.residual_norms
+SLOW_DECAY = 10 * torch.arange(1, 401, dtype=torch.float64) ** -0.7
 
-    def counting(self, S, theta):
-        exact_calls.append(self.m)
-        return exact(self, S, theta)
 
-    monkeypatch.setattr(block_krylov._KrylovBasis, "residual_norms", counting)
+def one_column_solve_counting(monkeypatch, method: str) -> tuple:
+    """A one-column solve (basis 21, k = 10) of a slowly decaying spectrum, with the
+    calls of ``_KrylovBasis.<method>`` recorded (``self.m`` and the last argument's
+    columns)."""
+    A = psd(SLOW_DECAY, seed=8)
+    calls = []
+    original = getattr(block_krylov._KrylovBasis, method)
+
+    def counting(self, *args):
+        calls.append((self.m, args[-1].shape[-1]))
+        return original(self, *args)
+
+    monkeypatch.setattr(block_krylov._KrylovBasis, method, counting)
     res = block_krylov_eigenpairs(
         lambda V: A @ V, 400, 10, block_size=1, max_basis=21, tol=1e-9, max_passes=1000,
         rank_threshold=1e-14, generator=torch.Generator().manual_seed(3),
     )  # fmt: skip
+    return A, res, calls
+
+
+def test_exact_residuals_are_computed_only_where_the_estimates_could_pass(monkeypatch):
+    """Each exact residual reads the whole basis and its images: a one-column solve
+    computes them only on its last passes (it did on every pass), with the same pairs."""
+    A, res, exact_calls = one_column_solve_counting(monkeypatch, "residual_norms")
     assert bool(res.converged.all()) and res.n_passes > 30
     assert len(exact_calls) <= res.n_passes // 4, (len(exact_calls), res.n_passes)
-    torch.testing.assert_close(res.values, values[:10], rtol=1e-8, atol=0)
+    torch.testing.assert_close(res.values, SLOW_DECAY[:10], rtol=1e-8, atol=0)
     residual = A @ res.vectors - res.vectors * res.values
-    assert float(residual.norm(dim=0).max()) <= 1e-9 * float(values[0])
+    assert float(residual.norm(dim=0).max()) <= 1e-9 * float(SLOW_DECAY[0])
 
 
 def test_a_full_one_column_basis_restarts_every_few_passes_not_every_pass(monkeypatch):
     """Keeping all but one Ritz vector restarted on every pass once the basis was full
     (two products of the whole basis per GGN product); half way between k + 1 and the
     basis, a restart comes every few passes."""
-    values = 10 * torch.arange(1, 401, dtype=torch.float64) ** -0.7
-    A = psd(values, seed=8)
-    restarts = []
-    restart = block_krylov._KrylovBasis.restart
-
-    def counting(self, S):
-        restarts.append(S.shape[1])
-        restart(self, S)
-
-    monkeypatch.setattr(block_krylov._KrylovBasis, "restart", counting)
-    res = block_krylov_eigenpairs(
-        lambda V: A @ V, 400, 10, block_size=1, max_basis=21, tol=1e-9, max_passes=1000,
-        rank_threshold=1e-14, generator=torch.Generator().manual_seed(3),
-    )  # fmt: skip
+    _, res, restarts = one_column_solve_counting(monkeypatch, "restart")
     assert bool(res.converged.all()) and res.n_passes > 40
-    assert restarts and set(restarts) == {15} and len(restarts) <= res.n_passes // 4
+    kept = {columns for _, columns in restarts}
+    assert restarts and kept == {15} and len(restarts) <= res.n_passes // 4
