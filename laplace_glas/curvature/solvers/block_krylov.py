@@ -108,7 +108,9 @@ def _orthonormalize(
     left = R.diagonal().abs()
     keep = left > drop * scale
     Q = Q[:, keep]
-    cancelled = bool((left[keep] < _ONE_ROUND * norms[keep]).any())
+    # a dropped column's Householder direction (round-off, largely in the basis) enters
+    # the kept ones after it: any drop, like any cancellation, calls for the second round
+    cancelled = not bool(keep.all()) or bool((left < _ONE_ROUND * norms).any())
     if basis is not None and basis.shape[1] and Q.shape[1] and cancelled:
         Q.addmm_(basis, basis.T @ Q, alpha=-1)
         Q = Q[:, torch.linalg.vector_norm(Q, dim=0) > 0.5]  # unit before the round
@@ -118,11 +120,14 @@ def _orthonormalize(
 
 
 def _restart_size(available: int, k: int, p: int, most: int) -> int:
-    """Ritz vectors a thick restart keeps: half way between ``k + p`` and ``most`` (the
-    most that leave room for the next block), as ARPACK keeps up to half of its basis
-    beyond ``k``. Keeping ``most`` restarted on every pass once the basis was full (one
-    column a pass: two products of the whole basis per product).
+    """Ritz vectors a thick restart keeps: ``most`` (the most that leave room for the
+    next block); with one column a pass, half way between ``k + 1`` and ``most``, as
+    ARPACK keeps up to half of its basis beyond ``k``: keeping ``most`` restarted on every
+    pass once the basis was full (two products of the whole basis per product). Blocks
+    keep ``most``: half way failed on clusters wider than the Ritz vectors kept.
     """
+    if p > 1:
+        return min(available, max(k + p, most))
     return min(available, max(k + p, (k + p + most) // 2))
 
 
