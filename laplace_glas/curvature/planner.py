@@ -8,23 +8,28 @@
 
   0. ``'jacobian'``: the explicit-Jacobian operator
      (:mod:`~laplace_glas.curvature.operators.jacobian`: the ``N R D`` rows of
-     ``Lambda^{1/2} J_n``) where they fit and take less memory than the factors
-     (adapters and heads over token sequences, a subnetwork, a small model with
-     parameters outside supported layers), with the factored operator's solvers;
+     ``Lambda^{1/2} J_n`` stored, from the factors or ``torch.func``) where they fit and
+     take less memory than the factors (adapters and heads over token sequences, a
+     subnetwork, a small model with parameters outside supported layers); a factored
+     operator of one dense block, so the same solvers (dual or Lanczos) and the same
+     choice between them apply;
   1. ``'dual'`` / ``'factored'``: the factored operator
      (:mod:`~laplace_glas.curvature.operators.factored`) where the model and loss
-     qualify, solved through the Gram matrix (:mod:`~laplace_glas.curvature.solvers.gram`)
-     or by Lanczos, whichever fits and, when both do, is cheaper (:func:`choose_solver`);
+     qualify, eigen-solved through the Gram matrix
+     (:mod:`~laplace_glas.curvature.solvers.gram`) or by Lanczos on the factored
+     products, whichever fits and, when both do, is cheaper (:func:`choose_solver`:
+     fewer flops and ``K`` within the rule of :func:`~.gram.gram_fits`);
   2. ``'linearised'``: Lanczos on the linearised operator
-     (:mod:`~laplace_glas.curvature.operators.linearized`: every batch's graph kept);
-  3. ``'streaming'``: an operator that recomputes one batch's graph (or a slice's) per
-     product: the factored operator rebuilt batch by batch
-     (:mod:`~laplace_glas.curvature.operators.streamed`, the block solver with
-     :data:`~.streaming.STREAMED_BLOCK` columns a pass where they fit) where the model
-     qualifies and every batch can be factored, else Lanczos on curvlinops' operator.
+     (:mod:`~laplace_glas.curvature.operators.linearized`: every batch's graph kept, no
+     forward pass per product), as the one-column block solver (fully re-orthogonalised,
+     images kept; ARPACK in a data-parallel fit);
+  3. ``'streaming'``: an operator that recomputes one batch's graph per product (or a
+     slice's, where a batch's does not fit; many columns in chunks): the factored
+     operator rebuilt batch by batch (:mod:`~laplace_glas.curvature.operators.streamed`,
+     the block solver with :data:`~.streaming.STREAMED_BLOCK` columns a pass where
+     they fit, else one) where the model qualifies for factors that do not fit and
+     every batch can be factored, else Lanczos (as in 2.) on curvlinops' operator.
 
-  Lanczos on these operators is the one-column block solver (fully re-orthogonalised,
-  images kept; ARPACK in a data-parallel fit, whose ranks must stop together).
   A budget below every estimate raises :class:`~laplace_glas.curvature.budget.MemoryBudgetError`
   naming the smallest that works. The choice is recorded in ``la.lanczos_info.plan``
   (strategy, estimates, budget) and ``.operator`` (with the reasons for a fallback).
@@ -38,7 +43,8 @@
 :func:`plan_solve` makes the choice for one
 :class:`~laplace_glas.curvature.problem.CurvatureProblem` as a :class:`Plan`; the
 empirical Fisher and Hessian backends get curvlinops' operators (streaming). Estimated
-peaks: :mod:`~laplace_glas.curvature.budget`.
+peaks: :mod:`~laplace_glas.curvature.budget`. Another strategy is one more entry of
+:data:`STRATEGIES` and one more step of :func:`plan_solve`.
 """
 
 from __future__ import annotations
@@ -220,10 +226,10 @@ def plan_solve(
         return _streaming_plan(problem, reference, "curvlinops", (), budget, base)
     jacobian = _jacobian(problem, solver, budget)
     if isinstance(jacobian, Plan):
-        return _one_column(jacobian, problem)
+        return jacobian
     built = _factored(problem, solver, budget)
     if isinstance(built, Plan):
-        return _one_column(built, problem)
+        return built
     return_freed_memory()  # the refused builds' batches, before the next attempt
     reasons = [built]  # the Jacobian is an optimisation: its refusal is no fallback
     linearized = _linearized(problem, budget)
@@ -253,12 +259,6 @@ def plan_solve(
     if size and plan.block_size is not None:
         size = {**size, "block_size": plan.block_size}
     return replace(plan, **size)
-
-
-def _one_column(plan: Plan, problem: CurvatureProblem) -> Plan:
-    """Lanczos on a stored operator as the one-column block solver (not data-parallel)."""
-    one = plan.solver == "lanczos" and problem.shards is None
-    return replace(plan, solver="block", block_size=1) if one else plan
 
 
 def _warn_fallback(solver: str, built: str, what: str) -> None:
