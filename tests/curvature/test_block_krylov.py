@@ -77,7 +77,10 @@ def test_one_column_krylov_of_a_low_rank_float32_operator_ends_with_the_space(k)
         dtype=torch.float32,
     )  # fmt: skip
     torch.testing.assert_close(res.values.double(), values[:k], rtol=1e-6, atol=0)
-    assert bool(res.converged.all()) and res.n_products <= 8
+    # the space ends after 4 products; the check for repeated eigenvalues then adds a
+    # fresh block (2 columns: the newest images and a random one) and, while it
+    # settles, goes on from random blocks where the space is exhausted (3 passes)
+    assert bool(res.converged.all()) and res.n_products <= 12
     Q = res.vectors.double()
     torch.testing.assert_close(Q.T @ Q, torch.eye(k, dtype=torch.float64), rtol=0, atol=1e-5)
 
@@ -197,7 +200,10 @@ def test_one_column_passes_are_lanczos_on_arpacks_basis_with_their_own_pass_limi
         Counting(), k, dtype=torch.float64, solver="block", block_size=1, tol=1e-9,
         generator=torch.Generator().manual_seed(0),
     )  # fmt: skip
-    assert set(widths) == {1} and pairs.n_products == pairs.n_passes == len(widths) > 50
+    # one column a pass, but for the fresh block of the repeated-eigenvalue check (the
+    # newest images beside a random column)
+    assert set(widths) <= {1, 2} and widths.count(2) <= len(widths) // 10
+    assert pairs.n_products == sum(widths) and pairs.n_passes == len(widths) > 50
     assert pairs.n_converged == k
     torch.testing.assert_close(pairs.values, values[:k], rtol=1e-9, atol=0)
     residual = A @ pairs.vectors - pairs.vectors * pairs.values
@@ -399,3 +405,41 @@ def test_blocks_keep_a_full_restart_for_clusters_wider_than_half_the_basis():
     )  # fmt: skip
     assert bool(res.converged.all()) and res.n_passes < 20
     torch.testing.assert_close(res.values, values[:k], rtol=1e-8, atol=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_one_column_solve_finds_every_copy_of_a_repeated_top_eigenvalue(seed):
+    """The top eigenvalue three times: the fresh block of the repeated-eigenvalue check
+    replaced the newest images as the next seed, so their directions never entered the
+    basis, and the solve ran to its 400-product cap with 4 of 5 pairs (ARPACK: 46
+    products). Beside the newest images, the fresh block finds the copies."""
+    D, k = 600, 5
+    values = 10 * torch.arange(1, D + 1, dtype=torch.float64) ** -1.0
+    values[:3] = 10.0
+    A = psd(values, seed=3)
+    res = block_krylov_eigenpairs(
+        lambda V: A @ V, D, k, block_size=1, max_basis=20, tol=1e-8, max_passes=400,
+        rank_threshold=100 * torch.finfo(torch.float64).eps,
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+    assert bool(res.converged.all()) and res.n_products < 100
+    torch.testing.assert_close(res.values, values[:k], rtol=1e-8, atol=0)
+
+
+@pytest.mark.parametrize("rank", [5, 8])
+def test_one_column_solve_of_a_low_rank_repeated_eigenvalue_finds_all_copies(rank):
+    """Rank r, every eigenvalue 1, k = 5: one-column Krylov finds one copy; the fresh
+    block finds more, but a space exhausted while it settled stopped the solve
+    ("the basis spans the whole space") with a zero among the top pairs (as a zero-weight
+    softmax layer on one example gave 4 of 6 copies and two zeros)."""
+    D, k = 600, 5
+    values = torch.zeros(D, dtype=torch.float64)
+    values[:rank] = 1.0
+    A = psd(values, seed=3)
+    res = block_krylov_eigenpairs(
+        lambda V: A @ V, D, k, block_size=1, max_basis=20, tol=1e-8, max_passes=600,
+        rank_threshold=100 * torch.finfo(torch.float64).eps,
+        generator=torch.Generator().manual_seed(k),
+    )  # fmt: skip
+    assert bool(res.converged.all())
+    torch.testing.assert_close(res.values, torch.ones(k, dtype=torch.float64), rtol=1e-8, atol=0)

@@ -369,8 +369,10 @@ def test_fallback_from_factored_is_recorded_and_matches(model_name, reason):
     auto = fitted(model, X, y, likelihood, "auto", k=3, loss_fn=loss_fn).lanczos_info
     # the linearised operator (kept graphs) takes over; the matrix is curvlinops' GGN
     assert auto.operator.startswith("linearised (not factored") and reason in auto.operator
-    # Lanczos as the one-column block solver (a pass per product, images kept)
-    assert auto.solver == "block" and auto.n_passes == auto.n_products
+    # Lanczos as the one-column block solver (a pass per product, images kept; the
+    # repeated-eigenvalue check's passes take two columns)
+    assert auto.solver == "block" and auto.n_passes <= auto.n_products
+    assert auto.n_products <= auto.n_passes + auto.n_passes // 4
     assert_same_eigenpairs(auto, ref, val_tol=1e-10)
     la = ActiveSubspaceLaplace(model, likelihood, n_components=3, solver="dual", loss_fn=loss_fn)
     with pytest.warns(UserWarning, match="needs the factored GGN"):

@@ -407,8 +407,10 @@ def test_fit_on_the_linearised_operator_matches_the_reference(solver):
     ours, n_terms = info_of(solver)
     ref, _ = info_of("lanczos")
     assert ours.operator.startswith("linearised (not factored")
-    # 'auto': Lanczos as the one-column block solver (a pass per product, images kept)
-    assert ours.solver == "block" and (ours.n_passes == ours.n_products) == (solver == "auto")
+    # 'auto': Lanczos as the one-column block solver (a pass per product, images kept;
+    # the repeated-eigenvalue check's passes take two columns)
+    one_column = ours.n_products <= ours.n_passes + ours.n_passes // 4
+    assert ours.solver == "block" and one_column == (solver == "auto")
     assert ref.operator == "curvlinops" and ref.solver == "lanczos"
     G = dense_ggn(model, batches, TokenCrossEntropy("sum", ignore_index=PAD), 6) / n_terms
     expected = torch.linalg.eigvalsh(G).flip(0)[:4]
@@ -428,7 +430,9 @@ def test_over_budget_fit_records_both_reasons():
     assert "not factored" in info.operator and "not linearised: the kept graphs" in info.operator
     assert info.operator.startswith("curvlinops") and info.plan["strategy"] == "streaming"
     # streaming, too, is a pass per product: Lanczos as the one-column block solver
-    assert info.solver == "block" and info.n_passes == info.n_products
+    # (the repeated-eigenvalue check's passes take two columns)
+    assert info.solver == "block" and info.n_passes <= info.n_products
+    assert info.n_products <= info.n_passes + info.n_passes // 4
 
 
 @pytest.mark.usefixtures("without_jacobian")

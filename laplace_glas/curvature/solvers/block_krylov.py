@@ -259,21 +259,21 @@ def block_krylov_eigenpairs(
         if n_passes >= max_passes:
             break
         fresh = False
+        settling = fresh_at is not None and n_passes - fresh_at < _FRESH_PASSES
         if kk == k and bool(converged.all()):
-            settling = fresh_at is not None and n_passes - fresh_at < _FRESH_PASSES
             if not settling:
                 if not _needs_fresh_block(theta[:k], verified, p, tol, floor):
                     break
-                # a repeated eigenvalue: a block Krylov space holds at most p copies of
-                # it (in exact arithmetic), so missing copies would pass every residual
-                # test. Add a random block and grow it for a few passes; if the top k
-                # change, iterate on (and check again).
+                # a block Krylov space holds at most p copies of an eigenvalue (exact
+                # arithmetic): missing copies pass every residual test. Add a random
+                # block, grow it a few passes; if the top k change, iterate on.
                 verified, fresh, fresh_at = theta[:k].clone(), True, n_passes
-        # next block: the images of the newest block (or a random one), orthogonalised
-        # against the basis
+        # next block: the newest images (fresh: a random block beside them); an exhausted
+        # space goes on from a random block unless converged (settling is not)
         if fresh or seed is None:
-            seed, seed_norms = random_block() if fresh else space.newest_images(newest), None
-        done = fresh or (kk == k and bool(converged.all()))
+            seed, seed_norms = space.newest_images(newest), None
+            seed = torch.cat([seed, random_block()], 1) if fresh else seed
+        done = kk == k and bool(converged.all()) and not (fresh or settling)
         new, restarted = _new_directions(
             seed, space.Q, drop, None if done else random_block, seed_norms
         )
@@ -282,7 +282,7 @@ def block_krylov_eigenpairs(
         if new.shape[1] == 0:  # the basis spans the whole space
             break
         if space.m + new.shape[1] > max_basis:  # thick restart from the leading Ritz vectors
-            keep = _restart_size(theta.numel(), k, p, max_basis - new.shape[1])
+            keep = _restart_size(theta.numel(), k, p, max(k + p, max_basis - new.shape[1]))
             space.restart(S[:, :keep])
             # the basis now holds the Ritz vectors themselves
             theta, S = theta[:keep], torch.eye(keep, dtype=dtype, device=device)
@@ -294,7 +294,7 @@ def block_krylov_eigenpairs(
         room = max_basis - space.m
         if room == 0:
             break
-        Q = new[:, : min(p, room)]
+        Q = new[:, :room]  # p columns, or 2 p with a fresh block
         relation = relation and Q.shape[1] == new.shape[1]  # a cut block leaves images out
         del new
         space.append(Q, matmat(Q))
