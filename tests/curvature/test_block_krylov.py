@@ -407,23 +407,27 @@ def test_blocks_keep_a_full_restart_for_clusters_wider_than_half_the_basis():
     torch.testing.assert_close(res.values, values[:k], rtol=1e-8, atol=0)
 
 
+def one_column_solve(values: torch.Tensor, k: int, seed: int, max_passes: int):
+    """Lanczos as the one-column solver (basis 20) on ``psd(values, seed=3)``."""
+    A = psd(values, seed=3)
+    return block_krylov_eigenpairs(
+        lambda V: A @ V, values.numel(), k, block_size=1, max_basis=20, tol=1e-8,
+        max_passes=max_passes, rank_threshold=100 * torch.finfo(torch.float64).eps,
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_one_column_solve_finds_every_copy_of_a_repeated_top_eigenvalue(seed):
     """The top eigenvalue three times: the fresh block of the repeated-eigenvalue check
     replaced the newest images as the next seed, so their directions never entered the
     basis, and the solve ran to its 400-product cap with 4 of 5 pairs (ARPACK: 46
     products). Beside the newest images, the fresh block finds the copies."""
-    D, k = 600, 5
-    values = 10 * torch.arange(1, D + 1, dtype=torch.float64) ** -1.0
+    values = 10 * torch.arange(1, 601, dtype=torch.float64) ** -1.0
     values[:3] = 10.0
-    A = psd(values, seed=3)
-    res = block_krylov_eigenpairs(
-        lambda V: A @ V, D, k, block_size=1, max_basis=20, tol=1e-8, max_passes=400,
-        rank_threshold=100 * torch.finfo(torch.float64).eps,
-        generator=torch.Generator().manual_seed(seed),
-    )  # fmt: skip
+    res = one_column_solve(values, 5, seed, max_passes=400)
     assert bool(res.converged.all()) and res.n_products < 100
-    torch.testing.assert_close(res.values, values[:k], rtol=1e-8, atol=0)
+    torch.testing.assert_close(res.values, values[:5], rtol=1e-8, atol=0)
 
 
 @pytest.mark.parametrize("rank", [5, 8])
@@ -432,14 +436,8 @@ def test_one_column_solve_of_a_low_rank_repeated_eigenvalue_finds_all_copies(ran
     block finds more, but a space exhausted while it settled stopped the solve
     ("the basis spans the whole space") with a zero among the top pairs (as a zero-weight
     softmax layer on one example gave 4 of 6 copies and two zeros)."""
-    D, k = 600, 5
-    values = torch.zeros(D, dtype=torch.float64)
+    values = torch.zeros(600, dtype=torch.float64)
     values[:rank] = 1.0
-    A = psd(values, seed=3)
-    res = block_krylov_eigenpairs(
-        lambda V: A @ V, D, k, block_size=1, max_basis=20, tol=1e-8, max_passes=600,
-        rank_threshold=100 * torch.finfo(torch.float64).eps,
-        generator=torch.Generator().manual_seed(k),
-    )  # fmt: skip
+    res = one_column_solve(values, 5, 5, max_passes=600)
     assert bool(res.converged.all())
-    torch.testing.assert_close(res.values, torch.ones(k, dtype=torch.float64), rtol=1e-8, atol=0)
+    torch.testing.assert_close(res.values, torch.ones(5, dtype=torch.float64), rtol=1e-8, atol=0)
