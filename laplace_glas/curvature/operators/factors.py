@@ -225,8 +225,8 @@ def _row_vectors(
     cross-entropy: ``C - 1`` rows per position. ``Lambda = diag(p) - p p^T =
     D_s (I - s s^T) D_s`` with ``s = sqrt(p)`` (a unit vector), and ``I - s s^T = Q Q^T``
     with ``Q`` the ``C - 1`` columns of the Householder reflector
-    ``H = I - 2 u u^T / u^T u``, ``u = s + sign(s_C) e_C``, other than its last
-    (``H e_C = -sign(s_C) s``); so ``Lambda = (Q^T D_s)^T (Q^T D_s)``, one row fewer than
+    ``H = I - 2 u u^T / u^T u``, ``u = s + e_C`` (``s_C >= 0``), other than its last
+    (``H e_C = -s``); so ``Lambda = (Q^T D_s)^T (Q^T D_s)``, one row fewer than
     ``diag(sqrt p)(I - 1 p^T)`` (exactly: no eigen-decomposition). Every quantity built
     from the rows (``S^T S``, its diagonal, KFAC's output-side factor ``sum_r g_r g_r^T``,
     the non-zero spectrum of ``S S^T``) is the same for any such square root.
@@ -242,7 +242,7 @@ def _row_vectors(
         return out.new_zeros(P, B, *out.shape[1:])
     s = torch.softmax(out.detach().reshape(B, P, C), dim=-1).sqrt()
     u = s.clone()
-    u[..., -1] += torch.where(s[..., -1] >= 0, 1.0, -1.0)
+    u[..., -1] += 1.0  # s_C >= 0: no cancellation in u^T u >= 1
     H = -2.0 * u[..., :, None] * u[..., None, :] / (u * u).sum(-1)[..., None, None]
     H.diagonal(dim1=-2, dim2=-1).add_(1.0)
     mask = (y.reshape(B, P) != ignore_index).to(out.dtype) * scale

@@ -23,8 +23,9 @@ products' round-off level ``max(tol, sqrt(eps)) theta_1`` (float32 products of a
 linearised model can sit above ``tol``: an LSTM tagger's stalled at 6e-5 relative,
 where float64 reached 1e-8 in 53 products; the solver used to run on to its pass
 limit, 400 products, at the same residuals); when the basis would exceed
-``max_basis`` columns it is thick-restarted from the leading Ritz vectors (half way
-between ``k + p`` of them and a full basis, so that restarts come every few passes).
+``max_basis`` columns it is thick-restarted from the leading Ritz vectors (with one
+column a pass, half way between ``k + 1`` of them and a full basis, so that restarts
+come every few passes).
 The basis is stored column-major, each vector contiguous, which the products with a
 few columns read two to three times faster.
 Rank-deficient operators are fine: directions that vanish in the orthogonalisation
@@ -80,8 +81,8 @@ def _orthonormalize(
 
     One round of classical Gram-Schmidt against the basis, a QR whose numerically
     dependent columns (``|R_ii| <= drop * max_j ||b_j||``, the block's largest column
-    norm before the projection) are dropped, then, where a kept column lost more than
-    ``1 - 1/sqrt(2)`` of its norm to the first round, a second round ("twice is
+    norm before the projection) are dropped, then, where a column was dropped or lost
+    more than ``1 - 1/sqrt(2)`` of its norm to the first round, a second round ("twice is
     enough": it removes what the first left through cancellation; a first round that
     cancelled less leaves the column orthogonal to round-off, the criterion of ARPACK's
     DGKS step), in which a column that loses more than half its norm is dropped too, and
@@ -282,7 +283,7 @@ def block_krylov_eigenpairs(
         if new.shape[1] == 0:  # the basis spans the whole space
             break
         if space.m + new.shape[1] > max_basis:  # thick restart from the leading Ritz vectors
-            keep = _restart_size(theta.numel(), k, p, max(k + p, max_basis - new.shape[1]))
+            keep = _restart_size(theta.numel(), k, p, max_basis - new.shape[1])
             space.restart(S[:, :keep])
             # the basis now holds the Ritz vectors themselves
             theta, S = theta[:keep], torch.eye(keep, dtype=dtype, device=device)
