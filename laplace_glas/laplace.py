@@ -140,8 +140,9 @@ class ActiveSubspaceLaplace(
     block_size : int, optional
         Columns per data pass of the block solver (default ``max(k, 8)``).
     tol : float, default=0.0
-        Relative tolerance (``0``: 1e-5 in float32, machine precision in float64 for
-        Lanczos; 1e-5 / 1e-8 in float32 / float64 for the block solver).
+        Relative residual ``||G u - theta u|| <= tol theta`` of each pair (``0``: 1e-4
+        in float32, where the products' own rounding limits the eigenvectors anyway;
+        in float64 machine precision for Lanczos and 1e-8 for the block solver).
     maxiter : int, optional
         Lanczos restarts allowed (ARPACK's default ``10 * D``); block solver: data
         passes (default ``50 * ceil(max(k, 8) / block_size)``).

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import loader
 from scipy.sparse.linalg import LinearOperator
+from scipy.sparse.linalg import eigsh as real_eigsh
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -153,7 +154,7 @@ def test_record_refuses_vectors_outside_the_recorded_span():
 
 
 def test_float32_default_tolerance_keeps_the_dense_eigenvalues():
-    """``tol=0`` asks ARPACK for 1e-5 in float32: the eigenvalues stay those of the
+    """``tol=0`` asks ARPACK for 1e-4 in float32: the eigenvalues stay those of the
     dense float64 GGN to float32 accuracy, the residual check (recombined from the
     float32 record) gives the dense GGN's residuals and does not warn.
     """
@@ -167,3 +168,47 @@ def test_float32_default_tolerance_keeps_the_dense_eigenvalues():
     assert eig.n_products == eig.n_passes  # the float32 record served the check
     residuals = _reference_residuals(G, eig)
     torch.testing.assert_close(eig.residuals.double(), residuals, rtol=0, atol=1e-5)
+
+
+def _classifier_ggn(dtype):
+    """A 5-40-40-6 tanh classifier's factored GGN (N = 300, D = 2,126)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(5, 40), nn.Tanh(), nn.Linear(40, 40), nn.Tanh(), nn.Linear(40, 6)
+    ).to(dtype)
+    X = torch.randn(300, 5, dtype=torch.float64).to(dtype)
+    y = torch.randint(0, 6, (300,))
+    op = build_factored_ggn(
+        model.eval(), list(model.parameters()), loader(X, y, 50), "classification", 300
+    )
+    assert isinstance(op, FactoredGGN), op
+    return op
+
+
+def test_float32_default_tolerance_is_at_the_products_rounding_floor(monkeypatch):
+    """The float32 default (:data:`~eigensolve.FLOAT32_TOL`, ARPACK's ``tol``) leaves the
+    top-10 eigenvectors as close to the float64 GGN's as a solve to ``tol=1e-7``: the
+    float32 products' rounding, not the tolerance, limits them (the largest principal
+    angle's sine, about 7e-4 either way), for fewer products.
+    """
+    G = _classifier_ggn(torch.float64).matmat_torch(torch.eye(2126, dtype=torch.float64))
+    exact = torch.linalg.eigh((G + G.T) / 2).eigenvectors.flip(1)[:, :10]
+    op = _classifier_ggn(torch.float32)
+    asked = []
+    monkeypatch.setattr(
+        lanczos, "eigsh", lambda *a, **kw: asked.append(kw["tol"]) or real_eigsh(*a, **kw)
+    )
+
+    def span_sine(tol):
+        eig = compute_eigenpairs(
+            op, 10, dtype=torch.float32, solver="lanczos", tol=tol,
+            generator=torch.Generator().manual_seed(0),
+        )  # fmt: skip
+        overlap = torch.linalg.svdvals(exact.T @ eig.vectors.double())
+        return float((1 - overlap.min() ** 2).sqrt()), eig.n_products
+
+    default, tight = span_sine(0.0), span_sine(1e-7)
+    assert asked == [eigensolve.FLOAT32_TOL, 1e-7] and eigensolve.FLOAT32_TOL == 1e-4
+    assert tight[0] < 2e-3  # the float32 floor itself
+    assert default[0] <= 1.5 * tight[0]
+    assert default[1] < tight[1]
