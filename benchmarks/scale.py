@@ -245,6 +245,7 @@ def run_one(case: str, method: str, args) -> dict:
             values=[float(v) for v in info.raw_values],
             operator=str(info.operator),
             solver=str(info.solver),
+            products=int(info.n_products),
             plan=info.plan if isinstance(info.plan, dict) else None,
         )
     return out
@@ -312,6 +313,8 @@ def describe(r: dict) -> str:
     if "operator" not in r:
         return r.get("error", "n/a" if r.get("na") else "-")
     text = f"{r['solver']} / {r['operator']}"
+    if "products" in r:
+        text += f", {r['products']} products"
     plan = r.get("plan") or {}
     extra = {key: plan[key] for key in ("strategy", "estimate", "estimate_bytes") if key in plan}
     extra.update({key: plan[key] for key in plan if "peak" in key})

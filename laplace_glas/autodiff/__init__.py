@@ -2,6 +2,8 @@
 
 * :mod:`~laplace_glas.autodiff.context`: the context that puts a model in evaluation
   mode and swaps in differentiable kernels.
+* :mod:`~laplace_glas.autodiff.cotangents`: backward graphs that keep only what their
+  derivative in the cotangent reads (the linearised GGN's kept graphs).
 * :mod:`~laplace_glas.autodiff.frozen`: elementwise activations whose derivative is
   frozen at the linearisation point (the linearised GGN's kept graphs).
 * :mod:`~laplace_glas.autodiff.kernels`: attention and recurrent kernels written for
