@@ -43,20 +43,14 @@ __all__ = ["cotangent_free_saving"]
 class _Dropped:
     """A saved tensor not kept: its shape, dtype and device."""
 
-    __slots__ = ("_zero", "device", "dtype", "shape")
+    __slots__ = ("device", "dtype", "shape")
 
     def __init__(self, tensor: torch.Tensor):
         self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
-        self._zero: torch.Tensor | None = None
 
     def unpacked(self) -> torch.Tensor:
-        """A zero of the saved tensor's shape with zero strides (no memory), made at
-        the first unpacking and reused by the products after it.
-        """
-        if self._zero is None:
-            zero = torch.zeros((), dtype=self.dtype, device=self.device)
-            self._zero = zero.expand(self.shape)
-        return self._zero
+        """A zero of the saved tensor's shape with zero strides (no memory)."""
+        return torch.zeros((), dtype=self.dtype, device=self.device).expand(self.shape)
 
 
 class _Reaches:
