@@ -88,11 +88,12 @@ def per_batch(name: str) -> dict:
         for X, y in loader:
             gc.collect()
             return_freed_memory()
-            rss, counted, storages = status_bytes("VmRSS"), counter.bytes, counter.storages
+            rss, counted = status_bytes("VmRSS"), counter.bytes
+            heap = counter.heap_bytes(HOST_PAGE_BYTES)
             kept.append(linearize_batch(model, loss, params, X, y, num_data=n, counter=counter))
             gc.collect()
             return_freed_memory()
-            pages = HOST_PAGE_BYTES * (counter.storages - storages)
+            pages = counter.heap_bytes(HOST_PAGE_BYTES) - heap  # incl. dropped tensors' holes
             grown = status_bytes("VmRSS") - rss
             rows.append([(counter.bytes - counted) / 2**20, pages / 2**20, grown / 2**20])
     later = rows[1:] or rows
