@@ -1,7 +1,7 @@
-"""The linearised operators' backward graphs without the tensors their ``J v`` never reads
-(:mod:`laplace_glas.autodiff.cotangents`): products bit for bit those of the whole
-graphs and of the explicit GGN, less memory, and a backward pass that does read them
-built whole."""
+"""The linearised operators' backward graphs, recorded at ``u = 0``, without their saved
+tensors that are all zero (:mod:`laplace_glas.autodiff.cotangents`): products bit for
+bit those of the whole graphs and of the explicit GGN, less memory, also for backward
+passes that read nonzero tensors computed from ``u``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from test_linearized import regression_batches as regression
 from torch import nn
 
 from laplace_glas.autodiff.context import autodiff_friendly
-from laplace_glas.autodiff.cotangents import cotangent_free_saving
+from laplace_glas.autodiff.cotangents import _all_zero, zero_free_saving
 from laplace_glas.curvature.operators import linearized as linearized_module
 from laplace_glas.curvature.operators.graph_bytes import SavedBytes
 from laplace_glas.curvature.operators.linearized import LinearizedGGN
@@ -20,12 +20,12 @@ from laplace_glas.curvature.operators.relinearized import RelinearizedGGN
 
 
 def _whole_graphs(monkeypatch):
-    """Every ``linearize_batch`` keeps its cotangents."""
+    """Every ``linearize_batch`` keeps its whole graphs."""
     original = linearized_module.linearize_batch
     monkeypatch.setattr(
         linearized_module,
         "linearize_batch",
-        lambda *args, **kwargs: original(*args, **{**kwargs, "drop_cotangents": False}),
+        lambda *args, **kwargs: original(*args, **{**kwargs, "drop_zeros": False}),
     )
 
 
@@ -40,7 +40,7 @@ def _gru_problem():
 @pytest.mark.parametrize(
     "name", ["mlp-mse", "lstm-tokens", "attention-dict", "gpt2-lora-tokens", "gru"]
 )
-def test_dropped_cotangents_change_no_product_and_keep_less(name, monkeypatch):
+def test_dropped_zeros_change_no_product_and_keep_less(name, monkeypatch):
     model, batches, loss_func, num_data = _gru_problem() if name == "gru" else problem(name)
     size = (lambda X: X["x"].shape[0]) if name == "attention-dict" else None
     V = torch.randn(
@@ -69,8 +69,8 @@ SAVING = ("lstm-tokens", "gpt2-lora-tokens", "gru")
 
 class ReadsItsCotangent(torch.autograd.Function):
     """The identity, whose backward ``((g + 1)^2 - g^2 - 1) / 2 = g`` is linear in the
-    gradient ``g`` but multiplies two tensors that depend on it: its derivative in ``g``
-    reads the saved copies of ``g + 1`` and ``g``, which dropping would zero."""
+    gradient ``g`` but reads ``g + 1``, which depends on ``u`` and is not zero at
+    ``u = 0``: it must be kept (``g`` itself, zero there, need not)."""
 
     @staticmethod
     def forward(x):
@@ -85,43 +85,72 @@ class ReadsItsCotangent(torch.autograd.Function):
         return ((grad + 1) * (grad + 1) - grad * grad - 1) / 2
 
 
-def test_a_backward_that_reads_its_cotangents_is_kept_whole(monkeypatch):
+class DividesByItsCotangent(ReadsItsCotangent):
+    """The identity, whose backward ``g (2 + g) / (2 + g) = g`` divides by a tensor that
+    depends on ``u``: zeroed, it would make ``J v`` NaN."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        s = 2.0 + grad
+        return grad * s / s
+
+
+class LongSequencesOnly(nn.Module):
+    """``b(mean_t f(tanh(a x_t)))`` with ``f`` a custom backward only on sequences
+    longer than 4 steps: the first batch (3 steps) does not reach it, the second does."""
+
+    def __init__(self, function):
+        super().__init__()
+        self.a, self.b, self.function = nn.Linear(3, 5), nn.Linear(5, 2), function
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if x.shape[1] > 4:
+            h = self.function.apply(h)
+        return self.b(h.mean(1))
+
+
+@pytest.mark.parametrize("function", [ReadsItsCotangent, DividesByItsCotangent])
+def test_backward_passes_that_read_nonzero_tensors_of_u_keep_them(function, monkeypatch):
     torch.manual_seed(0)
-    model = CustomMLP(ReadsItsCotangent).to(F64)
-    batches = regression()
-    op = linearized(model, batches, nn.MSELoss(), 12)
-    assert isinstance(op, LinearizedGGN), op
-    V = torch.randn(op.shape[0], 2, generator=torch.Generator().manual_seed(0), dtype=F64)
-    torch.testing.assert_close(op @ V, dense_ggn(model, batches, nn.MSELoss(), 12) @ V)
-    _whole_graphs(monkeypatch)
-    assert op.saved_bytes == linearized(model, batches, nn.MSELoss(), 12).saved_bytes
+    g = torch.Generator().manual_seed(0)
+    problems = [
+        (CustomMLP(function).to(F64), regression()),
+        (
+            LongSequencesOnly(function).to(F64),
+            [
+                (torch.randn(4, 3, 3, generator=g, dtype=F64), torch.randn(4, 2, dtype=F64)),
+                (torch.randn(4, 6, 3, generator=g, dtype=F64), torch.randn(4, 2, dtype=F64)),
+            ],
+        ),
+    ]
+    for model, batches in problems:
+        n = sum(len(y) for _, y in batches)
+        op = linearized(model, batches, nn.MSELoss(), n)
+        assert isinstance(op, LinearizedGGN), op
+        V = torch.randn(op.shape[0], 2, generator=torch.Generator().manual_seed(0), dtype=F64)
+        product = op @ V
+        torch.testing.assert_close(product, dense_ggn(model, batches, nn.MSELoss(), n) @ V)
+        rebuilt = RelinearizedGGN(
+            model, nn.MSELoss(), list(model.parameters()), batches, num_data=n, batch_bytes=2**20
+        )
+        with autodiff_friendly(model):
+            assert rebuilt.check() is None
+            assert torch.equal(rebuilt @ V, product)
+        with monkeypatch.context() as patch:
+            _whole_graphs(patch)
+            assert torch.equal(linearized(model, batches, nn.MSELoss(), n) @ V, product)
 
 
-@pytest.mark.parametrize("activation, drops", [(ReadsItsCotangent, False), (None, True)])
-def test_rebuilt_graphs_drop_cotangents_unless_the_check_fails(activation, drops):
-    torch.manual_seed(0)
-    model = (CustomMLP(activation) if activation else nn.Sequential(
-        nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)
-    )).to(F64)  # fmt: skip
-    batches = regression()
-    params = list(model.parameters())
-    operator = RelinearizedGGN(model, nn.MSELoss(), params, batches, num_data=12, batch_bytes=2**20)
-    with autodiff_friendly(model):
-        assert operator.check() is None
-        assert operator.drop_cotangents is drops
-        V = torch.randn(operator.shape[0], 2, generator=torch.Generator().manual_seed(0), dtype=F64)
-        torch.testing.assert_close(operator @ V, dense_ggn(model, batches, nn.MSELoss(), 12) @ V)
-
-
-def test_the_dropped_tensors_are_counted_and_hold_no_memory():
-    """A weight gradient ``u^T x`` of a linear map: its graph in ``u`` needs ``x``, not
-    ``u``; the dropped ``u`` unpacks as a zero-stride zero and is counted for the heap."""
+def test_the_zero_tensors_are_counted_and_hold_no_memory():
+    """A weight gradient ``u^T x``: its graph keeps ``x``; ``u^T``, zero at ``u = 0``,
+    unpacks as a zero-stride zero and is counted for the heap."""
     x = torch.tanh(torch.randn(50, 40, dtype=F64, requires_grad=True))
     W = torch.randn(30, 40, dtype=F64, requires_grad=True)
     out = x @ W.T
     u = torch.zeros_like(out, requires_grad=True)
     counter = SavedBytes(set())
-    with cotangent_free_saving(u, counter.pack, counter.drop):
+    with zero_free_saving(counter.pack, counter.drop):
         (pullback,) = torch.autograd.grad(out, W, u, create_graph=True)
     assert counter.dropped >= 1 and counter.bytes <= x.nbytes
     assert counter.heap_bytes(4096) == 4096 * counter.storages + 2048 * counter.dropped
@@ -130,17 +159,27 @@ def test_the_dropped_tensors_are_counted_and_hold_no_memory():
     torch.testing.assert_close(Jv, x @ v.T)
 
 
-def test_a_graph_deeper_than_python_recursion_is_searched():
-    x = torch.randn(4, dtype=F64, requires_grad=True)
-    y = x
-    for _ in range(3000):  # a chain of 3000 saved results
-        y = torch.tanh(y)
-    u = torch.zeros_like(y, requires_grad=True)
-    counter = SavedBytes(set())
-    with cotangent_free_saving(u, counter.pack, counter.drop):
-        (pullback,) = torch.autograd.grad(y, x, u, create_graph=True)
-    assert counter.dropped == 2999  # the first op's gradient is u itself, kept
-    v = torch.randn(4, dtype=F64)
-    (Jv,) = torch.autograd.grad(pullback, u, v)
-    (reference,) = torch.autograd.grad(torch.autograd.grad(y, x, u, create_graph=True)[0], u, v)
-    torch.testing.assert_close(Jv, reference)
+def test_only_tensors_zero_in_every_element_are_dropped():
+    kept, dropped = [], []
+    with zero_free_saving(lambda t: kept.append(t) or t, dropped.append):
+        for values in ([0.0, 0.0], [0.0, float("nan")], [0.0, 1e-300], [-0.0, 0.0]):
+            torch.sin(torch.tensor(values, dtype=F64, requires_grad=True))  # saves its input
+    assert [t.tolist() for t in dropped] == [[0.0, 0.0], [-0.0, 0.0]]
+    assert len(kept) == 2 and torch.isnan(kept[0][1]) and kept[1][1] == 1e-300
+    sparse = torch.zeros(2, 2).to_sparse()
+    assert not _all_zero(sparse) and _all_zero(torch.zeros(2, 2))  # sparse: kept as it is
+
+
+class SqrtAtZero(ReadsItsCotangent):
+    """The identity, whose backward ``g + 0 sqrt(g)`` is ``g`` but whose derivative in
+    ``g`` at ``g = 0`` is ``1 + 0 * inf``: NaN."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad + 0.0 * grad.sqrt()
+
+
+def test_a_non_finite_j_v_fails_the_adjoint_check():
+    torch.manual_seed(0)
+    reason = linearized(CustomMLP(SqrtAtZero).to(F64), regression(), nn.MSELoss(), 12)
+    assert isinstance(reason, str) and "<u, J v> = <J^T u, v>" in reason

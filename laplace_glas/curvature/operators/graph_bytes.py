@@ -100,8 +100,8 @@ class SavedBytes:
 
     def drop(self, tensor: torch.Tensor) -> None:
         """Record a saved tensor that the graph does not keep
-        (:func:`~laplace_glas.autodiff.cotangents.cotangent_free_saving`): freed amid
-        the kept storages, it leaves heap pages resident (:meth:`heap_bytes`).
+        (:func:`~laplace_glas.autodiff.cotangents.zero_free_saving`): freed amid the
+        kept storages, it leaves heap pages resident (:meth:`heap_bytes`).
         """
         self.dropped += 1
 
@@ -109,7 +109,7 @@ class SavedBytes:
         """What the host heap keeps resident beside the kept storages, for pages of
         ``page`` bytes: a page per kept storage (freed temporaries share the pages at
         its ends, :data:`~laplace_glas.curvature.budget.HOST_PAGE_BYTES`) and half a page
-        per dropped tensor (a hole amid the kept storages; measured 2.0-3.0 KB each on
+        per tensor not kept (a hole amid the kept storages; measured 2.0-3.0 KB each on
         the models of ``benchmarks/kept_graph_memory.py``).
         """
         return page * self.storages + page // 2 * self.dropped

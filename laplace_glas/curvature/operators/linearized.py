@@ -42,12 +42,12 @@ cannot batch falls back to one column at a time.
 
 Memory: the kept graphs hold the activations of every batch and of its first
 backward pass, plus per batch the outputs, the loss gradient and ``J_b^T u`` (``D``
-numbers). The backward pass's graph keeps none of the tensors that depend on ``u``
-(:mod:`~laplace_glas.autodiff.cotangents`): its derivative in ``u`` never reads them
-(kept graphs per batch, ``benchmarks/kept_graph_memory.py``: a GRU 16.6 -> 8.0 MiB, an
-LSTM tagger 31.8 -> 11.8 MiB, a transformer encoder 21.4 -> 10.8 MiB; products bit for
-bit the same). The first batch's check of ``J v`` runs with them dropped; where it
-fails, every batch keeps them. :func:`build_linearized_ggn` counts them
+numbers). The backward pass is recorded at ``u = 0``, so the gradients flowing back
+through it are zero; its graph keeps none of its saved tensors that are zero in every
+element, which unpack as zero-stride zeros (:mod:`~laplace_glas.autodiff.cotangents`;
+kept graphs per batch, ``benchmarks/kept_graph_memory.py``: a GRU 16.6 -> 8.0 MiB, an
+LSTM tagger 31.8 -> 11.8 MiB, a transformer encoder 21.4 -> 10.8 MiB; the same
+products). :func:`build_linearized_ggn` counts them
 (:class:`~laplace_glas.curvature.operators.graph_bytes.SavedBytes`: the tensors the graphs save
 through ``torch.autograd.graph.saved_tensors_hooks`` and the ones it holds itself, each
 storage once and whole, a batch's inputs by the rows they span, the model's own
@@ -64,7 +64,7 @@ which the estimate adds per batch, whatever its size (``benchmarks/
 kept_graph_memory.py``: without them a batch's resident memory was 1.7-13.5% above its
 count for the models of ``benchmarks/linearized_cost.py`` and a GRU regressor in
 batches of 200, 34% for the GRU in batches of 32, whose storages are a few pages each;
-with them 0.94-1.03 of it), and half a page per dropped tensor, a hole amid them
+with them 0.94-1.03 of it), and half a page per zero tensor not kept, a hole amid them
 (measured 2.0-3.0 KB each). A process's first pass takes some MiB for itself; the
 measured-peak warning reports what :data:`~laplace_glas.curvature.budget.HOST_SLACK`
 does not cover.
@@ -80,7 +80,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from laplace_glas.autodiff.cotangents import cotangent_free_saving
+from laplace_glas.autodiff.cotangents import zero_free_saving
 from laplace_glas.autodiff.frozen import frozen_elementwise_derivatives
 from laplace_glas.curvature.batch_sizes import BatchSizes
 from laplace_glas.curvature.batches import batch_to_device
@@ -268,17 +268,17 @@ def linearize_batch(
     batch_size_fn: Callable | None = None,
     device: torch.device | str = "cpu",
     counter: SavedBytes | None = None,
-    drop_cotangents: bool = True,
+    drop_zeros: bool = True,
 ) -> _Linearization | str:
     """One batch's kept graphs: its outputs ``f_b`` (a forward pass with the elementwise
     activations' derivatives frozen), ``J_b^T u`` built with ``create_graph=True`` and
     the loss gradient ``c nabla_f l_b``; or why the batch cannot be linearised.
 
     ``counter`` (a ``SavedBytes``) counts the bytes the graphs save and the ones
-    the linearisation holds itself. ``drop_cotangents``: the graph of ``J_b^T u`` keeps
-    none of the tensors that depend on ``u``, which its derivative in ``u`` never reads
-    (:mod:`~laplace_glas.autodiff.cotangents`; the callers check the first batch's
-    ``J v`` with them dropped and build without dropping where it fails).
+    the linearisation holds itself. ``drop_zeros``: the graph of ``J_b^T u``, recorded
+    at ``u = 0``, keeps none of its saved tensors that are zero in every element (the
+    gradients flowing back, linear in ``u``); they unpack as zero-stride zeros, their
+    value (:mod:`~laplace_glas.autodiff.cotangents`).
     """
     counter = counter if counter is not None else SavedBytes(set())
     X = batch_to_device(X, device)
@@ -292,11 +292,7 @@ def linearize_batch(
         if not outputs.requires_grad:
             return "the model output does not depend on the parameters"
         dummy = torch.zeros_like(outputs, requires_grad=True)
-        saving = (
-            cotangent_free_saving(dummy, counter.pack, counter.drop)
-            if drop_cotangents
-            else counter.hooks()
-        )
+        saving = zero_free_saving(counter.pack, counter.drop) if drop_zeros else counter.hooks()
         with saving:
             pullback = torch.autograd.grad(
                 outputs, params, dummy, create_graph=True, allow_unused=True
@@ -389,23 +385,13 @@ def build_linearized_ggn(
         n_batches = len(data)
     except TypeError:
         n_batches = None
-    drop = True  # until the first batch's check fails with the cotangents dropped
     for X, y in progress(data, "Linearising", progress_bar):
         kept = linearize_batch(
             model, loss_func, params, X, y, num_data=num_data, batch_size_fn=batch_size_fn,
-            device=device, counter=counter, drop_cotangents=drop,
+            device=device, counter=counter,
         )  # fmt: skip
         if isinstance(kept, str):
             return kept
-        if not linearizations and _adjoint_check(LinearizedGGN([kept], params, 0), kept):
-            del kept  # checked again below, kept whole
-            drop, counter = False, SavedBytes.beside(model)
-            kept = linearize_batch(
-                model, loss_func, params, X, y, num_data=num_data,
-                batch_size_fn=batch_size_fn, device=device, counter=counter, drop_cotangents=False,
-            )  # fmt: skip
-            if isinstance(kept, str):
-                return kept
         linearizations.append(kept)
         # the batch's freed temporaries, interleaved on the heap with its kept graphs,
         # stay resident unless handed back (a GRU's: 6 MiB beside 17 MiB kept a batch)
@@ -443,8 +429,7 @@ def build_linearized_ggn(
     operator = LinearizedGGN(
         linearizations, params, counter.bytes, column_bytes, heap_bytes=counter.heap_bytes(page)
     )
-    # the first batch was checked with its cotangents dropped, where they are
-    reason = None if drop else _adjoint_check(operator, linearizations[0])
+    reason = _adjoint_check(operator, linearizations[0])
     if reason is not None:
         return reason
     return operator
@@ -482,7 +467,7 @@ def _adjoint_check(operator: LinearizedGGN, lin: _Linearization) -> str | None:
     # rounding is relative to the terms' magnitudes, not to the (cancelling) sums
     size = left_terms.abs().sum() + right_terms.abs().sum()
     tol = 2e-6 if operator.torch_dtype == torch.float32 else 1e-13  # correct: <= 2e-8
-    if (left - right).abs() > tol * size:
+    if not bool(torch.isfinite(left - right)) or (left - right).abs() > tol * size:
         return (
             "the double-backward Jacobian-vector product fails the check "
             f"<u, J v> = <J^T u, v> ({float(left):.6g} against {float(right):.6g}): a "

@@ -106,7 +106,6 @@ class RelinearizedGGN(LinearizedGGN):
         self.num_data = int(num_data)
         self.batch_size_fn = batch_size_fn
         self.largest_batch_bytes = 0  # the largest batch's graphs linearised so far
-        self.drop_cotangents = True  # unless check() finds that J v reads them
 
     def batches(self) -> Iterator[_Linearization]:
         """Each batch's linearisation, built when the product reaches it.
@@ -126,7 +125,6 @@ class RelinearizedGGN(LinearizedGGN):
         lin = linearize_batch(
             self.model, self.loss_func, self.params, X, y, num_data=self.num_data,
             batch_size_fn=self.batch_size_fn, device=self.device, counter=counter,
-            drop_cotangents=self.drop_cotangents,
         )  # fmt: skip
         if isinstance(lin, str):
             raise RuntimeError(
@@ -150,20 +148,11 @@ class RelinearizedGGN(LinearizedGGN):
     def check(self) -> str | None:
         """Why this model's rebuilt products cannot be trusted, or None: the kept
         operator's check of the double-backward ``J v`` against ``J^T u`` on the first
-        batch (the kept build's ``_adjoint_check``), with the cotangents of ``J^T u``'s
-        graph dropped (:mod:`~laplace_glas.autodiff.cotangents`) and, where that fails,
-        kept (then for every batch).
+        batch (the kept build's ``_adjoint_check``).
         """
         for lin in self.batches():
-            reason = _adjoint_check(self, lin)
-            break
-        else:
-            return "the loader is empty"
-        if reason is not None and self.drop_cotangents:
-            del lin
-            self.drop_cotangents = False
-            return self.check()
-        return reason
+            return _adjoint_check(self, lin)
+        return "the loader is empty"
 
     def matmat_torch(self, V: torch.Tensor) -> torch.Tensor:
         """``G V`` for ``V (D, m)``, one batch's graphs at a time."""
