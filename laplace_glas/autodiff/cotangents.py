@@ -11,13 +11,18 @@ and differentiates it in ``u`` for every product:
 Recording the backward pass, autograd saves for each of its ops the operands that the
 derivative in *any* input needs. For a weight gradient ``grad_W = g^T x`` it keeps
 ``x`` (for the derivative in the output gradient ``g``) and ``g`` (for the derivative
-in ``x``). The gradients flowing back, and what the backward pass computes from them,
-are linear in ``u``: at ``u = 0`` they are exactly zero. Inside
-:func:`zero_free_saving` a saved tensor that is zero in every element is not kept;
-autograd unpacks it as a zero-stride zero of its shape, dtype and device (no memory),
-which is its value, so every derivative computed from the graph is the one the whole
-graph gives (to the sign of a zero). Only the decision reads the tensor (one pass over
-it while the backward pass records); nothing depends on why it is zero.
+in ``x``). The gradients flowing back are linear in ``u``, so at ``u = 0`` they are
+exactly zero (other saved tensors may be zero too: an all-false mask, zero indices, a
+zero LoRA factor). Inside :func:`zero_free_saving` a saved tensor that is zero in every
+element, at the moment it is saved, is not kept; autograd unpacks it as a zero-stride
+zero of its shape, dtype and device (no memory), which is that value, so the
+derivatives computed from the graph are the whole graph's (to the sign of a zero).
+Only the decision reads the tensor, once, while the backward pass records; nothing
+depends on why it is zero. Two differences remain, both outside what autograd allows
+or assumes: a saved tensor written in place after it was saved (which autograd refuses
+without hooks) keeps its value at saving, and custom code that reads a saved tensor's
+memory layout (``as_strided``, raw pointers) sees zero strides. The test reads each
+saved tensor once (on a GPU, a synchronisation each, while the batch is linearised).
 
 On GPT-2 with LoRA over tokens (``benchmarks/scale.py --cases lora-tokens``) one batch's
 saved tensors shrank from 97 to 51 MiB, its forward graph alone.
@@ -49,11 +54,14 @@ class _Zero:
 
 def _all_zero(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a plain dense tensor whose every element is zero (a NaN is
-    not zero; sparse, meta and subclassed tensors are kept as they are).
+    not zero). Tensor subclasses (also wrapped in a parameter), sparse, nested,
+    quantized and meta tensors are kept as they are.
     """
-    if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
         return False
-    if tensor.layout != torch.strided or tensor.is_meta:
+    if tensor.layout != torch.strided or tensor.is_meta or tensor.is_nested:
+        return False
+    if tensor.is_quantized:
         return False
     return not bool(tensor.any())
 

@@ -170,6 +170,27 @@ def test_only_tensors_zero_in_every_element_are_dropped():
     assert not _all_zero(sparse) and _all_zero(torch.zeros(2, 2))  # sparse: kept as it is
 
 
+class _Wrapped(torch.Tensor):
+    """A tensor subclass: kept as it is, also inside a parameter."""
+
+
+def test_subclassed_tensors_are_kept_untested():
+    assert _all_zero(torch.zeros(3)) and _all_zero(nn.Parameter(torch.zeros(3)))
+    assert not _all_zero(torch.zeros(3).as_subclass(_Wrapped))
+    assert not _all_zero(nn.Parameter(torch.zeros(3).as_subclass(_Wrapped)))
+
+
+def test_a_gru_batch_keeps_less_than_60_percent(monkeypatch):
+    """A GRU (64 units, 8 steps) over a batch of 32."""
+    torch.manual_seed(0)
+    model = GRURegressor().eval()
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(32, 8, 8, generator=g), torch.randn(32, 1, generator=g))]
+    dropped = linearized(model, batches, nn.MSELoss(), 32).saved_bytes
+    _whole_graphs(monkeypatch)
+    assert dropped < 0.6 * linearized(model, batches, nn.MSELoss(), 32).saved_bytes
+
+
 class SqrtAtZero(ReadsItsCotangent):
     """The identity, whose backward ``g + 0 sqrt(g)`` is ``g`` but whose derivative in
     ``g`` at ``g = 0`` is ``1 + 0 * inf``: NaN."""

@@ -100,8 +100,10 @@ class SavedBytes:
 
     def drop(self, tensor: torch.Tensor) -> None:
         """Record a saved tensor that the graph does not keep
-        (:func:`~laplace_glas.autodiff.cotangents.zero_free_saving`): freed amid the
-        kept storages, it leaves heap pages resident (:meth:`heap_bytes`).
+        (:func:`~laplace_glas.autodiff.cotangents.zero_free_saving`): where it is freed
+        amid the kept storages (most are: the backward pass's own temporaries), it leaves
+        heap pages resident (:meth:`heap_bytes`; one that lives on is counted all the same,
+        a small overcount).
         """
         self.dropped += 1
 

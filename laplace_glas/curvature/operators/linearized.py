@@ -276,9 +276,9 @@ def linearize_batch(
 
     ``counter`` (a ``SavedBytes``) counts the bytes the graphs save and the ones
     the linearisation holds itself. ``drop_zeros``: the graph of ``J_b^T u``, recorded
-    at ``u = 0``, keeps none of its saved tensors that are zero in every element (the
-    gradients flowing back, linear in ``u``); they unpack as zero-stride zeros, their
-    value (:mod:`~laplace_glas.autodiff.cotangents`).
+    at ``u = 0``, keeps none of its saved tensors that are zero in every element (among
+    them the gradients flowing back, linear in ``u``); they unpack as zero-stride zeros,
+    their value (:mod:`~laplace_glas.autodiff.cotangents`).
     """
     counter = counter if counter is not None else SavedBytes(set())
     X = batch_to_device(X, device)
