@@ -24,8 +24,9 @@ curvlinops' normalisation (``|b| / num_data`` for ``reduction='mean'``, 1 for
 dummy ``u``, so differentiating it against ``u`` gives ``J_b v`` (the double-backward
 identity) and a product costs two backward passes over kept graphs and no forward
 pass (about two forward passes' time against three for curvlinops on the GPT-2 +
-LoRA of ``benchmarks/linearized_cost.py``; over its three models, single products
-1.3-1.5x and Lanczos fits 1.65-1.86x faster, at 1.6-2.6x the peak memory). The loss
+LoRA of ``benchmarks/linearized_cost.py``; there, on 6 December 2026, single products
+1.1-3.2x and Lanczos fits 1.4-3.2x faster than curvlinops', at 0.65-0.73x its peak
+memory, the backward pass's zero tensors not kept, see below). The loss
 Hessian ``Lambda_b`` comes from the loss itself, so any loss curvlinops takes works
 here too, and the matrix is curvlinops' GGN of the same loss, to rounding.
 
