@@ -468,7 +468,8 @@ def _adjoint_check(operator: LinearizedGGN, lin: _Linearization) -> str | None:
     # rounding is relative to the terms' magnitudes, not to the (cancelling) sums
     size = left_terms.abs().sum() + right_terms.abs().sum()
     tol = 2e-6 if operator.torch_dtype == torch.float32 else 1e-13  # correct: <= 2e-8
-    if not bool(torch.isfinite(left - right)) or (left - right).abs() > tol * size:
+    gap = left - right
+    if not bool(torch.isfinite(gap)) or gap.abs() > tol * size:
         return (
             "the double-backward Jacobian-vector product fails the check "
             f"<u, J v> = <J^T u, v> ({float(left):.6g} against {float(right):.6g}): a "

@@ -136,17 +136,18 @@ def _new_directions(
     block: torch.Tensor,
     basis: torch.Tensor,
     drop: float,
-    random_block: Callable[[], torch.Tensor] | None,
+    random_block: Callable[[], torch.Tensor],
     norms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, bool]:
     """:func:`_orthonormalize` of ``block`` against ``basis``; where nothing is left
     (the Krylov space is exhausted: an invariant subspace, which need not hold the top
     k, for a start without components along some of them or a rank below k), that of
-    ``random_block()`` (``None``: an empty block), to go on in the rest of the space;
-    and whether the random block was taken (``norms``: see :func:`_orthonormalize`).
+    ``random_block()``, to go on in the rest of the space (empty only where the basis
+    spans it all); and whether the random block was taken (``norms``: see
+    :func:`_orthonormalize`).
     """
     new = _orthonormalize(block, basis, drop, norms)
-    if new.shape[1] == 0 and random_block is not None:
+    if new.shape[1] == 0:
         return _orthonormalize(random_block(), basis, drop), True
     return new, False
 
@@ -261,23 +262,19 @@ def block_krylov_eigenpairs(
             break
         fresh = False
         settling = fresh_at is not None and n_passes - fresh_at < _FRESH_PASSES
-        if kk == k and bool(converged.all()):
-            if not settling:
-                if not _needs_fresh_block(theta[:k], verified, p, tol, floor):
-                    break
-                # a block Krylov space holds at most p copies of an eigenvalue (exact
-                # arithmetic): missing copies pass every residual test. Add a random
-                # block, grow it a few passes; if the top k change, iterate on.
-                verified, fresh, fresh_at = theta[:k].clone(), True, n_passes
+        if kk == k and not settling and bool(converged.all()):
+            if not _needs_fresh_block(theta[:k], verified, p, tol, floor):
+                break
+            # a block Krylov space holds at most p copies of an eigenvalue (exact
+            # arithmetic): missing copies pass every residual test. Add a random block,
+            # grow it a few passes; if the top k change, iterate on.
+            verified, fresh, fresh_at = theta[:k].clone(), True, n_passes
         # next block: the newest images (fresh: a random block beside them); an exhausted
-        # space goes on from a random block unless converged (settling is not)
+        # space goes on from a random block (a converged solve has stopped or is settling)
         if fresh or seed is None:
             seed, seed_norms = space.newest_images(newest), None
             seed = torch.cat([seed, random_block()], 1) if fresh else seed
-        done = kk == k and bool(converged.all()) and not (fresh or settling)
-        new, restarted = _new_directions(
-            seed, space.Q, drop, None if done else random_block, seed_norms
-        )
+        new, restarted = _new_directions(seed, space.Q, drop, random_block, seed_norms)
         del seed
         relation = relation and not (fresh or restarted)  # a random block breaks it
         if new.shape[1] == 0:  # the basis spans the whole space
