@@ -6,7 +6,7 @@ An activation written in elementary ops (Hugging Face's ``NewGELUActivation`` of
 ``0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))``) then costs a dozen elementwise
 kernels per product and direction, although its Jacobian at the kept point is the
 fixed diagonal ``diag(f'(x))``: on GPT-2 + LoRA over tokens they took half of every
-product. Inside :func:`frozen_elementwise_derivatives` such a module returns the same
+product. Inside :func:`frozen_first_derivatives` such a module returns the same
 ``f(x)`` through a function whose backward is
 
 .. math::
@@ -36,7 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["frozen_elementwise_derivatives", "is_elementwise_activation"]
+from laplace_glas.autodiff.frozen_norms import frozen_norm_forward, is_frozen_norm
+
+__all__ = ["frozen_first_derivatives", "is_elementwise_activation"]
 
 _TORCH_ELEMENTWISE = (
     nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.Softplus, nn.ELU, nn.CELU, nn.SELU,
@@ -108,21 +110,29 @@ def _frozen_forward(module: nn.Module, forward: Any):
 
 
 @contextlib.contextmanager
-def frozen_elementwise_derivatives(model: nn.Module) -> Iterator[int]:
+def frozen_first_derivatives(model: nn.Module) -> Iterator[int]:
     """Inside the block, ``model``'s elementwise activation modules
     (:func:`is_elementwise_activation`) build graphs whose backward multiplies by
-    their derivative at the point of the pass; yields how many were switched. The
-    modules' own ``forward`` is restored on exit, also when the block raises; graphs
-    built inside keep the frozen derivatives.
+    their derivative at the point of the pass, and its layer and RMS normalisations
+    (:func:`~laplace_glas.autodiff.frozen_norms.is_frozen_norm`) graphs whose backward
+    is their Jacobian's transpose at that point
+    (:mod:`~laplace_glas.autodiff.frozen_norms`); yields how many modules were
+    switched. The modules' own ``forward`` is restored on exit, also when the block
+    raises; graphs built inside keep the frozen derivatives.
     """
-    switched = [m for m in model.modules() if is_elementwise_activation(m)]
-    own = [m.__dict__.get("forward") for m in switched]  # an instance-level forward
+    switched = []
+    for module in model.modules():
+        if is_elementwise_activation(module):
+            switched.append((module, _frozen_forward))
+        elif is_frozen_norm(module):
+            switched.append((module, frozen_norm_forward))
+    own = [m.__dict__.get("forward") for m, _ in switched]  # an instance-level forward
     try:
-        for module in switched:
-            module.forward = _frozen_forward(module, module.forward)
+        for module, freeze in switched:
+            module.forward = freeze(module, module.forward)
         yield len(switched)
     finally:
-        for module, previous in zip(switched, own, strict=True):
+        for (module, _), previous in zip(switched, own, strict=True):
             if previous is None:
                 del module.forward
             else:

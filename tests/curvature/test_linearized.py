@@ -492,7 +492,7 @@ def test_frozen_activations_keep_values_and_first_derivatives():
     """Inside the block an elementwise activation gives the same values and the same
     vector-Jacobian and (double-backward) Jacobian-vector products, through one frozen
     node; outside it (also after an error) the module is itself again."""
-    from laplace_glas.autodiff.frozen import frozen_elementwise_derivatives
+    from laplace_glas.autodiff.frozen import frozen_first_derivatives
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.GELU(approximate="tanh"), nn.Linear(4, 2))
@@ -510,7 +510,7 @@ def test_frozen_activations_keep_values_and_first_derivatives():
         return out, torch.autograd.grad(out, params, u), Jv
 
     out, JTu, Jv = products()
-    with frozen_elementwise_derivatives(model) as switched:
+    with frozen_first_derivatives(model) as switched:
         frozen_out, frozen_JTu, frozen_Jv = products()
         names = _graph_names(frozen_out)
     assert switched == 1 and "_FrozenDerivativeBackward" in names
@@ -520,7 +520,7 @@ def test_frozen_activations_keep_values_and_first_derivatives():
     torch.testing.assert_close(frozen_Jv, Jv, rtol=1e-12, atol=1e-14)
     assert "forward" not in vars(model[1])
     with pytest.raises(RuntimeError, match="inside"):
-        with frozen_elementwise_derivatives(model):
+        with frozen_first_derivatives(model):
             raise RuntimeError("inside")
     assert "forward" not in vars(model[1])
     assert "_FrozenDerivativeBackward" not in _graph_names(model(x))

@@ -82,7 +82,7 @@ import torch
 from torch import nn
 
 from laplace_glas.autodiff.cotangents import zero_free_saving
-from laplace_glas.autodiff.frozen import frozen_elementwise_derivatives
+from laplace_glas.autodiff.frozen import frozen_first_derivatives
 from laplace_glas.curvature.batch_sizes import BatchSizes
 from laplace_glas.curvature.batches import batch_to_device
 from laplace_glas.curvature.budget import (
@@ -286,7 +286,7 @@ def linearize_batch(
     y = y.to(device)
     counter.add_inputs(X, y)
     with counter.hooks(), torch.enable_grad():
-        with frozen_elementwise_derivatives(model):  # fewer kernels per product
+        with frozen_first_derivatives(model):  # fewer kernels per product
             outputs = model(X)
         if not isinstance(outputs, torch.Tensor):
             return f"the model returned a {type(outputs).__name__}, not a tensor"

@@ -1,0 +1,159 @@
+"""Layer and RMS normalisation with their Jacobian frozen at the linearisation point.
+
+A normalisation layer over the last ``n`` axes,
+
+.. math::
+
+    y = \\gamma \\odot \\hat x + \\beta , \\qquad
+    \\hat x = r \\, (x - \\mu) , \\qquad
+    r = (\\sigma^2 + \\epsilon)^{-1/2}
+
+(``nn.LayerNorm``; ``nn.RMSNorm`` has ``\\mu = 0``, ``\\sigma^2`` the mean square and
+no ``\\beta``), has the vector-Jacobian product
+
+.. math::
+
+    \\bar x = r \\big( \\bar h - \\langle \\bar h \\rangle
+        - \\hat x \\odot \\langle \\bar h \\odot \\hat x \\rangle \\big) , \\qquad
+    \\bar h = \\gamma \\odot \\bar y , \\qquad
+    \\bar\\gamma = \\sum \\bar y \\odot \\hat x , \\qquad
+    \\bar\\beta = \\sum \\bar y ,
+
+with ``<.>`` the mean over the normalised axes (without the ``<h>`` term for RMS
+normalisation) and the sums over the others. It is linear in ``\\bar y``, with ``r``,
+``\\hat x`` and ``\\gamma`` fixed at the pass's point.
+
+The linearised GGN (:mod:`~laplace_glas.curvature.operators.linearized`) records each
+batch's backward pass and differentiates it once more in ``\\bar y`` for every product
+(``J v`` by double backward). Through torch's own layer norm that derivative is
+``NativeLayerNormBackwardBackward0``, a general second-order formula of some twenty
+kernels: on GPT-2 + LoRA over tokens a quarter of every ``J v``. Through
+:class:`_FrozenNormalization` it is the adjoint of the few kernels above, with
+``\\mu`` and ``r`` (the forward kernel's own) fixed. The values
+are the module's own (the same kernel), the first derivative the same to rounding, and
+there is no derivative in ``x`` (no second derivatives of the network: GGN products
+only).
+
+Covered, by exact type (a subclass may act otherwise): ``nn.LayerNorm`` and
+``nn.RMSNorm``; other normalisations and functional calls are left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["frozen_norm_forward", "is_frozen_norm"]
+
+_NORMS = (nn.LayerNorm, nn.RMSNorm)
+
+
+def is_frozen_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a normalisation layer whose Jacobian GLAS can freeze
+    (``nn.LayerNorm`` or ``nn.RMSNorm``, exact type).
+    """
+    return type(module) in _NORMS
+
+
+class _FrozenNormalization(torch.autograd.Function):
+    """``y`` (computed outside) as a function of ``x``, ``gamma`` and ``beta`` with the
+    backward of the module docstring, ``r`` and the centred input ``x - mu`` fixed.
+
+    With ``c = x - mu`` (``x`` for RMS normalisation) the backward is written
+    ``x_bar = r h_bar - r <h_bar> - c (r^3 <h_bar c>)``, so that the graph a recorded
+    backward pass keeps holds ``c``, already kept for the forward's backward, and
+    per-position scalars, rather than a new tensor ``x_hat``. A backward pass that is
+    not recorded (``J^T u`` of a product) runs torch's fused layer-norm backward kernel
+    on ``c`` with a zero mean, the same formula.
+    """
+
+    @staticmethod
+    def forward(
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        y: torch.Tensor,
+        centred: torch.Tensor,
+        rstd: torch.Tensor,
+        normalized_shape: tuple[int, ...],
+        subtracts_mean: bool,
+    ) -> torch.Tensor:
+        return y
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        _, weight, bias, _, centred, rstd, normalized_shape, subtracts_mean = inputs
+        ctx.save_for_backward(centred, rstd, weight, bias)
+        ctx.normalized_shape, ctx.subtracts_mean = normalized_shape, subtracts_mean
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        centred, rstd, weight, bias = ctx.saved_tensors
+        wanted = ctx.needs_input_grad[:3]
+        none = (None,) * 5
+        if ctx.subtracts_mean and not torch.is_grad_enabled():  # not recorded: fused
+            zero_mean = torch.zeros_like(rstd)
+            grads = torch.ops.aten.native_layer_norm_backward(
+                grad, centred, ctx.normalized_shape, zero_mean, rstd, weight, bias, list(wanted)
+            )
+            return (*(g if w else None for g, w in zip(grads, wanted, strict=True)), *none)
+        n_axes = len(ctx.normalized_shape)
+        axes = tuple(range(-n_axes, 0))
+        others = tuple(range(grad.ndim - n_axes))
+        grad_x = grad_weight = grad_bias = None
+        if wanted[0]:
+            h = grad if weight is None else grad * weight
+            grad_x = rstd * h - centred * (rstd.pow(3) * (h * centred).mean(axes, keepdim=True))
+            if ctx.subtracts_mean:
+                grad_x = grad_x - rstd * h.mean(axes, keepdim=True)
+        if wanted[1]:
+            grad_weight = ((grad * rstd) * centred).sum(others)
+        if wanted[2]:
+            grad_bias = grad.sum(others)
+        return grad_x, grad_weight, grad_bias, *none
+
+
+def _statistics(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(c, r, subtracts_mean)`` of ``module`` at ``x``: the centred input ``x - mu``
+    (``x`` itself for RMS normalisation) and ``r`` with the normalised axes kept as ones.
+    """
+    if isinstance(module, nn.LayerNorm):
+        _, mean, rstd = torch.native_layer_norm(
+            x, module.normalized_shape, module.weight, module.bias, module.eps
+        )
+        return (x - mean).to(x.dtype), rstd.to(x.dtype), True
+    axes = tuple(range(-len(module.normalized_shape), 0))
+    eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+    return x.detach(), torch.rsqrt(x.pow(2).mean(axes, keepdim=True) + eps), False
+
+
+def frozen_norm_forward(module: nn.Module, forward: Callable) -> Callable:
+    """``module``'s forward through :class:`_FrozenNormalization` where the output
+    needs a graph (else the original forward).
+    """
+
+    def wrapped(x: Any, *args: Any, **kwargs: Any) -> Any:
+        params = [p for p in (module.weight, getattr(module, "bias", None)) if p is not None]
+        needs_graph = isinstance(x, torch.Tensor) and (
+            x.requires_grad or any(p.requires_grad for p in params)
+        )
+        if args or kwargs or not needs_graph or not torch.is_grad_enabled():
+            return forward(x, *args, **kwargs)
+        with torch.no_grad():
+            y = forward(x)
+            centred, rstd, subtracts_mean = _statistics(module, x)
+        return _FrozenNormalization.apply(
+            x,
+            module.weight,
+            getattr(module, "bias", None),
+            y,
+            centred,
+            rstd,
+            tuple(module.normalized_shape),
+            subtracts_mean,
+        )
+
+    return wrapped

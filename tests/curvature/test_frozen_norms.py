@@ -1,0 +1,152 @@
+"""Layer and RMS normalisations with their Jacobian frozen (the linearised GGN's kept
+graphs) against the modules' own values and derivatives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from laplace_glas.autodiff import frozen
+from laplace_glas.autodiff.frozen import frozen_first_derivatives
+from laplace_glas.autodiff.frozen_norms import is_frozen_norm
+from laplace_glas.curvature.operators.graph_bytes import SavedBytes
+from laplace_glas.curvature.operators.linearized import LinearizedGGN, linearize_batch
+
+F64 = torch.float64
+
+NORMS = {
+    "layer": lambda: nn.LayerNorm(6),
+    "layer-2-axes": lambda: nn.LayerNorm((3, 6)),
+    "layer-no-affine": lambda: nn.LayerNorm(6, elementwise_affine=False),
+    "layer-no-bias": lambda: nn.LayerNorm(6, bias=False),
+    "rms": lambda: nn.RMSNorm(6),
+    "rms-2-axes-default-eps": lambda: nn.RMSNorm((3, 6)),
+    "rms-no-affine": lambda: nn.RMSNorm(6, eps=1e-3, elementwise_affine=False),
+}
+
+
+def _graph_names(tensor: torch.Tensor) -> set[str]:
+    seen, stack, names = set(), [tensor.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return names
+
+
+def _norm(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    norm = NORMS[name]().to(F64)
+    with torch.no_grad():  # off the ones / zeros start, so that gamma and beta count
+        for p in norm.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    return norm
+
+
+@pytest.mark.parametrize("name", list(NORMS))
+def test_frozen_norms_keep_values_and_first_derivatives(name):
+    """Inside the block the module gives its own values, and vector-Jacobian products
+    (plain and recorded) and double-backward Jacobian-vector products equal to
+    torch.func.jvp of the module itself, through one frozen node in place of torch's
+    normalisation kernels."""
+    norm = _norm(name)
+    g = torch.Generator().manual_seed(1)
+    x = (3.0 + torch.randn(2, 4, 3, 6, generator=g, dtype=F64)).requires_grad_(True)
+    params = [x, *norm.parameters()]
+    u = torch.randn(2, 4, 3, 6, generator=g, dtype=F64)
+    v = [torch.randn(p.shape, generator=g, dtype=F64) for p in params]
+
+    def module_of(*inputs):
+        values = dict(zip([n for n, _ in norm.named_parameters()], inputs[1:], strict=True))
+        return torch.func.functional_call(norm, values, (inputs[0],))
+
+    reference = norm(x)
+    reference_vjp = torch.autograd.grad(reference, params, u)
+    _, reference_jvp = torch.func.jvp(module_of, tuple(p.detach() for p in params), tuple(v))
+    with frozen_first_derivatives(norm) as switched:
+        out = norm(x)
+        names = _graph_names(out)
+        vjp = torch.autograd.grad(out, params, u, retain_graph=True)
+        dummy = torch.zeros_like(out, requires_grad=True)
+        recorded = torch.autograd.grad(out, params, dummy, create_graph=True)
+        (jvp,) = torch.autograd.grad(recorded, dummy, v)
+        # a recorded pass at a nonzero cotangent: the elementary ops, not the fused kernel
+        recorded_vjp = torch.autograd.grad(out, params, u, create_graph=True)
+    assert switched == 1
+    assert "_FrozenNormalizationBackward" in names
+    assert not any(n.startswith("NativeLayerNorm") or "RmsNorm" in n for n in names)
+    assert torch.equal(out, reference)
+    for got, want in zip(vjp, reference_vjp, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+    for got, want in zip(recorded_vjp, reference_vjp, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(jvp, reference_jvp, rtol=1e-12, atol=1e-13)
+    assert "forward" not in vars(norm)
+    assert "_FrozenNormalizationBackward" not in _graph_names(norm(x))
+
+
+def test_frozen_norms_leave_other_calls_and_types_alone():
+    """No graph, extra arguments or a subclass: the module's own forward."""
+    norm = _norm("layer")
+    x = torch.randn(3, 6, dtype=F64)
+
+    class Shifted(nn.LayerNorm):
+        def forward(self, x):
+            return super().forward(x) + 1
+
+    assert is_frozen_norm(norm) and is_frozen_norm(nn.RMSNorm(4))
+    assert not is_frozen_norm(Shifted(6)) and not is_frozen_norm(nn.GroupNorm(2, 6))
+    for p in norm.parameters():
+        p.requires_grad_(False)
+    with frozen_first_derivatives(norm):
+        assert norm(x).grad_fn is None  # nothing needs a graph
+        names = _graph_names(norm(x.requires_grad_(True)))
+    assert "_FrozenNormalizationBackward" in names
+
+
+class NormedMLP(nn.Module):
+    """Linear -> LayerNorm -> tanh -> Linear -> RMSNorm -> Linear (2 outputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Linear(3, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 16), nn.RMSNorm(16),
+            nn.Linear(16, 2),
+        )  # fmt: skip
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_kept_graphs_with_frozen_norms_give_the_same_products_in_no_more_memory(monkeypatch):
+    """The linearised operator's products with frozen normalisations equal the ones
+    through torch's kernels, and its kept graphs take no more bytes."""
+    torch.manual_seed(0)
+    model = NormedMLP().to(F64)
+    params = list(model.parameters())
+    g = torch.Generator().manual_seed(3)
+    X, y = torch.randn(64, 3, generator=g, dtype=F64), torch.randn(64, 2, generator=g, dtype=F64)
+
+    def kept(freeze_norms: bool):
+        if not freeze_norms:
+            monkeypatch.setattr(frozen, "is_frozen_norm", lambda module: False)
+        counter = SavedBytes.beside(model)
+        lin = linearize_batch(
+            model, nn.MSELoss(reduction="sum"), params, X, y, num_data=64, counter=counter
+        )
+        monkeypatch.undo()
+        names = _graph_names(lin.outputs) | _graph_names(lin.pullback[0])
+        return LinearizedGGN([lin], params, counter.bytes), counter.bytes, names
+
+    frozen_op, frozen_bytes, frozen_names = kept(True)
+    native_op, native_bytes, native_names = kept(False)
+    assert "NativeLayerNormBackwardBackward0" in native_names
+    assert "NativeLayerNormBackwardBackward0" not in frozen_names
+    assert "_FrozenNormalizationBackward" in frozen_names
+    V = torch.randn(frozen_op.shape[0], 3, generator=g, dtype=F64)
+    torch.testing.assert_close(frozen_op @ V, native_op @ V, rtol=1e-10, atol=1e-12)
+    assert frozen_bytes <= native_bytes, (frozen_bytes, native_bytes)
