@@ -159,6 +159,25 @@ def test_the_zero_tensors_are_counted_and_hold_no_memory():
     torch.testing.assert_close(Jv, x @ v.T)
 
 
+def test_the_zero_tensors_unpack_as_views_of_one_scalar_per_dtype():
+    """Every tensor not kept unpacks as an expanded view of one zero scalar of its dtype
+    (shared within the context: no allocation per unpacking), with its own shape."""
+    shapes = [((3, 4), F64), ((5,), F64), ((2, 2), torch.float32), ((7, 1), torch.float32)]
+    with zero_free_saving():
+        products = [
+            torch.ones(shape, dtype=dtype, requires_grad=True) * torch.zeros(shape, dtype=dtype)
+            for shape, dtype in shapes
+        ]  # each saves its zero factor
+    unpacked = [p.grad_fn._saved_other for p in products]
+    for tensor, (shape, dtype) in zip(unpacked, shapes, strict=True):
+        assert tensor.shape == shape and tensor.dtype == dtype and not tensor.any()
+        assert all(stride == 0 for stride in tensor.stride())
+    pointers = [t.untyped_storage().data_ptr() for t in unpacked]
+    assert pointers[0] == pointers[1] != pointers[2] == pointers[3]
+    again = products[0].grad_fn._saved_other.untyped_storage().data_ptr()
+    assert again == pointers[0]  # unpacked again: no new zero
+
+
 def test_only_tensors_zero_in_every_element_are_dropped():
     kept, dropped = [], []
     with zero_free_saving(lambda t: kept.append(t) or t, dropped.append):
