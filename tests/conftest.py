@@ -163,6 +163,19 @@ def fit_quietly(model, data, likelihood="regression", **kwargs):
     return la
 
 
+def graph_node_names(tensor: torch.Tensor) -> set[str]:
+    """The type names of every autograd node reachable from ``tensor.grad_fn``."""
+    seen, stack, names = set(), [tensor.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return names
+
+
 def explicit_jacobian(model: nn.Module, X: torch.Tensor) -> torch.Tensor:
     """(N*C, D) Jacobian by reverse mode (``torch.func.jacrev``), independent of curvlinops."""
     params = {n: p.detach() for n, p in model.named_parameters()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import graph_node_names
 from torch import nn
 
 from laplace_glas.autodiff import frozen
@@ -24,18 +25,6 @@ NORMS = {
     "rms-2-axes-default-eps": lambda: nn.RMSNorm((3, 6)),
     "rms-no-affine": lambda: nn.RMSNorm(6, eps=1e-3, elementwise_affine=False),
 }
-
-
-def _graph_names(tensor: torch.Tensor) -> set[str]:
-    seen, stack, names = set(), [tensor.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        stack.extend(fn for fn, _ in node.next_functions)
-    return names
 
 
 def _norm(name: str) -> nn.Module:
@@ -69,7 +58,7 @@ def test_frozen_norms_keep_values_and_first_derivatives(name):
     _, reference_jvp = torch.func.jvp(module_of, tuple(p.detach() for p in params), tuple(v))
     with frozen_first_derivatives(norm) as switched:
         out = norm(x)
-        names = _graph_names(out)
+        names = graph_node_names(out)
         vjp = torch.autograd.grad(out, params, u, retain_graph=True)
         dummy = torch.zeros_like(out, requires_grad=True)
         recorded = torch.autograd.grad(out, params, dummy, create_graph=True)
@@ -86,7 +75,7 @@ def test_frozen_norms_keep_values_and_first_derivatives(name):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
     torch.testing.assert_close(jvp, reference_jvp, rtol=1e-12, atol=1e-13)
     assert "forward" not in vars(norm)
-    assert "_FrozenNormalizationBackward" not in _graph_names(norm(x))
+    assert "_FrozenNormalizationBackward" not in graph_node_names(norm(x))
 
 
 def test_frozen_norms_leave_other_calls_and_types_alone():
@@ -104,7 +93,7 @@ def test_frozen_norms_leave_other_calls_and_types_alone():
         p.requires_grad_(False)
     with frozen_first_derivatives(norm):
         assert norm(x).grad_fn is None  # nothing needs a graph
-        names = _graph_names(norm(x.requires_grad_(True)))
+        names = graph_node_names(norm(x.requires_grad_(True)))
     assert "_FrozenNormalizationBackward" in names
 
 
@@ -139,7 +128,7 @@ def test_kept_graphs_with_frozen_norms_give_the_same_products_in_no_more_memory(
             model, nn.MSELoss(reduction="sum"), params, X, y, num_data=64, counter=counter
         )
         monkeypatch.undo()
-        names = _graph_names(lin.outputs) | _graph_names(lin.pullback[0])
+        names = graph_node_names(lin.outputs) | graph_node_names(lin.pullback[0])
         return LinearizedGGN([lin], params, counter.bytes), counter.bytes, names
 
     frozen_op, frozen_bytes, frozen_names = kept(True)

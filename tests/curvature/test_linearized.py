@@ -12,7 +12,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
-from conftest import output_jacobian, softmax_ggn
+from conftest import graph_node_names, output_jacobian, softmax_ggn
 from torch import nn
 from torch.autograd.function import once_differentiable
 
@@ -475,19 +475,6 @@ def test_update_and_subnetwork_on_the_linearised_operator_match_curvlinops():
     torch.testing.assert_close(ours.values, ref.values, rtol=1e-9, atol=0)
 
 
-def _graph_names(tensor: torch.Tensor) -> set[str]:
-    """Names of the autograd nodes behind ``tensor``."""
-    seen, stack, names = set(), [tensor.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        stack.extend(fn for fn, _ in node.next_functions)
-    return names
-
-
 def test_frozen_activations_keep_values_and_first_derivatives():
     """Inside the block an elementwise activation gives the same values and the same
     vector-Jacobian and (double-backward) Jacobian-vector products, through one frozen
@@ -512,7 +499,7 @@ def test_frozen_activations_keep_values_and_first_derivatives():
     out, JTu, Jv = products()
     with frozen_first_derivatives(model) as switched:
         frozen_out, frozen_JTu, frozen_Jv = products()
-        names = _graph_names(frozen_out)
+        names = graph_node_names(frozen_out)
     assert switched == 1 and "_FrozenDerivativeBackward" in names
     assert "TanhBackward0" not in names  # the activation's elementary ops are gone
     assert torch.equal(frozen_out, out)
@@ -523,7 +510,7 @@ def test_frozen_activations_keep_values_and_first_derivatives():
         with frozen_first_derivatives(model):
             raise RuntimeError("inside")
     assert "forward" not in vars(model[1])
-    assert "_FrozenDerivativeBackward" not in _graph_names(model(x))
+    assert "_FrozenDerivativeBackward" not in graph_node_names(model(x))
 
     class Scaled(nn.GELU):  # a subclass may act otherwise: left alone
         def forward(self, x):
