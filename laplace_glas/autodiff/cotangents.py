@@ -15,10 +15,9 @@ in ``x``). The gradients flowing back are linear in ``u``, so at ``u = 0`` they 
 exactly zero (other saved tensors may be zero too: an all-false mask, zero indices, a
 zero LoRA factor). Inside :func:`zero_free_saving` a saved tensor that is zero in every
 element, at the moment it is saved, is not kept; autograd unpacks it as a zero-stride
-zero of its shape, dtype and device (no memory: a view of one zero scalar per dtype and
-device, shared by the context's tensors not kept, so that an unpacking allocates
-nothing; an LSTM tagger's products 0.35 -> 0.33 s against a fresh scalar each time),
-which is that value, so the
+zero of its shape, dtype and device (no memory: a view of a zero scalar made when it
+was saved, so that an unpacking allocates nothing; an LSTM tagger's products
+0.35 -> 0.33 s against a fresh scalar each time), which is that value, so the
 derivatives computed from the graph are the whole graph's (to the sign of a zero).
 Only the decision reads the tensor, once, while the backward pass records; nothing
 depends on why it is zero. Two differences remain, both outside what autograd allows
@@ -44,18 +43,21 @@ __all__ = ["zero_free_saving"]
 
 class _Zero:
     """A saved tensor not kept, because all of it is zero: its shape and a zero scalar
-    of its dtype and device, shared by the context's tensors not kept.
+    of its dtype and device, made when it is saved.
     """
 
     __slots__ = ("scalar", "shape")
 
-    def __init__(self, tensor: torch.Tensor, scalar: torch.Tensor):
-        self.shape, self.scalar = tensor.shape, scalar
+    def __init__(self, tensor: torch.Tensor):
+        self.shape = tensor.shape
+        self.scalar = torch.zeros((), dtype=tensor.dtype, device=tensor.device)
 
     def unpacked(self) -> torch.Tensor:
         """A zero of the saved tensor's shape with zero strides (no memory): a view of
-        the shared scalar, read-only (autograd writes to no saved tensor, and a write
-        to an expanded tensor is refused).
+        this tensor's own scalar, so that an unpacking allocates nothing. Like any
+        saved tensor it is its graph's: custom code that writes to it (``fill_``
+        and the like are allowed on such views) changes it for later passes, and for
+        no other saved tensor.
         """
         return self.scalar.expand(self.shape)
 
@@ -92,16 +94,12 @@ def zero_free_saving(
         Called with each tensor not kept (e.g. to count them).
 
     """
-    scalars: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def pack_hook(tensor: torch.Tensor) -> Any:
         if _all_zero(tensor):
             if on_zero is not None:
                 on_zero(tensor)
-            key = (tensor.dtype, tensor.device)
-            if key not in scalars:  # one per dtype and device: not one per unpacking
-                scalars[key] = torch.zeros((), dtype=tensor.dtype, device=tensor.device)
-            return _Zero(tensor, scalars[key])
+            return _Zero(tensor)
         return pack(tensor)
 
     def unpack_hook(saved: Any) -> Any:

@@ -30,13 +30,21 @@ batch's backward pass and differentiates it once more in ``\\bar y`` for every p
 GPT-2 + LoRA over tokens (``benchmarks/scale.py``'s
 ``lora-tokens``) ``J v`` took 27 ms a batch with it and 23 ms through
 ``_FrozenNormalization``, whose derivative in ``\\bar y`` is the adjoint of the
-few kernels above, ``\\mu`` and ``r`` (the forward kernel's own) fixed. The values are
-the module's own (the same kernel), the first derivative the same to rounding, and
-there is no derivative in ``x`` (no second derivatives of the network: GGN products
-only).
+few kernels above, ``\\mu`` and ``r`` fixed (a layer norm's from torch's forward
+kernel; an RMS norm's computed as its kernel does). The values are the module's own
+(the same kernel) and the first derivative the same to rounding. There is no
+derivative in ``x``: second derivatives through the frozen graph miss those terms
+silently, and forward-mode transforms (``torch.func.jvp``, ``vmap`` of the forward)
+refuse it; GGN products need neither.
+
+Memory: a layer norm's graph keeps ``x - mu`` where torch's keeps ``x``, the same
+bytes, unless another op saves ``x`` as well (a branch that reads the norm's input),
+then one tensor of the input's size more.
 
 Covered, by exact type (a subclass may act otherwise): ``nn.LayerNorm`` and
-``nn.RMSNorm``; other normalisations and functional calls are left alone.
+``nn.RMSNorm`` whose input and parameters share a float32 or float64 dtype; others
+(half precision, mixed dtypes under autocast), other normalisations and functional
+calls are left alone.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from torch import nn
 __all__ = ["frozen_norm_forward", "is_frozen_norm"]
 
 _NORMS = (nn.LayerNorm, nn.RMSNorm)
+_DTYPES = (torch.float32, torch.float64)  # torch's kernels compute these in their own dtype
 
 
 def is_frozen_norm(module: nn.Module) -> bool:
@@ -66,9 +75,9 @@ class _FrozenNormalization(torch.autograd.Function):
     With ``c = x - mu`` (``x`` for RMS normalisation) the backward is written
     ``x_bar = r h_bar - r <h_bar> - c (r^3 <h_bar c>)``, so that the graph a recorded
     backward pass keeps holds ``c``, already kept for the forward's backward, and
-    per-position scalars, rather than a new tensor ``x_hat``. A backward pass that is
-    not recorded (``J^T u`` of a product) runs torch's fused layer-norm backward kernel
-    on ``c`` with a zero mean, the same formula.
+    per-position scalars, rather than a new tensor ``x_hat``. For a layer norm, a
+    backward pass that is not recorded (a product's ``J^T w``) runs torch's fused
+    layer-norm backward kernel on ``c`` with a zero mean, the same formula.
     """
 
     @staticmethod
@@ -101,19 +110,17 @@ class _FrozenNormalization(torch.autograd.Function):
                 grad, centred, ctx.normalized_shape, zero_mean, rstd, weight, bias, list(wanted)
             )
             return (*(g if w else None for g, w in zip(grads, wanted, strict=True)), *none)
-        n_axes = len(ctx.normalized_shape)
-        axes = tuple(range(-n_axes, 0))
-        others = tuple(range(grad.ndim - n_axes))
+        axes = tuple(range(-len(ctx.normalized_shape), 0))
         grad_x = grad_weight = grad_bias = None
         if wanted[0]:
             h = grad if weight is None else grad * weight
             grad_x = rstd * h - centred * (rstd.pow(3) * (h * centred).mean(axes, keepdim=True))
             if ctx.subtracts_mean:
                 grad_x = grad_x - rstd * h.mean(axes, keepdim=True)
-        if wanted[1]:
-            grad_weight = ((grad * rstd) * centred).sum(others)
+        if wanted[1]:  # summed over the other axes (none for an input without a batch axis)
+            grad_weight = ((grad * rstd) * centred).sum_to_size(weight.shape)
         if wanted[2]:
-            grad_bias = grad.sum(others)
+            grad_bias = grad.sum_to_size(bias.shape)
         return grad_x, grad_weight, grad_bias, *none
 
 
@@ -125,7 +132,7 @@ def _statistics(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch
         _, mean, rstd = torch.native_layer_norm(
             x, module.normalized_shape, module.weight, module.bias, module.eps
         )
-        return (x - mean).to(x.dtype), rstd.to(x.dtype), True
+        return x - mean, rstd, True
     axes = tuple(range(-len(module.normalized_shape), 0))
     eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
     return x.detach(), torch.rsqrt(x.pow(2).mean(axes, keepdim=True) + eps), False
@@ -133,15 +140,20 @@ def _statistics(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch
 
 def frozen_norm_forward(module: nn.Module, forward: Callable) -> Callable:
     """``module``'s forward through ``_FrozenNormalization`` where the output
-    needs a graph (else the original forward).
+    needs a graph and the input and parameters share a float32 or float64 dtype (else
+    the original forward: half-precision and mixed-dtype norms compute their statistics
+    in float32 inside torch's kernels).
     """
 
     def wrapped(x: Any, *args: Any, **kwargs: Any) -> Any:
         params = [p for p in (module.weight, getattr(module, "bias", None)) if p is not None]
-        needs_graph = isinstance(x, torch.Tensor) and (
-            x.requires_grad or any(p.requires_grad for p in params)
+        frozen = (
+            isinstance(x, torch.Tensor)
+            and x.dtype in _DTYPES
+            and all(p.dtype == x.dtype for p in params)
+            and (x.requires_grad or any(p.requires_grad for p in params))
         )
-        if args or kwargs or not needs_graph or not torch.is_grad_enabled():
+        if args or kwargs or not frozen or not torch.is_grad_enabled():
             return forward(x, *args, **kwargs)
         with torch.no_grad():
             y = forward(x)

@@ -36,17 +36,20 @@ def _norm(name: str) -> nn.Module:
     return norm
 
 
+@pytest.mark.parametrize("batch", [(2, 4), ()], ids=["batched", "no-batch-axis"])
 @pytest.mark.parametrize("name", list(NORMS))
-def test_frozen_norms_keep_values_and_first_derivatives(name):
+def test_frozen_norms_keep_values_and_first_derivatives(name, batch):
     """Inside the block the module gives its own values, and vector-Jacobian products
     (plain and recorded) and double-backward Jacobian-vector products equal to
     torch.func.jvp of the module itself, through one frozen node in place of torch's
-    normalisation kernels."""
+    normalisation kernels; also for an input without a batch axis (the parameters'
+    gradients are then not summed)."""
     norm = _norm(name)
     g = torch.Generator().manual_seed(1)
-    x = (3.0 + torch.randn(2, 4, 3, 6, generator=g, dtype=F64)).requires_grad_(True)
+    shape = (*batch, 3, 6) if batch else tuple(norm.normalized_shape)
+    x = (3.0 + torch.randn(shape, generator=g, dtype=F64)).requires_grad_(True)
     params = [x, *norm.parameters()]
-    u = torch.randn(2, 4, 3, 6, generator=g, dtype=F64)
+    u = torch.randn(shape, generator=g, dtype=F64)
     v = [torch.randn(p.shape, generator=g, dtype=F64) for p in params]
 
     def module_of(*inputs):
@@ -76,6 +79,24 @@ def test_frozen_norms_keep_values_and_first_derivatives(name):
     torch.testing.assert_close(jvp, reference_jvp, rtol=1e-12, atol=1e-13)
     assert "forward" not in vars(norm)
     assert "_FrozenNormalizationBackward" not in graph_node_names(norm(x))
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+@pytest.mark.parametrize("norm", [nn.LayerNorm(6), nn.RMSNorm(6)], ids=["layer", "rms"])
+def test_half_precision_and_mixed_dtype_norms_keep_their_own_kernels(norm):
+    """A bfloat16 input, with bfloat16 or float32 parameters (autocast's case): torch's
+    kernels compute the statistics in float32; the module is left as it is."""
+    x = torch.randn(4, 6).to(torch.bfloat16).requires_grad_(True)
+    for params_dtype in (torch.bfloat16, torch.float32):
+        norm = norm.to(params_dtype)
+        u = torch.randn(4, 6).to(torch.bfloat16)
+        reference = torch.autograd.grad(norm(x), [x, *norm.parameters()], u)
+        with frozen_first_derivatives(norm):
+            out = norm(x)
+            grads = torch.autograd.grad(out, [x, *norm.parameters()], u)
+        assert "_FrozenNormalizationBackward" not in graph_node_names(out)
+        for got, want in zip(grads, reference, strict=True):
+            assert torch.equal(got, want)
 
 
 def test_frozen_norms_leave_other_calls_and_types_alone():

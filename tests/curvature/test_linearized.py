@@ -475,6 +475,47 @@ def test_update_and_subnetwork_on_the_linearised_operator_match_curvlinops():
     torch.testing.assert_close(ours.values, ref.values, rtol=1e-9, atol=0)
 
 
+class Checkpointed(nn.Module):
+    """Linear -> [LayerNorm -> GELU -> Linear -> tanh] -> Linear, the bracket under
+    non-reentrant activation checkpointing (where ``checkpointed``)."""
+
+    def __init__(self, checkpointed: bool = True):
+        super().__init__()
+        self.inp, self.out = nn.Linear(3, 6), nn.Linear(6, 2)
+        self.block = nn.Sequential(nn.LayerNorm(6), nn.GELU(), nn.Linear(6, 6), nn.Tanh())
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        h = self.inp(x)
+        if self.checkpointed:
+            h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False)
+        else:
+            h = self.block(h)
+        return self.out(h)
+
+
+def test_checkpointed_segments_give_the_plain_model_s_products():
+    """A checkpointed segment runs its forward again in every backward pass: with its
+    activations and norm frozen, the products equal the explicit GGN of the same model
+    without checkpointing (they were 41-59% off when the products' passes ran the
+    modules' own forward against graphs recorded with the frozen ones)."""
+    torch.manual_seed(0)
+    model = Checkpointed().to(F64)
+    plain = copy.deepcopy(model)
+    plain.checkpointed = False
+    g = torch.Generator().manual_seed(3)
+    X, y = torch.randn(12, 3, generator=g, dtype=F64), torch.randn(12, 2, generator=g, dtype=F64)
+    batches = [(X[:6], y[:6]), (X[6:], y[6:])]
+    op = linearized(model, batches, nn.MSELoss(), 12)
+    assert isinstance(op, LinearizedGGN), op
+    G = dense_ggn(plain, batches, nn.MSELoss(), 12)
+    V = torch.randn(G.shape[0], 3, generator=g, dtype=F64)
+    torch.testing.assert_close(op @ V, G @ V, rtol=1e-10, atol=1e-12)
+    columns = torch.cat([op @ V[:, j : j + 1] for j in range(3)], 1)
+    torch.testing.assert_close(columns, G @ V, rtol=1e-10, atol=1e-12)
+    assert "forward" not in vars(model.block[0]) and "forward" not in vars(model.block[1])
+
+
 def test_frozen_activations_keep_values_and_first_derivatives():
     """Inside the block an elementwise activation gives the same values and the same
     vector-Jacobian and (double-backward) Jacobian-vector products, through one frozen

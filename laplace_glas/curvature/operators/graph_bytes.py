@@ -103,9 +103,10 @@ class SavedBytes:
         (:func:`~laplace_glas.autodiff.cotangents.zero_free_saving`): where it is freed
         amid the kept storages (most are: the backward pass's own temporaries), it leaves
         heap pages resident (:meth:`heap_bytes`; one that lives on is counted all the same,
-        a small overcount).
+        a small overcount). It unpacks from a one-element zero of its own, counted here.
         """
         self.dropped += 1
+        self.bytes += tensor.element_size()
 
     def heap_bytes(self, page: int) -> int:
         """What the host heap keeps resident beside the kept storages, for pages of

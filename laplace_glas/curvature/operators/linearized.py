@@ -39,7 +39,10 @@ Layer and RMS normalisations likewise enter with their Jacobian frozen
 (:mod:`~laplace_glas.autodiff.frozen_norms`): ``J v`` then differentiates a few
 elementwise ops and reductions instead of torch's general second-order layer-norm
 formula (GPT-2 + LoRA over tokens: ``J v`` 27 -> 23 ms a batch, products 8% faster,
-the same kept bytes).
+the same kept bytes). The frozen modules stay switched while ``J_b^T u`` is recorded
+and are switched again whenever a product passes over a batch's graphs: a segment
+under activation checkpointing runs its forward again inside those backward passes,
+and must save what the recorded pass saved.
 
 Blocks of ``m`` columns go through ``torch.autograd.grad(..., is_grads_batched=True)``
 (one vmapped backward pass per batch, in column chunks whose temporaries, about one
@@ -114,7 +117,10 @@ class _Linearization:
     ``u`` and ``pullback`` the ``J_b^T u`` built from it with ``create_graph=True`` (one
     tensor per used parameter, ``used`` their indices in the parameter list), ``leaf``
     a detached copy of ``f_b`` and ``loss_gradient`` ``c nabla_f l_b`` at it, with its
-    graph.
+    graph. ``model``: the network whose frozen modules
+    (:func:`~laplace_glas.autodiff.frozen.frozen_first_derivatives`) are switched again
+    while a product passes over the graphs, so that a checkpointed segment, whose
+    forward the backward passes run again, saves what the recorded pass saved.
     """
 
     outputs: torch.Tensor
@@ -123,6 +129,7 @@ class _Linearization:
     used: tuple[int, ...]
     leaf: torch.Tensor
     loss_gradient: torch.Tensor
+    model: nn.Module
 
 
 class LinearizedGGN(TorchOperator):
@@ -175,16 +182,17 @@ class LinearizedGGN(TorchOperator):
         tangents = self.parameter_tangents(lin, V)
         if not batched:
             tangents = [t[0] for t in tangents]
-        (Jv,) = torch.autograd.grad(
-            lin.pullback, lin.dummy, tangents, retain_graph=True, is_grads_batched=batched
-        )
-        (HJv,) = torch.autograd.grad(
-            lin.loss_gradient, lin.leaf, Jv, retain_graph=True, is_grads_batched=batched
-        )
         used = [self.params[i] for i in lin.used]
-        grads = torch.autograd.grad(
-            lin.outputs, used, HJv, retain_graph=True, is_grads_batched=batched
-        )
+        with frozen_first_derivatives(lin.model):  # as recorded (see _Linearization)
+            (Jv,) = torch.autograd.grad(
+                lin.pullback, lin.dummy, tangents, retain_graph=True, is_grads_batched=batched
+            )
+            (HJv,) = torch.autograd.grad(
+                lin.loss_gradient, lin.leaf, Jv, retain_graph=True, is_grads_batched=batched
+            )
+            grads = torch.autograd.grad(
+                lin.outputs, used, HJv, retain_graph=True, is_grads_batched=batched
+            )
         out = torch.zeros(m, self.shape[0], dtype=self.torch_dtype, device=self.device)
         for i, grad in zip(lin.used, grads, strict=True):
             out[:, self.offsets[i] : self.offsets[i + 1]] = grad.reshape(m, -1)
@@ -290,9 +298,10 @@ def linearize_batch(
     X = batch_to_device(X, device)
     y = y.to(device)
     counter.add_inputs(X, y)
-    with counter.hooks(), torch.enable_grad():
-        with frozen_first_derivatives(model):  # fewer kernels per product
-            outputs = model(X)
+    # the frozen modules stay switched while J_b^T u is recorded: a checkpointed
+    # segment recomputes its forward there, and must save what the first pass saved
+    with counter.hooks(), torch.enable_grad(), frozen_first_derivatives(model):
+        outputs = model(X)
         if not isinstance(outputs, torch.Tensor):
             return f"the model returned a {type(outputs).__name__}, not a tensor"
         if not outputs.requires_grad:
@@ -320,7 +329,7 @@ def linearize_batch(
             scale = n / num_data
         (loss_gradient,) = torch.autograd.grad(scale * loss_func(leaf, y), leaf, create_graph=True)
     pulled = tuple(pullback[i] for i in used)
-    kept = _Linearization(outputs, dummy, pulled, used, leaf, loss_gradient)
+    kept = _Linearization(outputs, dummy, pulled, used, leaf, loss_gradient, model)
     for tensor in (outputs, leaf, loss_gradient, *kept.pullback):  # held, not saved
         counter.count(tensor)
     return kept
@@ -461,8 +470,9 @@ def _adjoint_check(operator: LinearizedGGN, lin: _Linearization) -> str | None:
     tangents = [t[0] for t in operator.parameter_tangents(lin, v)]
     used = [operator.params[i] for i in lin.used]
     try:
-        (Jv,) = torch.autograd.grad(lin.pullback, lin.dummy, tangents, retain_graph=True)
-        JTu = torch.autograd.grad(lin.outputs, used, u, retain_graph=True)
+        with frozen_first_derivatives(lin.model):  # as the products run (_Linearization)
+            (Jv,) = torch.autograd.grad(lin.pullback, lin.dummy, tangents, retain_graph=True)
+            JTu = torch.autograd.grad(lin.outputs, used, u, retain_graph=True)
     except RuntimeError as err:
         return f"the backward pass cannot be differentiated twice ({str(err).splitlines()[0]})"
     left_terms = (u.double() * Jv.double()).flatten()
