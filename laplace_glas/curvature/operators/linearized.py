@@ -285,8 +285,9 @@ def linearize_batch(
     drop_zeros: bool = True,
 ) -> _Linearization | str:
     """One batch's kept graphs: its outputs ``f_b`` (a forward pass with the elementwise
-    activations' derivatives frozen), ``J_b^T u`` built with ``create_graph=True`` and
-    the loss gradient ``c nabla_f l_b``; or why the batch cannot be linearised.
+    activations' and the layer / RMS norms' first derivatives frozen), ``J_b^T u`` built
+    with ``create_graph=True`` and the loss gradient ``c nabla_f l_b``; or why the batch
+    cannot be linearised.
 
     ``counter`` (a ``SavedBytes``) counts the bytes the graphs save and the ones
     the linearisation holds itself. ``drop_zeros``: the graph of ``J_b^T u``, recorded

@@ -11,12 +11,12 @@ for every batch ``b``, the forward graph of ``f_b`` and the graph of
 
 by two backward passes per batch over them. Where those graphs of all batches exceed
 the memory budget, :class:`RelinearizedGGN` rebuilds one batch's graphs at a time (one
-forward pass with the elementwise activations' derivatives frozen, and the
-``create_graph`` backward pass), multiplies the whole block of columns with them and
+forward pass with the elementwise activations' and the norms' first derivatives frozen,
+and the ``create_graph`` backward pass), multiplies the whole block of columns with them and
 drops them before the next batch. Its memory is one batch's graphs plus the columns;
 its products are the kept operator's (the same graphs, rebuilt). Against curvlinops'
 GGN products, which the planner streamed otherwise, the batch's pass is shared by the
-block of columns and the activations' derivatives are not differentiated again.
+block of columns and the frozen modules' derivatives are not differentiated again.
 
 The planner (:mod:`~laplace_glas.curvature.streaming`) uses it as its ``'streaming'``
 strategy for a model that the linearised operator covers but whose kept graphs do not
