@@ -516,6 +516,48 @@ def test_checkpointed_segments_give_the_plain_model_s_products():
     assert "forward" not in vars(model.block[0]) and "forward" not in vars(model.block[1])
 
 
+class CheckpointedEncoder(nn.Module):
+    """A transformer encoder layer (two layer norms) under non-reentrant activation
+    checkpointing (where ``checkpointed``), mean-pooled to 3 classes."""
+
+    def __init__(self, checkpointed: bool = True):
+        super().__init__()
+        self.inp, self.out = nn.Linear(2, 8), nn.Linear(8, 3)
+        self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        h = self.inp(x)
+        if self.checkpointed:
+            h = torch.utils.checkpoint.checkpoint(self.enc, h, use_reentrant=False)
+        else:
+            h = self.enc(h)
+        return self.out(h.mean(1))
+
+
+def test_a_checkpointed_encoder_fits_as_the_plain_one():
+    """Through ``fit``: the checkpointed model takes the linearised plan (its frozen
+    norms saved other tensors than the recomputation, which raised before) and finds
+    the plain model's eigenvalues."""
+    torch.manual_seed(0)
+    model = CheckpointedEncoder().to(F64)
+    plain = copy.deepcopy(model)
+    plain.checkpointed = False
+    g = torch.Generator().manual_seed(0)
+    X, y = torch.randn(48, 5, 2, generator=g, dtype=F64), torch.randint(0, 3, (48,), generator=g)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y), batch_size=16)
+    values, operators = [], []
+    for m in (model, plain):
+        la = ActiveSubspaceLaplace(m, "classification", n_components=4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            la.fit(loader)
+        values.append(la.H[1])
+        operators.append(la.lanczos_info.operator)
+    assert operators[0].startswith("linearised"), operators
+    torch.testing.assert_close(values[0], values[1], rtol=1e-9, atol=0)
+
+
 def test_frozen_activations_keep_values_and_first_derivatives():
     """Inside the block an elementwise activation gives the same values and the same
     vector-Jacobian and (double-backward) Jacobian-vector products, through one frozen
