@@ -160,3 +160,45 @@ def test_kept_graphs_with_frozen_norms_give_the_same_products_in_no_more_memory(
     V = torch.randn(frozen_op.shape[0], 3, generator=g, dtype=F64)
     torch.testing.assert_close(frozen_op @ V, native_op @ V, rtol=1e-10, atol=1e-12)
     assert frozen_bytes <= native_bytes, (frozen_bytes, native_bytes)
+
+
+def test_hugging_face_rms_norms_written_as_llama_s_are_frozen_where_they_match():
+    """``LlamaRMSNorm`` (float32 arithmetic): frozen on a float32 input, with its own
+    values and first derivatives; left alone on a float64 input, whose output its
+    float32 arithmetic rounds differently; Gemma's ``1 + weight`` norm and a look-alike
+    outside transformers are not taken."""
+    pytest.importorskip("transformers")
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(6, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.add_(0.5 * torch.randn(6))
+    assert is_frozen_norm(norm) and not is_frozen_norm(GemmaRMSNorm(6))
+    assert not is_frozen_norm(type("LlamaRMSNorm", (nn.Module,), {})())
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 3, 6, generator=g).requires_grad_(True)
+    u = torch.randn(4, 3, 6, generator=g)
+    v = [torch.randn(4, 3, 6, generator=g), torch.randn(6, generator=g)]
+    reference = norm(x)
+    reference_vjp = torch.autograd.grad(reference, [x, norm.weight], u)
+    _, reference_jvp = torch.func.jvp(
+        lambda x_, w: torch.func.functional_call(norm, {"weight": w}, (x_,)),
+        (x.detach(), norm.weight.detach()),
+        tuple(v),
+    )
+    with frozen_first_derivatives(norm) as switched:
+        out = norm(x)
+        vjp = torch.autograd.grad(out, [x, norm.weight], u, retain_graph=True)
+        dummy = torch.zeros_like(out, requires_grad=True)
+        recorded = torch.autograd.grad(out, [x, norm.weight], dummy, create_graph=True)
+        (jvp,) = torch.autograd.grad(recorded, dummy, v)
+        double = norm.double()
+        float64_names = graph_node_names(double(x.detach().double().requires_grad_(True)))
+    assert switched == 1 and "_FrozenNormalizationBackward" in graph_node_names(out)
+    assert torch.equal(out, reference)
+    for got, want in zip(vjp, reference_vjp, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(jvp, reference_jvp, rtol=1e-5, atol=1e-6)
+    assert "_FrozenNormalizationBackward" not in float64_names
