@@ -43,8 +43,8 @@ then one tensor of the input's size more.
 
 Covered, by exact type (a subclass may act otherwise): ``nn.LayerNorm``, ``nn.RMSNorm``
 and Hugging Face's RMS norms written as Llama's (``LlamaRMSNorm``, ``MistralRMSNorm``,
-``Qwen2RMSNorm``, ...: ``weight * (x * r)``, checked on each call), where the input
-and parameters share a float32 or float64 dtype; others (half precision, mixed dtypes
+``Qwen2RMSNorm``, ...: ``weight * (x * r)``, checked on each call, float32 only), where
+the input and parameters share a float32 or float64 dtype; others (half precision, mixed dtypes
 under autocast), other normalisations (Gemma's ``1 + weight``, ...) and functional
 calls are left alone. On a 4-layer, 128-wide Llama with LoRA over 32 x 46 tokens,
 freezing its RMS norms made a product 3-6% faster and kept 9% fewer bytes a batch
@@ -169,17 +169,19 @@ def frozen_norm_forward(module: nn.Module, forward: Callable) -> Callable:
     """``module``'s forward through ``_FrozenNormalization`` where the output
     needs a graph and the input and parameters share a float32 or float64 dtype (else
     the original forward: half-precision and mixed-dtype norms compute their statistics
-    in float32 inside torch's kernels). A Hugging Face RMS norm is frozen only where
-    its output equals ``weight * (x * r)`` bit for bit (in float32; its float32
-    arithmetic leaves float64 inputs to its own forward).
+    in float32 inside torch's kernels). A Hugging Face RMS norm is frozen only on a
+    float32 input (it computes in float32 whatever its input) and where its output
+    equals ``weight * (x * r)`` bit for bit; otherwise its own forward runs, with its
+    graph.
     """
     shape, eps = _layout(module)
+    own = type(module) in _NORMS  # torch's; else a Hugging Face norm, float32 and checked
 
     def wrapped(x: Any, *args: Any, **kwargs: Any) -> Any:
         params = [p for p in (module.weight, getattr(module, "bias", None)) if p is not None]
         frozen = (
             isinstance(x, torch.Tensor)
-            and x.dtype in _DTYPES
+            and x.dtype in (_DTYPES if own else (torch.float32,))
             and all(p.dtype == x.dtype for p in params)
             and (x.requires_grad or any(p.requires_grad for p in params))
         )
@@ -188,8 +190,9 @@ def frozen_norm_forward(module: nn.Module, forward: Callable) -> Callable:
         with torch.no_grad():
             y = forward(x)
             centred, rstd, subtracts_mean = _statistics(module, x, shape, eps)
-            if type(module) not in _NORMS and not torch.equal(y, module.weight * (x * rstd)):
-                return forward(x)
+            matches = own or torch.equal(y, module.weight * (x * rstd))
+        if not matches:  # the module's own forward, with its graph
+            return forward(x)
         return _FrozenNormalization.apply(
             x,
             module.weight,
