@@ -475,6 +475,13 @@ def test_update_and_subnetwork_on_the_linearised_operator_match_curvlinops():
     torch.testing.assert_close(ours.values, ref.values, rtol=1e-9, atol=0)
 
 
+def _segment(module: nn.Module, h: torch.Tensor, checkpointed: bool) -> torch.Tensor:
+    """``module(h)``, under non-reentrant activation checkpointing where asked."""
+    if checkpointed:
+        return torch.utils.checkpoint.checkpoint(module, h, use_reentrant=False)
+    return module(h)
+
+
 class Checkpointed(nn.Module):
     """Linear -> [LayerNorm -> GELU -> Linear -> tanh] -> Linear, the bracket under
     non-reentrant activation checkpointing (where ``checkpointed``)."""
@@ -486,12 +493,7 @@ class Checkpointed(nn.Module):
         self.checkpointed = checkpointed
 
     def forward(self, x):
-        h = self.inp(x)
-        if self.checkpointed:
-            h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False)
-        else:
-            h = self.block(h)
-        return self.out(h)
+        return self.out(_segment(self.block, self.inp(x), self.checkpointed))
 
 
 def test_checkpointed_segments_give_the_plain_model_s_products():
@@ -527,12 +529,7 @@ class CheckpointedEncoder(nn.Module):
         self.checkpointed = checkpointed
 
     def forward(self, x):
-        h = self.inp(x)
-        if self.checkpointed:
-            h = torch.utils.checkpoint.checkpoint(self.enc, h, use_reentrant=False)
-        else:
-            h = self.enc(h)
-        return self.out(h.mean(1))
+        return self.out(_segment(self.enc, self.inp(x), self.checkpointed).mean(1))
 
 
 def test_a_checkpointed_encoder_fits_as_the_plain_one():
