@@ -30,7 +30,7 @@ alone.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -38,7 +38,12 @@ from torch import nn
 
 from laplace_glas.autodiff.frozen_norms import frozen_norm_forward, is_frozen_norm
 
-__all__ = ["frozen_first_derivatives", "is_elementwise_activation"]
+__all__ = [
+    "freezable_modules",
+    "frozen_first_derivatives",
+    "is_elementwise_activation",
+    "switched_forwards",
+]
 
 _TORCH_ELEMENTWISE = (
     nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.Softplus, nn.ELU, nn.CELU, nn.SELU,
@@ -109,8 +114,45 @@ def _frozen_forward(module: nn.Module, forward: Any):
     return wrapped
 
 
+Freezable = tuple[nn.Module, Callable[[nn.Module, Any], Any]]
+"""A module and the function that wraps its forward (:func:`freezable_modules`)."""
+
+
+def freezable_modules(model: nn.Module) -> tuple[Freezable, ...]:
+    """``model``'s elementwise activation modules (:func:`is_elementwise_activation`)
+    and layer and RMS normalisations
+    (:func:`~laplace_glas.autodiff.frozen_norms.is_frozen_norm`), each with the wrapper
+    of its forward; found once, switched by :func:`switched_forwards` as often as needed.
+    """
+    found: list[Freezable] = []
+    for module in model.modules():
+        if is_elementwise_activation(module):
+            found.append((module, _frozen_forward))
+        elif is_frozen_norm(module):
+            found.append((module, frozen_norm_forward))
+    return tuple(found)
+
+
 @contextlib.contextmanager
-def frozen_first_derivatives(model: nn.Module) -> Iterator[int]:
+def switched_forwards(modules: tuple[Freezable, ...]) -> Iterator[int]:
+    """Inside the block, each of ``modules`` (:func:`freezable_modules`) runs its
+    wrapped forward; yields how many. The modules' own ``forward`` is restored on exit,
+    also when the block raises.
+    """
+    own = [m.__dict__.get("forward") for m, _ in modules]  # an instance-level forward
+    try:
+        for module, freeze in modules:
+            module.forward = freeze(module, module.forward)
+        yield len(modules)
+    finally:
+        for (module, _), previous in zip(modules, own, strict=True):
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
+
+
+def frozen_first_derivatives(model: nn.Module) -> contextlib.AbstractContextManager[int]:
     """Inside the block, ``model``'s elementwise activation modules
     (:func:`is_elementwise_activation`) build graphs whose backward multiplies by
     their derivative at the point of the pass, and its layer and RMS normalisations
@@ -120,20 +162,4 @@ def frozen_first_derivatives(model: nn.Module) -> Iterator[int]:
     switched. The modules' own ``forward`` is restored on exit, also when the block
     raises; graphs built inside keep the frozen derivatives.
     """
-    switched = []
-    for module in model.modules():
-        if is_elementwise_activation(module):
-            switched.append((module, _frozen_forward))
-        elif is_frozen_norm(module):
-            switched.append((module, frozen_norm_forward))
-    own = [m.__dict__.get("forward") for m, _ in switched]  # an instance-level forward
-    try:
-        for module, freeze in switched:
-            module.forward = freeze(module, module.forward)
-        yield len(switched)
-    finally:
-        for (module, _), previous in zip(switched, own, strict=True):
-            if previous is None:
-                del module.forward
-            else:
-                module.forward = previous
+    return switched_forwards(freezable_modules(model))

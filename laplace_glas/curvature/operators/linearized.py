@@ -90,7 +90,7 @@ import torch
 from torch import nn
 
 from laplace_glas.autodiff.cotangents import zero_free_saving
-from laplace_glas.autodiff.frozen import frozen_first_derivatives
+from laplace_glas.autodiff.frozen import Freezable, freezable_modules, switched_forwards
 from laplace_glas.curvature.batch_sizes import BatchSizes
 from laplace_glas.curvature.batches import batch_to_device
 from laplace_glas.curvature.budget import (
@@ -117,10 +117,10 @@ class _Linearization:
     ``u`` and ``pullback`` the ``J_b^T u`` built from it with ``create_graph=True`` (one
     tensor per used parameter, ``used`` their indices in the parameter list), ``leaf``
     a detached copy of ``f_b`` and ``loss_gradient`` ``c nabla_f l_b`` at it, with its
-    graph. ``model``: the network whose frozen modules
-    (:func:`~laplace_glas.autodiff.frozen.frozen_first_derivatives`) are switched again
-    while a product passes over the graphs, so that a checkpointed segment, whose
-    forward the backward passes run again, saves what the recorded pass saved.
+    graph. ``frozen``: the network's frozen modules
+    (:func:`~laplace_glas.autodiff.frozen.freezable_modules`), switched again while a
+    product passes over the graphs, so that a checkpointed segment, whose forward the
+    backward passes run again, saves what the recorded pass saved.
     """
 
     outputs: torch.Tensor
@@ -129,7 +129,7 @@ class _Linearization:
     used: tuple[int, ...]
     leaf: torch.Tensor
     loss_gradient: torch.Tensor
-    model: nn.Module
+    frozen: tuple[Freezable, ...]
 
 
 class LinearizedGGN(TorchOperator):
@@ -183,7 +183,7 @@ class LinearizedGGN(TorchOperator):
         if not batched:
             tangents = [t[0] for t in tangents]
         used = [self.params[i] for i in lin.used]
-        with frozen_first_derivatives(lin.model):  # as recorded (see _Linearization)
+        with switched_forwards(lin.frozen):  # as recorded (see _Linearization)
             (Jv,) = torch.autograd.grad(
                 lin.pullback, lin.dummy, tangents, retain_graph=True, is_grads_batched=batched
             )
@@ -301,7 +301,8 @@ def linearize_batch(
     counter.add_inputs(X, y)
     # the frozen modules stay switched while J_b^T u is recorded: a checkpointed
     # segment recomputes its forward there, and must save what the first pass saved
-    with counter.hooks(), torch.enable_grad(), frozen_first_derivatives(model):
+    frozen = freezable_modules(model)
+    with counter.hooks(), torch.enable_grad(), switched_forwards(frozen):
         outputs = model(X)
         if not isinstance(outputs, torch.Tensor):
             return f"the model returned a {type(outputs).__name__}, not a tensor"
@@ -330,7 +331,7 @@ def linearize_batch(
             scale = n / num_data
         (loss_gradient,) = torch.autograd.grad(scale * loss_func(leaf, y), leaf, create_graph=True)
     pulled = tuple(pullback[i] for i in used)
-    kept = _Linearization(outputs, dummy, pulled, used, leaf, loss_gradient, model)
+    kept = _Linearization(outputs, dummy, pulled, used, leaf, loss_gradient, frozen)
     for tensor in (outputs, leaf, loss_gradient, *kept.pullback):  # held, not saved
         counter.count(tensor)
     return kept
@@ -471,7 +472,7 @@ def _adjoint_check(operator: LinearizedGGN, lin: _Linearization) -> str | None:
     tangents = [t[0] for t in operator.parameter_tangents(lin, v)]
     used = [operator.params[i] for i in lin.used]
     try:
-        with frozen_first_derivatives(lin.model):  # as the products run (_Linearization)
+        with switched_forwards(lin.frozen):  # as the products run (_Linearization)
             (Jv,) = torch.autograd.grad(lin.pullback, lin.dummy, tangents, retain_graph=True)
             JTu = torch.autograd.grad(lin.outputs, used, u, retain_graph=True)
     except RuntimeError as err:
