@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from laplace_glas.autodiff.frozen_lora import frozen_lora_forward, is_frozen_lora
 from laplace_glas.autodiff.frozen_norms import frozen_norm_forward, is_frozen_norm
 
 __all__ = [
@@ -119,9 +120,10 @@ Freezable = tuple[nn.Module, Callable[[nn.Module, Any], Any]]
 
 
 def freezable_modules(model: nn.Module) -> tuple[Freezable, ...]:
-    """``model``'s elementwise activation modules (:func:`is_elementwise_activation`)
-    and layer and RMS normalisations
-    (:func:`~laplace_glas.autodiff.frozen_norms.is_frozen_norm`), each with the wrapper
+    """``model``'s elementwise activation modules (:func:`is_elementwise_activation`),
+    layer and RMS normalisations
+    (:func:`~laplace_glas.autodiff.frozen_norms.is_frozen_norm`) and peft LoRA layers
+    (:func:`~laplace_glas.autodiff.frozen_lora.is_frozen_lora`), each with the wrapper
     of its forward; found once, switched by :func:`switched_forwards` as often as needed.
     """
     found: list[Freezable] = []
@@ -130,6 +132,8 @@ def freezable_modules(model: nn.Module) -> tuple[Freezable, ...]:
             found.append((module, _frozen_forward))
         elif is_frozen_norm(module):
             found.append((module, frozen_norm_forward))
+        elif is_frozen_lora(module):
+            found.append((module, frozen_lora_forward))
     return tuple(found)
 
 
@@ -156,9 +160,9 @@ def frozen_first_derivatives(model: nn.Module) -> contextlib.AbstractContextMana
     """Inside the block, ``model``'s elementwise activation modules
     (:func:`is_elementwise_activation`) build graphs whose backward multiplies by
     their derivative at the point of the pass, and its layer and RMS normalisations
-    (:func:`~laplace_glas.autodiff.frozen_norms.is_frozen_norm`) graphs whose backward
-    is their Jacobian's transpose at that point
-    (:mod:`~laplace_glas.autodiff.frozen_norms`); yields how many modules were
+    (:mod:`~laplace_glas.autodiff.frozen_norms`) and peft LoRA layers
+    (:mod:`~laplace_glas.autodiff.frozen_lora`) graphs whose backward is their
+    Jacobian's transpose at that point; yields how many modules were
     switched. The modules' own ``forward`` is restored on exit, also when the block
     raises; graphs built inside keep the frozen derivatives.
     """

@@ -19,6 +19,7 @@ from torch.autograd.function import once_differentiable
 from laplace_glas import ActiveSubspaceLaplace
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.autodiff.frozen import is_elementwise_activation
+from laplace_glas.autodiff.frozen_lora import is_frozen_lora
 from laplace_glas.curvature.budget import MemoryBudgetError, return_freed_memory
 from laplace_glas.curvature.losses import TokenCrossEntropy
 from laplace_glas.curvature.operators.graph_bytes import SavedBytes, forward_graph_bytes
@@ -178,6 +179,9 @@ def test_products_equal_the_explicit_ggn(name):
     assert isinstance(op, LinearizedGGN)
     if name in ("gpt2-lora-tokens", "mlp-mse"):  # GPT-2's GELU, nn.Tanh: frozen derivative
         assert sum(is_elementwise_activation(m) for m in model.modules()) == 1
+    if name == "gpt2-lora-tokens":  # its four LoRA layers: frozen Jacobians
+        assert sum(is_frozen_lora(m) for m in model.modules()) == 4
+        assert "_FrozenLoRABackward" in graph_node_names(op.linearizations[0].outputs)
     G = dense_ggn(model, batches, loss_func, num_data)
     V = torch.randn(G.shape[0], 4, generator=torch.Generator().manual_seed(2), dtype=F64)
     with autodiff_friendly(model):

@@ -1,0 +1,256 @@
+"""peft's LoRA layers with their Jacobian frozen at the linearisation point.
+
+A LoRA layer adds a rank-``r`` update to a frozen base layer,
+
+.. math::
+
+    y = x M + b + s \\, (x A^\\top) B^\\top ,
+
+with ``M`` the base weight as a ``d_in x d_out`` matrix (``W^T`` of an ``nn.Linear``,
+the weight of GPT-2's ``Conv1D``), ``A`` (``r x d_in``) and ``B`` (``d_out x r``) the
+adapters and ``s`` the scaling. Its vector-Jacobian product, with ``z = s \\bar y B``,
+
+.. math::
+
+    \\bar x = \\bar y M^\\top + z A , \\qquad
+    \\bar A = z^\\top x , \\qquad
+    \\bar B = \\bar y^\\top (s \\, x A^\\top) ,
+
+is linear in ``\\bar y`` with ``x``, ``s x A^T`` and the weights fixed at the pass's
+point, and its derivative in ``\\bar y`` (the linearised GGN's ``J v``, by double
+backward) is the layer's Jacobian-vector product
+
+.. math::
+
+    \\dot y = \\dot x M + [\\dot z , \\; s x A^\\top]
+        \\begin{bmatrix} B^\\top \\\\ \\dot B^\\top \\end{bmatrix} , \\qquad
+    \\dot z = s \\, (\\dot x A^\\top + x \\dot A^\\top) .
+
+Through peft's own forward, autograd differentiates ``B(A(x)) * s`` op by op: the
+scaling multiplies a ``d_out``-wide tensor, each of the three rank-``r`` terms writes
+one, and each is added separately. Here the scaling acts on the rank side, and the
+rank terms enter ``\\dot y`` (or ``\\bar x``) through one ``addmm`` on the base layer's
+product. The values are the module's own (checked bit for bit on each call); the first
+derivative is the same to rounding. There is no derivative in ``x`` or the weights
+(second derivatives through the frozen graph miss those terms silently); GGN products
+need none.
+
+Covered: ``peft.tuners.lora.layer.Linear`` (exact type) with one active adapter,
+unmerged, plain LoRA (no DoRA or other variant, no ``lora_bias``), dropout that is
+``nn.Identity`` or inactive, a base ``nn.Linear`` or ``transformers``' ``Conv1D`` whose
+parameters are not trained, and a float32 or float64 input sharing the weights' dtype.
+Other calls run the module's own forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["frozen_lora_forward", "is_frozen_lora"]
+
+_DTYPES = (torch.float32, torch.float64)
+
+
+def is_frozen_lora(module: nn.Module) -> bool:
+    """Whether ``module`` is a peft LoRA ``Linear`` layer (exact type) whose Jacobian
+    GLAS may freeze; each call checks the rest (:func:`frozen_lora_forward`).
+    """
+    cls = type(module)
+    return cls.__module__ == "peft.tuners.lora.layer" and cls.__name__ == "Linear"
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """A plain LoRA layer's pieces: ``y = x M + b + s (x A^T) B^T``."""
+
+    base: nn.Module
+    transposed: bool  # the base weight is stored as W (d_out x d_in): M = W^T
+    lora_A: nn.Linear
+    lora_B: nn.Linear
+    dropout: nn.Module
+    scaling: float
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__ == "transformers.pytorch_utils"
+
+
+def _inactive(dropout: nn.Module) -> bool:
+    """Whether a LoRA dropout passes its input through (``nn.Identity``, or an
+    ``nn.Dropout`` in eval mode or with ``p = 0``).
+    """
+    if type(dropout) is nn.Identity:
+        return True
+    return type(dropout) is nn.Dropout and (not dropout.training or dropout.p == 0)
+
+
+def _plain_parts(module: nn.Module) -> _Parts | None:
+    """The layer's pieces where it computes plain LoRA on a frozen base, else None."""
+    if getattr(module, "disable_adapters", True) or getattr(module, "merged", True):
+        return None
+    active = [a for a in module.active_adapters if a in module.lora_A.keys()]
+    if len(active) != 1 or active[0] in getattr(module, "lora_variant", {}):
+        return None
+    name = active[0]
+    lora_A, lora_B = module.lora_A[name], module.lora_B[name]
+    dropout = module.lora_dropout[name]
+    base = module.base_layer
+    base_params = [base.weight, getattr(base, "bias", None)]
+    plain = (
+        type(lora_A) is nn.Linear
+        and type(lora_B) is nn.Linear
+        and lora_A.bias is None
+        and lora_B.bias is None
+        and _inactive(dropout)
+        and (type(base) is nn.Linear or _is_conv1d(base))
+        and not any(p is not None and p.requires_grad for p in base_params)
+        and isinstance(module.scaling[name], (int, float))
+    )
+    if not plain:
+        return None
+    scaling = float(module.scaling[name])
+    return _Parts(base, type(base) is nn.Linear, lora_A, lora_B, dropout, scaling)
+
+
+def _base_matrix(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """``M`` (``d_in x d_out``) of ``y = x M + b``."""
+    return weight.t() if transposed else weight
+
+
+def _lora_vjp(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    scaled_ax: torch.Tensor,
+    matrices: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scaling: float,
+    wanted: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(x_bar, A_bar, B_bar)`` of the module docstring for ``grad`` (``y_bar``), the
+    inputs as 2-d row matrices (``(n, d_out)``, ``(n, d_in)``, ``(n, r)``).
+    """
+    M, A, B = matrices
+    z = (grad @ B).mul_(scaling) if wanted[0] or wanted[1] else None
+    grad_x = (grad @ M.t()).addmm_(z, A) if wanted[0] else None
+    grad_A = z.t() @ x if wanted[1] else None
+    grad_B = grad.t() @ scaled_ax if wanted[2] else None
+    return grad_x, grad_A, grad_B
+
+
+class _LoRAPullback(torch.autograd.Function):
+    """The recorded backward pass of :class:`_FrozenLoRA`: ``y_bar -> (x_bar, A_bar,
+    B_bar)``, differentiable in ``y_bar`` only (the docstring's ``y_dot``).
+    """
+
+    @staticmethod
+    def forward(grad, x, scaled_ax, M, A, B, scaling, wanted):
+        return _lora_vjp(grad, x, scaled_ax, (M, A, B), scaling, wanted)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        _, x, scaled_ax, M, A, B, scaling, wanted = inputs
+        ctx.save_for_backward(x, scaled_ax, M, A, B)
+        ctx.scaling, ctx.wanted = scaling, wanted
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, dot_x, dot_A, dot_B) -> tuple:
+        x, scaled_ax, M, A, B = ctx.saved_tensors
+        dot_z = None
+        if dot_x is not None:
+            dot_z = dot_x @ A.t()
+        if dot_A is not None:
+            dot_z = x @ dot_A.t() if dot_z is None else dot_z.addmm_(x, dot_A.t())
+        rows, cols = [], []
+        if dot_z is not None:
+            rows.append(dot_z.mul_(ctx.scaling))
+            cols.append(B.t())
+        if dot_B is not None:
+            rows.append(scaled_ax)
+            cols.append(dot_B.t())
+        dot_y = None if dot_x is None else dot_x @ M
+        if rows:
+            low = (torch.cat(rows, 1), torch.cat(cols, 0)) if len(rows) > 1 else (rows[0], cols[0])
+            dot_y = low[0] @ low[1] if dot_y is None else dot_y.addmm_(*low)
+        return dot_y, *(None,) * 7
+
+
+class _FrozenLoRA(torch.autograd.Function):
+    """``y`` (computed outside) as a function of ``x``, ``A`` and ``B`` with the
+    backward of the module docstring.
+    """
+
+    @staticmethod
+    def forward(x, lora_A, lora_B, y, scaled_ax, base_weight, transposed, scaling):
+        return y
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        x, lora_A, lora_B, _, scaled_ax, base_weight, transposed, scaling = inputs
+        ctx.save_for_backward(x, scaled_ax, base_weight, lora_A, lora_B)
+        ctx.transposed, ctx.scaling = transposed, scaling
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        none = (None,) * 5
+        if grad is None:
+            return None, None, None, *none
+        x, scaled_ax, base_weight, lora_A, lora_B = ctx.saved_tensors
+        wanted = tuple(ctx.needs_input_grad[:3])
+        M = _base_matrix(base_weight, ctx.transposed)
+        rows = grad.reshape(-1, grad.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        matrices = (M, lora_A, lora_B)
+        if torch.is_grad_enabled():  # recorded: its derivative in grad is _LoRAPullback's
+            detached = [t.detach() for t in (x2, scaled_ax, M, lora_A, lora_B)]
+            grads = _LoRAPullback.apply(rows, *detached, ctx.scaling, wanted)
+        else:
+            grads = _lora_vjp(rows, x2, scaled_ax, matrices, ctx.scaling, wanted)
+        grad_x, grad_A, grad_B = grads
+        if grad_x is not None:
+            grad_x = grad_x.reshape(x.shape)
+        return grad_x, grad_A, grad_B, *none
+
+
+def frozen_lora_forward(module: nn.Module, forward: Callable) -> Callable:
+    """``module``'s forward through ``_FrozenLoRA`` where it computes plain LoRA on a
+    frozen base (see the module docstring), its output needs a graph and equals
+    ``base(x) + B(A(x)) * s`` bit for bit; else the module's own forward.
+    """
+
+    def wrapped(x: Any, *args: Any, **kwargs: Any) -> Any:
+        parts = _plain_parts(module)
+        if args or kwargs or parts is None or not isinstance(x, torch.Tensor):
+            return forward(x, *args, **kwargs)
+        A, B = parts.lora_A.weight, parts.lora_B.weight
+        weights = [A, B, parts.base.weight, getattr(parts.base, "bias", None)]
+        frozen = (
+            torch.is_grad_enabled()
+            and x.dtype in _DTYPES
+            and all(w is None or w.dtype == x.dtype for w in weights)
+            and (x.requires_grad or A.requires_grad or B.requires_grad)
+        )
+        if not frozen:
+            return forward(x, *args, **kwargs)
+        with torch.no_grad():
+            y = forward(x)
+            ax = parts.lora_A(parts.dropout(x))
+            mine = parts.base(x) + parts.lora_B(ax) * parts.scaling
+            if not torch.equal(y, mine):
+                return None
+            scaled_ax = (ax * parts.scaling).reshape(-1, ax.shape[-1])
+        return _FrozenLoRA.apply(
+            x, A, B, y, scaled_ax, parts.base.weight, parts.transposed, parts.scaling
+        )
+
+    def checked(x: Any, *args: Any, **kwargs: Any) -> Any:
+        out = wrapped(x, *args, **kwargs)
+        return forward(x, *args, **kwargs) if out is None else out
+
+    return checked

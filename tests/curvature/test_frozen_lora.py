@@ -1,0 +1,240 @@
+"""peft's LoRA layers with their Jacobian frozen (the linearised GGN's kept graphs)
+against the layers' own values and derivatives, and the kept graphs' products against
+the explicit GGN."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import graph_node_names, output_jacobian
+from torch import nn
+
+from laplace_glas.autodiff import frozen
+from laplace_glas.autodiff.context import autodiff_friendly
+from laplace_glas.autodiff.frozen import frozen_first_derivatives
+from laplace_glas.autodiff.frozen_lora import is_frozen_lora
+from laplace_glas.curvature.operators.graph_bytes import SavedBytes
+from laplace_glas.curvature.operators.linearized import LinearizedGGN, linearize_batch
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+F64 = torch.float64
+D_IN, D_OUT = 5, 3
+
+
+class OneLayer(nn.Module):
+    """One base layer, ``nn.Linear`` or GPT-2's ``Conv1D`` (``W`` stored as ``d_in x d_out``)."""
+
+    def __init__(self, conv1d: bool):
+        super().__init__()
+        Conv1D = transformers.pytorch_utils.Conv1D
+        self.proj = Conv1D(D_OUT, D_IN) if conv1d else nn.Linear(D_IN, D_OUT)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def lora_layer(conv1d: bool = False, dtype=F64, **config) -> nn.Module:
+    """A peft LoRA layer (r = 2, alpha 4) on a frozen base, ``lora_B`` off its zero start."""
+    torch.manual_seed(0)
+    config = {"lora_dropout": 0.0, **config}
+    lora = peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=["proj"], fan_in_fan_out=conv1d, **config
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = peft.get_peft_model(OneLayer(conv1d), lora)
+    layer = model.base_model.model.proj
+    with torch.no_grad():
+        layer.lora_B["default"].weight.normal_(0, 0.5)
+    return layer.to(dtype).eval()
+
+
+def _adapters(layer: nn.Module) -> list[torch.Tensor]:
+    return [layer.lora_A["default"].weight, layer.lora_B["default"].weight]
+
+
+@pytest.mark.parametrize("trained", ["A-and-B", "B-only"])
+@pytest.mark.parametrize("input_grad", [True, False], ids=["x-grad", "x-no-grad"])
+@pytest.mark.parametrize("shape", [(4, D_IN), (2, 3, D_IN)], ids=["rows", "sequences"])
+@pytest.mark.parametrize("conv1d", [False, True], ids=["linear", "conv1d"])
+def test_frozen_lora_keeps_values_and_first_derivatives(conv1d, shape, input_grad, trained):
+    """Inside the block the layer gives its own values, and vector-Jacobian products
+    (plain and recorded) and double-backward Jacobian-vector products equal to
+    ``torch.func.jvp`` of the layer itself, through one frozen node; the recorded
+    backward pass differentiates through its own node."""
+    layer = lora_layer(conv1d)
+    A, B = _adapters(layer)
+    if trained == "B-only":
+        A.requires_grad_(False)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=g, dtype=F64).requires_grad_(input_grad)
+    wanted = [t for t in (x, A, B) if t.requires_grad]
+    u = torch.randn(*shape[:-1], D_OUT, generator=g, dtype=F64)
+    v = {id(t): torch.randn(t.shape, generator=g, dtype=F64) for t in (x, A, B)}
+
+    def layer_of(x_, A_, B_):
+        names = ["lora_A.default.weight", "lora_B.default.weight"]
+        return torch.func.functional_call(layer, dict(zip(names, (A_, B_), strict=True)), (x_,))
+
+    tangents = tuple(v[id(t)] if t.requires_grad else torch.zeros_like(t) for t in (x, A, B))
+    _, reference_jvp = torch.func.jvp(layer_of, (x.detach(), A.detach(), B.detach()), tangents)
+    reference = layer(x)
+    reference_vjp = torch.autograd.grad(reference, wanted, u)
+    with frozen_first_derivatives(layer) as switched:
+        out = layer(x)
+        names = graph_node_names(out)
+        vjp = torch.autograd.grad(out, wanted, u, retain_graph=True)
+        dummy = torch.zeros_like(out, requires_grad=True)
+        recorded = torch.autograd.grad(out, wanted, dummy, create_graph=True)
+        recorded_names = set().union(*(graph_node_names(r) for r in recorded))
+        (jvp,) = torch.autograd.grad(recorded, dummy, [v[id(t)] for t in wanted])
+        recorded_vjp = torch.autograd.grad(out, wanted, u, create_graph=True)
+    assert switched == 1
+    assert "_FrozenLoRABackward" in names and "_LoRAPullbackBackward" in recorded_names
+    assert torch.equal(out, reference)
+    for got, want in zip([*vjp, *recorded_vjp], [*reference_vjp, *reference_vjp], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(jvp, reference_jvp, rtol=1e-12, atol=1e-13)
+    assert "forward" not in vars(layer)
+    assert "_FrozenLoRABackward" not in graph_node_names(layer(x))
+
+
+def _two_adapters() -> nn.Module:
+    layer = lora_layer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer.update_layer("other", 2, 4, config=peft.LoraConfig(r=2, lora_alpha=4))
+    layer.set_adapter(["default", "other"])
+    return layer.to(F64)
+
+
+def _merged() -> nn.Module:
+    layer = lora_layer()
+    layer.merge()
+    return layer
+
+
+def _trained_base() -> nn.Module:
+    layer = lora_layer()
+    layer.base_layer.weight.requires_grad_(True)
+    return layer
+
+
+LEFT_ALONE = {
+    "dora": lambda: lora_layer(use_dora=True),
+    "lora-bias": lambda: lora_layer(lora_bias=True),
+    "dropout-training": lambda: lora_layer(lora_dropout=0.5).train(),
+    "two-adapters": _two_adapters,
+    "merged": _merged,
+    "trained-base": _trained_base,
+    "float64-base-float32-adapters": lambda: _mixed_dtypes(),
+    "bfloat16": lambda: lora_layer(dtype=torch.bfloat16),
+    "nan-row (the check fails)": lambda: lora_layer(),
+}
+
+
+def _mixed_dtypes() -> nn.Module:
+    layer = lora_layer()
+    layer.lora_A.float()
+    layer.lora_B.float()
+    return layer
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("case", list(LEFT_ALONE))
+def test_lora_layers_outside_the_plain_case_keep_their_own_forward(case):
+    """DoRA, a LoRA bias, active dropout, two adapters, a merged layer, a trained base,
+    mixed or half-precision dtypes, and a call whose output differs from
+    ``base(x) + B(A(x)) s`` (a NaN): the layer's own forward, with its own graph and
+    gradients."""
+    layer = LEFT_ALONE[case]()
+    dtype = layer.base_layer.weight.dtype
+    x = torch.randn(4, D_IN, generator=torch.Generator().manual_seed(1)).to(dtype)
+    if case.startswith("nan-row"):
+        x[1, 2] = float("nan")
+    x.requires_grad_(True)
+    params = [x, *(p for p in layer.parameters() if p.requires_grad)]
+    u = torch.randn(4, D_OUT).to(dtype)
+    torch.manual_seed(5)
+    own = torch.autograd.grad(layer(x), params, u, allow_unused=True)  # merged: A, B unused
+    with frozen_first_derivatives(layer) as switched:
+        torch.manual_seed(5)
+        out = layer(x)
+        grads = torch.autograd.grad(out, params, u, allow_unused=True)
+    assert switched == 1
+    assert "_FrozenLoRABackward" not in graph_node_names(out)
+    for got, want in zip(grads, own, strict=True):
+        assert (got is None) == (want is None)
+        if got is not None:
+            torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+
+
+def test_only_peft_lora_linear_layers_are_taken():
+    """By exact type: peft's LoRA ``Linear``; not its embedding or a look-alike."""
+    assert is_frozen_lora(lora_layer())
+    assert not is_frozen_lora(nn.Linear(2, 2))
+    assert not is_frozen_lora(type("Linear", (nn.Module,), {})())
+    model = nn.Sequential(nn.Embedding(6, D_IN))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["0"]))
+    assert not is_frozen_lora(wrapped.base_model.model[0])
+
+
+class LoRAMLP(nn.Module):
+    """Linear -> tanh -> Linear -> tanh -> Conv1D (2 outputs), LoRA on all three."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(3, 8)
+        self.second = nn.Linear(8, 8)
+        self.head = transformers.pytorch_utils.Conv1D(2, 8)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.second(torch.tanh(self.first(x)))))
+
+
+def test_kept_graphs_with_frozen_lora_give_the_explicit_ggn_in_no_more_memory(monkeypatch):
+    """The linearised operator's products with frozen LoRA layers equal the GGN formed
+    from ``jacrev`` Jacobians (and the products through peft's own forward), and its
+    kept graphs take no more bytes."""
+    torch.manual_seed(0)
+    lora = peft.LoraConfig(r=2, lora_alpha=6, target_modules=["first", "second", "head"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = peft.get_peft_model(LoRAMLP(), lora).to(F64).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    params = [p for p in model.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(3)
+    X, y = torch.randn(16, 3, generator=g, dtype=F64), torch.randn(16, 2, generator=g, dtype=F64)
+
+    def kept(freeze_lora: bool):
+        if not freeze_lora:
+            monkeypatch.setattr(frozen, "is_frozen_lora", lambda module: False)
+        counter = SavedBytes.beside(model)
+        with autodiff_friendly(model):
+            lin = linearize_batch(
+                model, nn.MSELoss(reduction="sum"), params, X, y, num_data=16, counter=counter
+            )
+        monkeypatch.undo()
+        names = graph_node_names(lin.outputs) | graph_node_names(lin.pullback[0])
+        return LinearizedGGN([lin], params, counter.bytes), counter.bytes, names
+
+    frozen_op, frozen_bytes, frozen_names = kept(True)
+    own_op, own_bytes, own_names = kept(False)
+    assert "_FrozenLoRABackward" in frozen_names and "_LoRAPullbackBackward" in frozen_names
+    assert "_FrozenLoRABackward" not in own_names
+    _, J = output_jacobian(model, X)
+    G = 2.0 * torch.einsum("ncd,nce->de", J, J)  # sum-reduced MSE: Lambda = 2 I
+    V = torch.randn(G.shape[0], 3, generator=g, dtype=F64)
+    with autodiff_friendly(model):
+        torch.testing.assert_close(frozen_op @ V, G @ V, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(own_op @ V, G @ V, rtol=1e-10, atol=1e-12)
+    assert frozen_bytes <= own_bytes, (frozen_bytes, own_bytes)
