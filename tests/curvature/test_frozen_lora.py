@@ -11,10 +11,11 @@ import torch
 from conftest import graph_node_names, output_jacobian
 from torch import nn
 
-from laplace_glas.autodiff import frozen
+from laplace_glas.autodiff import frozen, frozen_lora
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.autodiff.frozen import frozen_first_derivatives
 from laplace_glas.autodiff.frozen_lora import is_frozen_lora
+from laplace_glas.autodiff.frozen_norms import normalised_rows
 from laplace_glas.curvature.operators.graph_bytes import SavedBytes
 from laplace_glas.curvature.operators.linearized import LinearizedGGN, linearize_batch
 
@@ -103,6 +104,66 @@ def test_frozen_lora_keeps_values_and_first_derivatives(conv1d, shape, input_gra
     assert "_FrozenLoRABackward" not in graph_node_names(layer(x))
 
 
+NORMS = {
+    "layer": lambda: nn.LayerNorm(D_IN),
+    "layer-no-affine": lambda: nn.LayerNorm(D_IN, elementwise_affine=False),
+    "layer-no-bias": lambda: nn.LayerNorm(D_IN, bias=False),
+    "rms": lambda: nn.RMSNorm(D_IN),
+}
+
+
+@pytest.mark.parametrize("norm_name", list(NORMS))
+def test_a_lora_layer_after_a_frozen_norm_keeps_the_norm_s_tensors_not_its_output(norm_name):
+    """``layer(norm(h))``: the LoRA layer's backward pass reads its input through the
+    norm's kept tensors (``weight * (centred * rstd) + bias``), not the norm's output,
+    with the same values and first derivatives as the two modules' own."""
+    layer = lora_layer()
+    A, B = _adapters(layer)
+    torch.manual_seed(2)
+    norm = NORMS[norm_name]().to(F64).requires_grad_(False)
+    with torch.no_grad():  # off the ones / zeros start, so that weight and bias count
+        for p in norm.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(1)
+    h = (1.0 + torch.randn(2, 3, D_IN, generator=g, dtype=F64)).requires_grad_(True)
+    u = torch.randn(2, 3, D_OUT, generator=g, dtype=F64)
+    v = [torch.randn(t.shape, generator=g, dtype=F64) for t in (h, A, B)]
+
+    def composed(h_, A_, B_):
+        names = ["lora_A.default.weight", "lora_B.default.weight"]
+        return torch.func.functional_call(layer, dict(zip(names, (A_, B_))), (norm(h_),))
+
+    _, reference_jvp = torch.func.jvp(composed, (h.detach(), A.detach(), B.detach()), tuple(v))
+    reference = layer(norm(h))
+    reference_vjp = torch.autograd.grad(reference, [h, A, B], u)
+    with frozen_first_derivatives(nn.ModuleList([norm, layer])) as switched:
+        x = norm(h)
+        rows = normalised_rows(x)
+        out = layer(x)
+        vjp = torch.autograd.grad(out, [h, A, B], u, retain_graph=True)
+        dummy = torch.zeros_like(out, requires_grad=True)
+        recorded = torch.autograd.grad(out, [h, A, B], dummy, create_graph=True)
+        (jvp,) = torch.autograd.grad(recorded, dummy, v)
+    assert switched == 2 and rows is not None
+    assert torch.equal(out, reference)
+    kept = [t for t in out.grad_fn.saved_tensors if t is not None]
+    output_storage = x.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() != output_storage for t in kept)
+    assert any(t is rows.centred or t.data_ptr() == rows.centred.data_ptr() for t in kept)
+    for got, want in zip(vjp, reference_vjp, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(jvp, reference_jvp, rtol=1e-12, atol=1e-13)
+    assert normalised_rows(layer(x.detach().requires_grad_(True))) is None
+
+
+def test_norms_over_several_axes_give_no_rows():
+    """A norm over the last two axes: its output is read as itself."""
+    norm = nn.LayerNorm((3, D_IN)).to(F64)
+    with frozen_first_derivatives(norm):
+        x = norm(torch.randn(2, 3, D_IN, dtype=F64, requires_grad=True))
+    assert normalised_rows(x) is None and x.grad_fn is not None
+
+
 def _two_adapters() -> nn.Module:
     layer = lora_layer()
     with warnings.catch_warnings():
@@ -186,38 +247,44 @@ def test_only_peft_lora_linear_layers_are_taken():
 
 
 class LoRAMLP(nn.Module):
-    """Linear -> tanh -> Linear -> tanh -> Conv1D (2 outputs), LoRA on all three."""
+    """Linear -> LayerNorm -> Linear -> tanh -> RMSNorm -> Conv1D (2 outputs), LoRA on
+    the three linear layers."""
 
     def __init__(self):
         super().__init__()
         self.first = nn.Linear(3, 8)
+        self.norm = nn.LayerNorm(8)
         self.second = nn.Linear(8, 8)
+        self.rms = nn.RMSNorm(8)
         self.head = transformers.pytorch_utils.Conv1D(2, 8)
 
     def forward(self, x):
-        return self.head(torch.tanh(self.second(torch.tanh(self.first(x)))))
+        return self.head(self.rms(torch.tanh(self.second(self.norm(self.first(x))))))
 
 
-def test_kept_graphs_with_frozen_lora_give_the_explicit_ggn_in_no_more_memory(monkeypatch):
+def test_kept_graphs_with_frozen_lora_give_the_explicit_ggn_in_less_memory(monkeypatch):
     """The linearised operator's products with frozen LoRA layers equal the GGN formed
-    from ``jacrev`` Jacobians (and the products through peft's own forward), and its
-    kept graphs take no more bytes."""
+    from ``jacrev`` Jacobians (and the products through peft's own forward); its kept
+    graphs take fewer bytes, as the layers after a norm keep the norm's tensors
+    instead of its output."""
     torch.manual_seed(0)
     lora = peft.LoraConfig(r=2, lora_alpha=6, target_modules=["first", "second", "head"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = peft.get_peft_model(LoRAMLP(), lora).to(F64).eval()
-    with torch.no_grad():
+    with torch.no_grad():  # lora_B and the norms' weight and bias off their start
         for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
+            if "lora_B" in name or "norm" in name or "rms" in name:
+                p.add_(0.5 * torch.randn_like(p))
     params = [p for p in model.parameters() if p.requires_grad]
     g = torch.Generator().manual_seed(3)
     X, y = torch.randn(16, 3, generator=g, dtype=F64), torch.randn(16, 2, generator=g, dtype=F64)
 
-    def kept(freeze_lora: bool):
+    def kept(freeze_lora: bool, norm_rows: bool = True):
         if not freeze_lora:
             monkeypatch.setattr(frozen, "is_frozen_lora", lambda module: False)
+        if not norm_rows:
+            monkeypatch.setattr(frozen_lora, "normalised_rows", lambda x: None)
         counter = SavedBytes.beside(model)
         with autodiff_friendly(model):
             lin = linearize_batch(
@@ -228,6 +295,7 @@ def test_kept_graphs_with_frozen_lora_give_the_explicit_ggn_in_no_more_memory(mo
         return LinearizedGGN([lin], params, counter.bytes), counter.bytes, names
 
     frozen_op, frozen_bytes, frozen_names = kept(True)
+    outputs_op, outputs_bytes, _ = kept(True, norm_rows=False)
     own_op, own_bytes, own_names = kept(False)
     assert "_FrozenLoRABackward" in frozen_names and "_LoRAPullbackBackward" in frozen_names
     assert "_FrozenLoRABackward" not in own_names
@@ -235,6 +303,8 @@ def test_kept_graphs_with_frozen_lora_give_the_explicit_ggn_in_no_more_memory(mo
     G = 2.0 * torch.einsum("ncd,nce->de", J, J)  # sum-reduced MSE: Lambda = 2 I
     V = torch.randn(G.shape[0], 3, generator=g, dtype=F64)
     with autodiff_friendly(model):
-        torch.testing.assert_close(frozen_op @ V, G @ V, rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(own_op @ V, G @ V, rtol=1e-10, atol=1e-12)
-    assert frozen_bytes <= own_bytes, (frozen_bytes, own_bytes)
+        for op in (frozen_op, outputs_op, own_op):
+            torch.testing.assert_close(op @ V, G @ V, rtol=1e-10, atol=1e-12)
+    # two norm outputs of 16 x 8 float64 numbers not kept
+    assert frozen_bytes <= outputs_bytes - 2 * 16 * 8 * 8, (frozen_bytes, outputs_bytes)
+    assert outputs_bytes <= own_bytes, (outputs_bytes, own_bytes)
