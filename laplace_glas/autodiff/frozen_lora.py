@@ -318,9 +318,11 @@ def frozen_lora_forward(module: nn.Module, forward: Callable) -> Callable:
         with torch.no_grad():
             y = forward(x)
             ax = parts.lora_A(parts.dropout(x))
-            mine = parts.base(x) + parts.lora_B(ax) * parts.scaling
+            # base(x) + B(A(x)) * s, in place: the same roundings, two temporaries
+            mine = parts.base(x).add_(parts.lora_B(ax).mul_(parts.scaling))
             if not torch.equal(y, mine):
                 return None
+            del mine
             scaled_ax = (ax * parts.scaling).reshape(-1, ax.shape[-1])
         base = (parts.base.weight, parts.transposed, parts.scaling)
         return _FrozenLoRA.apply(x, A, B, y, scaled_ax, *base, *_kept_input(x))

@@ -559,6 +559,41 @@ def test_a_checkpointed_encoder_fits_as_the_plain_one():
     torch.testing.assert_close(values[0], values[1], rtol=1e-9, atol=0)
 
 
+@pytest.mark.parametrize("path", ["forward-mode-in-chunks", "reverse-mode-fallback"])
+def test_frozen_activation_derivatives_in_chunks_and_by_the_fallback(path, monkeypatch):
+    """``f'(x)`` by forward mode over chunks of the first axis (an input of more than
+    two chunks), and by a reverse pass where forward mode raises (an op without a
+    forward derivative): the module's own values and vector-Jacobian products."""
+    from laplace_glas.autodiff import frozen
+
+    calls = []
+    jvp = torch.func.jvp
+
+    def counted_jvp(*args, **kwargs):
+        calls.append(args[1][0].shape)
+        if path == "reverse-mode-fallback":
+            raise RuntimeError("no forward derivative")
+        return jvp(*args, **kwargs)
+
+    monkeypatch.setattr(torch.func, "jvp", counted_jvp)
+    act = nn.GELU(approximate="tanh")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 7, 100, generator=g, dtype=F64).requires_grad_(True)
+    u = torch.randn(300, 7, 100, generator=g, dtype=F64)
+    own = act(x)
+    (own_vjp,) = torch.autograd.grad(own, x, u)
+    with frozen.frozen_first_derivatives(act):
+        out = act(x)
+        (vjp,) = torch.autograd.grad(out, x, u)
+    assert "_FrozenDerivativeBackward" in graph_node_names(out)
+    assert torch.equal(out, own)
+    torch.testing.assert_close(vjp, own_vjp, rtol=1e-12, atol=1e-14)
+    if path == "forward-mode-in-chunks":  # 210,000 numbers in chunks of 93 x 7 x 100
+        assert [c[0] for c in calls] == [93, 93, 93, 21]
+    else:
+        assert len(calls) == 1
+
+
 def test_frozen_activations_keep_values_and_first_derivatives():
     """Inside the block an elementwise activation gives the same values and the same
     vector-Jacobian and (double-backward) Jacobian-vector products, through one frozen
