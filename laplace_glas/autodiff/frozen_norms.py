@@ -88,15 +88,20 @@ class NormalisedRows:
     rstd: torch.Tensor
     weight: torch.Tensor | None
     bias: torch.Tensor | None
+    version: int  # the output's version counter when marked
 
 
 def normalised_rows(x: torch.Tensor) -> NormalisedRows | None:
     """The :class:`NormalisedRows` of ``x`` where it is the output of a norm over its
-    last axis frozen by :func:`frozen_norm_forward`, else ``None``. A layer that reads
-    ``x`` in its backward pass (a frozen LoRA layer,
+    last axis frozen by :func:`frozen_norm_forward`, not modified in place since, else
+    ``None``. A layer that reads ``x`` in its backward pass (a frozen LoRA layer,
     :mod:`~laplace_glas.autodiff.frozen_lora`) may keep these instead of ``x``.
     """
-    return getattr(x, _ROWS, None)
+    rows = getattr(x, _ROWS, None)
+    # torch's version counter: an in-place op on x since (x.mul_(2)) changes its values
+    if rows is None or rows.version != x._version:
+        return None
+    return rows
 
 
 def is_frozen_norm(module: nn.Module) -> bool:
@@ -226,7 +231,8 @@ def frozen_norm_forward(module: nn.Module, forward: Callable) -> Callable:
             x, module.weight, bias, y, centred, rstd, shape, subtracts_mean
         )
         if len(shape) == 1:
-            setattr(out, _ROWS, NormalisedRows(centred, rstd, module.weight, bias))
+            rows = NormalisedRows(centred, rstd, module.weight, bias, out._version)
+            setattr(out, _ROWS, rows)
         return out
 
     return wrapped

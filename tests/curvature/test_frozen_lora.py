@@ -164,6 +164,18 @@ def test_norms_over_several_axes_give_no_rows():
     assert normalised_rows(x) is None and x.grad_fn is not None
 
 
+def test_a_norm_output_changed_in_place_gives_no_rows():
+    """The rows describe the output as the norm made it: once it is changed in place
+    (here through a detached alias, which shares its version counter; autograd itself
+    refuses an in-place op on a custom function's output), they are not read."""
+    norm = nn.LayerNorm(D_IN).to(F64)
+    with frozen_first_derivatives(norm):
+        x = norm(torch.randn(4, D_IN, dtype=F64, requires_grad=True))
+    assert normalised_rows(x) is not None
+    x.detach().mul_(3)
+    assert normalised_rows(x) is None
+
+
 def _two_adapters() -> nn.Module:
     layer = lora_layer()
     with warnings.catch_warnings():
