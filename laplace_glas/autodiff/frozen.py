@@ -16,7 +16,7 @@ product. Inside :func:`frozen_first_derivatives` such a module returns the same
 
 with ``f(x)`` the module's own value and ``f'(x)`` computed once from its forward at the
 pass's ``x``: by forward mode (``torch.func.jvp`` with a tangent of ones), in chunks of
-about 65,536 numbers along the first axis, so that the elementary ops' temporaries stay
+65,536 numbers of the flattened input, so that the elementary ops' temporaries stay
 small and are reused (a reverse pass kept every op's inputs at once: on GPT-2 + LoRA
 over tokens each GELU's call raised the resident memory by 21-25 MiB, for 3 MiB it
 keeps; in chunks by 3-4 MiB); by a reverse pass where an op has no forward derivative.
@@ -43,6 +43,7 @@ from torch import nn
 
 from laplace_glas.autodiff.frozen_lora import frozen_lora_forward, is_frozen_lora
 from laplace_glas.autodiff.frozen_norms import frozen_norm_forward, is_frozen_norm
+from laplace_glas.autodiff.precomputed import Precomputed
 
 __all__ = [
     "freezable_modules",
@@ -68,21 +69,23 @@ _HF_ELEMENTWISE = frozenset(
 
 def is_elementwise_activation(module: nn.Module) -> bool:
     """Whether ``module`` is a parameter-free elementwise activation GLAS knows (exact
-    type: a subclass may act otherwise).
+    type: a subclass may act otherwise), not in place (``inplace=True`` writes over its
+    input: left to its own graph, which autograd checks).
     """
     cls = type(module)
     known = cls in _TORCH_ELEMENTWISE or (
         cls.__module__ == "transformers.activations" and cls.__name__ in _HF_ELEMENTWISE
     )
-    return known and next(module.parameters(), None) is None
+    in_place = getattr(module, "inplace", False)  # nn.ReLU(inplace=True): its own graph
+    return known and not in_place and next(module.parameters(), None) is None
 
 
 class _FrozenDerivative(torch.autograd.Function):
     """``y`` (computed outside) as a function of ``x`` with the backward ``g * d``."""
 
     @staticmethod
-    def forward(x: torch.Tensor, y: torch.Tensor, derivative: torch.Tensor) -> torch.Tensor:
-        return y
+    def forward(x: torch.Tensor, y: Precomputed, derivative: torch.Tensor) -> torch.Tensor:
+        return y.tensor
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
@@ -104,20 +107,23 @@ _CHUNK_ELEMENTS = 2**16
 def _forward_mode_derivative(forward: Callable, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """``(f(x), f'(x))`` of an elementwise ``forward``: ``f(x)`` by the forward itself
     over the whole input (its own values: a kernel's vectorised and scalar paths round
-    differently at a chunk's edges), ``f'(x)`` by forward mode in chunks of about
-    ``_CHUNK_ELEMENTS`` along the first axis (``None`` where ``f(x)`` is not a tensor
-    of ``x``'s shape).
+    differently at a chunk's edges), ``f'(x)`` by forward mode in chunks of
+    ``_CHUNK_ELEMENTS`` numbers of the flattened input (``None`` where ``f(x)`` is not
+    a tensor of ``x``'s shape).
     """
     with torch.no_grad():
         y = forward(x)
         if not isinstance(y, torch.Tensor) or y.shape != x.shape:
             return y, None
-        if x.ndim == 0 or x.numel() <= 2 * _CHUNK_ELEMENTS:
+        if x.numel() <= 2 * _CHUNK_ELEMENTS:
             return y, torch.func.jvp(forward, (x,), (torch.ones_like(x),))[1]
-        rows = max(1, _CHUNK_ELEMENTS * x.shape[0] // x.numel())
-        derivative = torch.empty_like(y)
-        for chunk, out in zip(x.split(rows), derivative.split(rows), strict=True):
-            out.copy_(torch.func.jvp(forward, (chunk,), (torch.ones_like(chunk),))[1])
+        derivative = torch.empty(x.shape, dtype=y.dtype, device=y.device)
+        flat = derivative.view(-1)
+        for start, chunk in zip(
+            range(0, x.numel(), _CHUNK_ELEMENTS), x.reshape(-1).split(_CHUNK_ELEMENTS)
+        ):
+            ones = torch.ones_like(chunk)
+            flat[start : start + chunk.numel()] = torch.func.jvp(forward, (chunk,), (ones,))[1]
     return y, derivative
 
 
@@ -151,7 +157,7 @@ def _frozen_forward(module: nn.Module, forward: Any):
             y, derivative = _reverse_mode_derivative(forward, x)
         if not isinstance(y, torch.Tensor) or y.shape != x.shape:
             return forward(x)
-        return _FrozenDerivative.apply(x, y, derivative)
+        return _FrozenDerivative.apply(x, Precomputed(y), derivative)
 
     return wrapped
 

@@ -35,12 +35,14 @@ derivative is the same to rounding. There is no derivative in ``x`` or the weigh
 (second derivatives through the frozen graph miss those terms silently); GGN products
 need none.
 
-Memory: the graph keeps ``x`` and ``s x A^T`` (``r`` numbers a row), what peft's own
-graph keeps. Where ``x`` is the output of a frozen layer or RMS norm over its last axis
+Memory: the graph keeps ``x`` (for ``A``'s gradient) and ``s x A^T`` (``r`` numbers a
+row, for ``B``'s), what peft's own graph keeps. Where ``x`` is the output of a frozen
+layer or RMS norm over its last axis
 (:func:`~laplace_glas.autodiff.frozen_norms.normalised_rows`: GPT-2's ``ln_1`` before
 ``c_attn``, Llama's ``input_layernorm`` before ``q_proj``, ``k_proj`` and ``v_proj``),
-it keeps the norm's centred input and ``r`` instead, which the norm's graph keeps
-anyway, and reads ``x = weight * (centred * r) + bias`` through them:
+where the norm is frozen (its input needs a gradient: not in a transformer's first
+block), it keeps the norm's centred input and ``r`` instead, which the norm's graph
+keeps anyway, and reads ``x = weight * (centred * r) + bias`` through them:
 
 .. math::
 
@@ -52,11 +54,12 @@ anyway, and reads ``x = weight * (centred * r) + bias`` through them:
 rank-``r`` work beside a ``d_in``-wide tensor not kept (GPT-2 + LoRA over tokens: 10%
 fewer kept bytes a batch).
 
-Covered: ``peft.tuners.lora.layer.Linear`` (exact type) with one active adapter,
-unmerged, plain LoRA (no DoRA or other variant, no ``lora_bias``), dropout that is
-``nn.Identity`` or inactive, a base ``nn.Linear`` or ``transformers``' ``Conv1D`` whose
-parameters are not trained, and a float32 or float64 input sharing the weights' dtype.
-Other calls run the module's own forward.
+Covered: ``peft.tuners.lora.layer.Linear`` (exact type, its adapters and base layer
+without forward hooks) with one active adapter, unmerged, plain LoRA (no DoRA or other
+variant, no ``lora_bias``), dropout that is ``nn.Identity`` or inactive, a base
+``nn.Linear`` or ``transformers``' ``Conv1D`` whose parameters are not trained, and a
+float32 or float64 input sharing the weights' dtype. Other calls run the module's own
+forward.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ import torch
 from torch import nn
 
 from laplace_glas.autodiff.frozen_norms import normalised_rows
+from laplace_glas.autodiff.precomputed import Precomputed
 
 __all__ = ["frozen_lora_forward", "is_frozen_lora"]
 
@@ -109,6 +113,19 @@ def _inactive(dropout: nn.Module) -> bool:
     return type(dropout) is nn.Dropout and (not dropout.training or dropout.p == 0)
 
 
+def _hooked(*modules: nn.Module) -> bool:
+    """Whether forward hooks (the modules' own or global ones) may change what
+    ``modules`` compute: the frozen backward would not see it, and the output check
+    calls the same modules.
+    """
+    # torch lists hooks only in these attributes (no public accessor)
+    if torch.nn.modules.module._global_forward_hooks:
+        return True
+    if torch.nn.modules.module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
 def _plain_parts(module: nn.Module) -> _Parts | None:
     """The layer's pieces where it computes plain LoRA on a frozen base, else None."""
     if getattr(module, "disable_adapters", True) or getattr(module, "merged", True):
@@ -122,7 +139,8 @@ def _plain_parts(module: nn.Module) -> _Parts | None:
     base = module.base_layer
     base_params = [base.weight, getattr(base, "bias", None)]
     plain = (
-        type(lora_A) is nn.Linear
+        not _hooked(lora_A, lora_B, dropout, base)
+        and type(lora_A) is nn.Linear
         and type(lora_B) is nn.Linear
         and lora_A.bias is None
         and lora_B.bias is None
@@ -150,8 +168,8 @@ is a frozen norm's output (:func:`~laplace_glas.autodiff.frozen_norms.normalised
 
 def _rows(parts: Input, width: int) -> Input:
     """``parts`` with the tensors of the rows as 2-d matrices (``(n, d_in)``, ``(n, 1)``)."""
-    if len(parts) == 1:
-        return (parts[0].reshape(-1, width),)
+    if len(parts) <= 1:  # x, or nothing (A is not trained)
+        return tuple(t.reshape(-1, width) for t in parts)
     centred, rstd, weight, bias = parts
     return centred.reshape(-1, width), rstd.reshape(-1, 1), weight, bias
 
@@ -251,20 +269,24 @@ class _FrozenLoRA(torch.autograd.Function):
 
     @staticmethod
     def forward(x, lora_A, lora_B, y, scaled_ax, base_weight, transposed, scaling, *parts):
-        return y
+        return y.tensor
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
         _, lora_A, lora_B, _, scaled_ax, base_weight, transposed, scaling, *parts = inputs
+        # x (or the norm's tensors) only for A's gradient, s x A^T only for B's: a layer
+        # with one of them not trained keeps no more than peft's own graph
+        parts = parts if lora_A.requires_grad else []
+        scaled_ax = scaled_ax if lora_B.requires_grad else None
         ctx.save_for_backward(scaled_ax, base_weight, lora_A, lora_B, *parts)
         ctx.transposed, ctx.scaling, ctx.width = transposed, scaling, inputs[0].shape[-1]
-        ctx.input_shape = inputs[0].shape
+        ctx.input_shape, ctx.n_inputs = inputs[0].shape, len(inputs)
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         scaled_ax, base_weight, lora_A, lora_B, *parts = ctx.saved_tensors
-        none = (None,) * (5 + len(parts))
+        none = (None,) * (ctx.n_inputs - 3)
         if grad is None:
             return None, None, None, *none
         wanted = tuple(ctx.needs_input_grad[:3])
@@ -325,7 +347,7 @@ def frozen_lora_forward(module: nn.Module, forward: Callable) -> Callable:
             del mine
             scaled_ax = (ax * parts.scaling).reshape(-1, ax.shape[-1])
         base = (parts.base.weight, parts.transposed, parts.scaling)
-        return _FrozenLoRA.apply(x, A, B, y, scaled_ax, *base, *_kept_input(x))
+        return _FrozenLoRA.apply(x, A, B, Precomputed(y), scaled_ax, *base, *_kept_input(x))
 
     def checked(x: Any, *args: Any, **kwargs: Any) -> Any:
         out = wrapped(x, *args, **kwargs)

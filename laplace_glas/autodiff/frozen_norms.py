@@ -41,8 +41,9 @@ Memory: a layer norm's graph keeps ``x - mu`` where torch's keeps ``x``, the sam
 bytes, unless another op saves ``x`` as well (a branch that reads the norm's input),
 then one tensor of the input's size more. A norm over the last axis marks its output
 with what it keeps (:func:`normalised_rows`), so that a frozen LoRA layer reading the
-output (:mod:`~laplace_glas.autodiff.frozen_lora`) keeps those instead of a copy of
-the output.
+output (:mod:`~laplace_glas.autodiff.frozen_lora`) keeps those instead of the output
+itself (where the norm is frozen: not where its input needs no gradient, as in a
+transformer's first block).
 
 Covered, by exact type (a subclass may act otherwise): ``nn.LayerNorm``, ``nn.RMSNorm``
 and Hugging Face's RMS norms written as Llama's (``LlamaRMSNorm``, ``MistralRMSNorm``,
@@ -62,6 +63,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from laplace_glas.autodiff.precomputed import Precomputed
 
 __all__ = ["NormalisedRows", "frozen_norm_forward", "is_frozen_norm", "normalised_rows"]
 
@@ -145,13 +148,13 @@ class _FrozenNormalization(torch.autograd.Function):
         x: torch.Tensor,
         weight: torch.Tensor | None,
         bias: torch.Tensor | None,
-        y: torch.Tensor,
+        y: Precomputed,
         centred: torch.Tensor,
         rstd: torch.Tensor,
         normalized_shape: tuple[int, ...],
         subtracts_mean: bool,
     ) -> torch.Tensor:
-        return y
+        return y.tensor
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
@@ -228,7 +231,7 @@ def frozen_norm_forward(module: nn.Module, forward: Callable) -> Callable:
             return forward(x)
         bias = getattr(module, "bias", None)
         out = _FrozenNormalization.apply(
-            x, module.weight, bias, y, centred, rstd, shape, subtracts_mean
+            x, module.weight, bias, Precomputed(y), centred, rstd, shape, subtracts_mean
         )
         if len(shape) == 1:
             rows = NormalisedRows(centred, rstd, module.weight, bias, out._version)

@@ -164,16 +164,27 @@ def test_norms_over_several_axes_give_no_rows():
     assert normalised_rows(x) is None and x.grad_fn is not None
 
 
-def test_a_norm_output_changed_in_place_gives_no_rows():
-    """The rows describe the output as the norm made it: once it is changed in place
-    (here through a detached alias, which shares its version counter; autograd itself
-    refuses an in-place op on a custom function's output), they are not read."""
+def test_a_norm_output_changed_in_place_is_read_as_itself():
+    """``layer(norm(h).mul_(3))``: once changed in place the rows no longer describe the
+    output; the LoRA layer keeps the output itself, with the composition's own
+    gradients (the frozen layers' outputs may be changed in place, as by
+    ``nn.ReLU(inplace=True)``)."""
+    layer = lora_layer()
+    A, B = _adapters(layer)
     norm = nn.LayerNorm(D_IN).to(F64)
-    with frozen_first_derivatives(norm):
-        x = norm(torch.randn(4, D_IN, dtype=F64, requires_grad=True))
-    assert normalised_rows(x) is not None
-    x.detach().mul_(3)
-    assert normalised_rows(x) is None
+    h = torch.randn(4, D_IN, dtype=F64, requires_grad=True)
+    u = torch.randn(4, D_OUT, dtype=F64)
+    own = torch.autograd.grad(layer(norm(h).mul_(3)), [h, A, B], u)
+    with frozen_first_derivatives(nn.ModuleList([norm, layer])):
+        x = norm(h)
+        assert normalised_rows(x) is not None
+        x.mul_(3)
+        assert normalised_rows(x) is None
+        out = layer(x)
+        grads = torch.autograd.grad(out, [h, A, B], u)
+    assert "_FrozenLoRABackward" in graph_node_names(out)
+    for got, want in zip(grads, own, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
 
 
 def _two_adapters() -> nn.Module:
@@ -197,7 +208,14 @@ def _trained_base() -> nn.Module:
     return layer
 
 
+def _hooked() -> nn.Module:
+    layer = lora_layer()
+    layer.lora_A["default"].register_forward_hook(lambda module, args, out: 2 * out)
+    return layer
+
+
 LEFT_ALONE = {
+    "forward-hook-on-lora_A": _hooked,
     "dora": lambda: lora_layer(use_dora=True),
     "lora-bias": lambda: lora_layer(lora_bias=True),
     "dropout-training": lambda: lora_layer(lora_dropout=0.5).train(),
@@ -320,3 +338,63 @@ def test_kept_graphs_with_frozen_lora_give_the_explicit_ggn_in_less_memory(monke
     # two norm outputs of 16 x 8 float64 numbers not kept
     assert frozen_bytes <= outputs_bytes - 2 * 16 * 8 * 8, (frozen_bytes, outputs_bytes)
     assert outputs_bytes <= own_bytes, (outputs_bytes, own_bytes)
+
+
+class InPlaceLoRA(nn.Module):
+    """LoRA Linear -> ReLU(inplace) -> LayerNorm -> SiLU(inplace) -> LoRA Conv1D."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(3, 8)
+        self.relu = nn.ReLU(inplace=True)
+        self.norm = nn.LayerNorm(8)
+        self.silu = nn.SiLU(inplace=True)
+        self.head = transformers.pytorch_utils.Conv1D(2, 8)
+
+    def forward(self, x):
+        return self.head(self.silu(self.norm(self.relu(self.first(x)))))
+
+
+@pytest.mark.parametrize("trained", ["A-and-B", "B-only"])
+def test_in_place_activations_and_untrained_adapters_give_the_explicit_ggn(trained, monkeypatch):
+    """In-place activations keep their own graph (the frozen derivative would be taken
+    after the input was overwritten) and may change a frozen layer's output in place;
+    a norm output changed so is kept as itself. With ``lora_A`` not trained the kept
+    graphs hold no more than peft's own (``x`` is kept for ``A``'s gradient only)."""
+    torch.manual_seed(0)
+    lora = peft.LoraConfig(r=2, lora_alpha=6, target_modules=["first", "head"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = peft.get_peft_model(InPlaceLoRA(), lora).to(F64).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "norm" in name:
+                p.add_(0.5 * torch.randn_like(p))
+            if trained == "B-only" and "lora_A" in name:
+                p.requires_grad_(False)
+    assert not frozen.is_elementwise_activation(nn.ReLU(inplace=True))
+    params = [p for p in model.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(3)
+    X, y = torch.randn(16, 3, generator=g, dtype=F64), torch.randn(16, 2, generator=g, dtype=F64)
+
+    def kept(freeze_lora: bool):
+        if not freeze_lora:
+            monkeypatch.setattr(frozen, "is_frozen_lora", lambda module: False)
+        counter = SavedBytes.beside(model)
+        with autodiff_friendly(model):
+            lin = linearize_batch(
+                model, nn.MSELoss(reduction="sum"), params, X, y, num_data=16, counter=counter
+            )
+        monkeypatch.undo()
+        assert not isinstance(lin, str), lin
+        return LinearizedGGN([lin], params, counter.bytes), counter.bytes
+
+    frozen_op, frozen_bytes = kept(True)
+    own_op, own_bytes = kept(False)
+    _, J = output_jacobian(model, X)
+    G = 2.0 * torch.einsum("ncd,nce->de", J, J)
+    V = torch.randn(G.shape[0], 2, generator=g, dtype=F64)
+    with autodiff_friendly(model):
+        torch.testing.assert_close(frozen_op @ V, G @ V, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(own_op @ V, G @ V, rtol=1e-10, atol=1e-12)
+    assert frozen_bytes <= own_bytes, (frozen_bytes, own_bytes)
