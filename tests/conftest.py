@@ -176,6 +176,20 @@ def graph_node_names(tensor: torch.Tensor) -> set[str]:
     return names
 
 
+def first_derivatives(out: torch.Tensor, inputs: list, u: torch.Tensor, v: list) -> tuple:
+    """``(vjp, jvp, recorded_vjp, recorded_names)`` of ``out`` in ``inputs``: the
+    vector-Jacobian product with ``u``, plain and recorded (``create_graph=True``), and
+    the Jacobian-vector product with ``v`` by double backward through a pass recorded
+    at a zero cotangent (the linearised GGN's ``J v``), with that pass's node names."""
+    vjp = torch.autograd.grad(out, inputs, u, retain_graph=True)
+    dummy = torch.zeros_like(out, requires_grad=True)
+    recorded = torch.autograd.grad(out, inputs, dummy, create_graph=True)
+    names = set().union(*(graph_node_names(r) for r in recorded))
+    (jvp,) = torch.autograd.grad(recorded, dummy, v)
+    recorded_vjp = torch.autograd.grad(out, inputs, u, create_graph=True)
+    return vjp, jvp, recorded_vjp, names
+
+
 def explicit_jacobian(model: nn.Module, X: torch.Tensor) -> torch.Tensor:
     """(N*C, D) Jacobian by reverse mode (``torch.func.jacrev``), independent of curvlinops."""
     params = {n: p.detach() for n, p in model.named_parameters()}

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import graph_node_names, output_jacobian
+from conftest import first_derivatives, graph_node_names, output_jacobian
 from torch import nn
 
 from laplace_glas.autodiff import frozen, frozen_lora
@@ -88,12 +88,8 @@ def test_frozen_lora_keeps_values_and_first_derivatives(conv1d, shape, input_gra
     with frozen_first_derivatives(layer) as switched:
         out = layer(x)
         names = graph_node_names(out)
-        vjp = torch.autograd.grad(out, wanted, u, retain_graph=True)
-        dummy = torch.zeros_like(out, requires_grad=True)
-        recorded = torch.autograd.grad(out, wanted, dummy, create_graph=True)
-        recorded_names = set().union(*(graph_node_names(r) for r in recorded))
-        (jvp,) = torch.autograd.grad(recorded, dummy, [v[id(t)] for t in wanted])
-        recorded_vjp = torch.autograd.grad(out, wanted, u, create_graph=True)
+        tangents = [v[id(t)] for t in wanted]
+        vjp, jvp, recorded_vjp, recorded_names = first_derivatives(out, wanted, u, tangents)
     assert switched == 1
     assert "_FrozenLoRABackward" in names and "_LoRAPullbackBackward" in recorded_names
     assert torch.equal(out, reference)
@@ -276,6 +272,31 @@ def test_only_peft_lora_linear_layers_are_taken():
     assert not is_frozen_lora(wrapped.base_model.model[0])
 
 
+def _kept(model, params, X, y, monkeypatch, freeze_lora=True, norm_rows=True) -> tuple:
+    """One batch linearised (sum-reduced MSE): the operator, its kept bytes and its
+    graphs' node names; ``freeze_lora`` / ``norm_rows`` False switch the frozen LoRA
+    layers / their reading of norm outputs off."""
+    if not freeze_lora:
+        monkeypatch.setattr(frozen, "is_frozen_lora", lambda module: False)
+    if not norm_rows:
+        monkeypatch.setattr(frozen_lora, "normalised_rows", lambda x: None)
+    counter = SavedBytes.beside(model)
+    with autodiff_friendly(model):
+        lin = linearize_batch(
+            model, nn.MSELoss(reduction="sum"), params, X, y, num_data=len(X), counter=counter
+        )
+    monkeypatch.undo()
+    assert not isinstance(lin, str), lin
+    names = graph_node_names(lin.outputs) | graph_node_names(lin.pullback[0])
+    return LinearizedGGN([lin], params, counter.bytes), counter.bytes, names
+
+
+def _explicit_ggn(model, X) -> torch.Tensor:
+    """The sum-reduced MSE's GGN ``2 J^T J`` from ``jacrev`` Jacobians."""
+    _, J = output_jacobian(model, X)
+    return 2.0 * torch.einsum("ncd,nce->de", J, J)
+
+
 class LoRAMLP(nn.Module):
     """Linear -> LayerNorm -> Linear -> tanh -> RMSNorm -> Conv1D (2 outputs), LoRA on
     the three linear layers."""
@@ -310,27 +331,12 @@ def test_kept_graphs_with_frozen_lora_give_the_explicit_ggn_in_less_memory(monke
     g = torch.Generator().manual_seed(3)
     X, y = torch.randn(16, 3, generator=g, dtype=F64), torch.randn(16, 2, generator=g, dtype=F64)
 
-    def kept(freeze_lora: bool, norm_rows: bool = True):
-        if not freeze_lora:
-            monkeypatch.setattr(frozen, "is_frozen_lora", lambda module: False)
-        if not norm_rows:
-            monkeypatch.setattr(frozen_lora, "normalised_rows", lambda x: None)
-        counter = SavedBytes.beside(model)
-        with autodiff_friendly(model):
-            lin = linearize_batch(
-                model, nn.MSELoss(reduction="sum"), params, X, y, num_data=16, counter=counter
-            )
-        monkeypatch.undo()
-        names = graph_node_names(lin.outputs) | graph_node_names(lin.pullback[0])
-        return LinearizedGGN([lin], params, counter.bytes), counter.bytes, names
-
-    frozen_op, frozen_bytes, frozen_names = kept(True)
-    outputs_op, outputs_bytes, _ = kept(True, norm_rows=False)
-    own_op, own_bytes, own_names = kept(False)
+    frozen_op, frozen_bytes, frozen_names = _kept(model, params, X, y, monkeypatch)
+    outputs_op, outputs_bytes, _ = _kept(model, params, X, y, monkeypatch, norm_rows=False)
+    own_op, own_bytes, own_names = _kept(model, params, X, y, monkeypatch, freeze_lora=False)
     assert "_FrozenLoRABackward" in frozen_names and "_LoRAPullbackBackward" in frozen_names
     assert "_FrozenLoRABackward" not in own_names
-    _, J = output_jacobian(model, X)
-    G = 2.0 * torch.einsum("ncd,nce->de", J, J)  # sum-reduced MSE: Lambda = 2 I
+    G = _explicit_ggn(model, X)
     V = torch.randn(G.shape[0], 3, generator=g, dtype=F64)
     with autodiff_friendly(model):
         for op in (frozen_op, outputs_op, own_op):
@@ -377,22 +383,9 @@ def test_in_place_activations_and_untrained_adapters_give_the_explicit_ggn(train
     g = torch.Generator().manual_seed(3)
     X, y = torch.randn(16, 3, generator=g, dtype=F64), torch.randn(16, 2, generator=g, dtype=F64)
 
-    def kept(freeze_lora: bool):
-        if not freeze_lora:
-            monkeypatch.setattr(frozen, "is_frozen_lora", lambda module: False)
-        counter = SavedBytes.beside(model)
-        with autodiff_friendly(model):
-            lin = linearize_batch(
-                model, nn.MSELoss(reduction="sum"), params, X, y, num_data=16, counter=counter
-            )
-        monkeypatch.undo()
-        assert not isinstance(lin, str), lin
-        return LinearizedGGN([lin], params, counter.bytes), counter.bytes
-
-    frozen_op, frozen_bytes = kept(True)
-    own_op, own_bytes = kept(False)
-    _, J = output_jacobian(model, X)
-    G = 2.0 * torch.einsum("ncd,nce->de", J, J)
+    frozen_op, frozen_bytes, _ = _kept(model, params, X, y, monkeypatch)
+    own_op, own_bytes, _ = _kept(model, params, X, y, monkeypatch, freeze_lora=False)
+    G = _explicit_ggn(model, X)
     V = torch.randn(G.shape[0], 2, generator=g, dtype=F64)
     with autodiff_friendly(model):
         torch.testing.assert_close(frozen_op @ V, G @ V, rtol=1e-10, atol=1e-12)

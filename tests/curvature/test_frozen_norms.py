@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import graph_node_names
+from conftest import first_derivatives, graph_node_names
 from torch import nn
 
 from laplace_glas.autodiff import frozen
@@ -62,12 +62,9 @@ def test_frozen_norms_keep_values_and_first_derivatives(name, batch):
     with frozen_first_derivatives(norm) as switched:
         out = norm(x)
         names = graph_node_names(out)
-        vjp = torch.autograd.grad(out, params, u, retain_graph=True)
-        dummy = torch.zeros_like(out, requires_grad=True)
-        recorded = torch.autograd.grad(out, params, dummy, create_graph=True)
-        (jvp,) = torch.autograd.grad(recorded, dummy, v)
-        # a recorded pass at a nonzero cotangent: the elementary ops, not the fused kernel
-        recorded_vjp = torch.autograd.grad(out, params, u, create_graph=True)
+        # recorded_vjp: a recorded pass at a nonzero cotangent, the elementary ops, not
+        # the fused kernel
+        vjp, jvp, recorded_vjp, _ = first_derivatives(out, params, u, v)
     assert switched == 1
     assert "_FrozenNormalizationBackward" in names
     assert not any(n.startswith("NativeLayerNorm") or "RmsNorm" in n for n in names)
