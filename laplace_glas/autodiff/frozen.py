@@ -155,7 +155,7 @@ def _frozen_forward(module: nn.Module, forward: Any):
             y, derivative = _forward_mode_derivative(forward, x.detach())
         except (RuntimeError, NotImplementedError):  # an op without a forward derivative
             y, derivative = _reverse_mode_derivative(forward, x)
-        if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        if derivative is None:  # f(x) not of x's shape: not elementwise after all
             return forward(x)
         return _FrozenDerivative.apply(x, Precomputed(y), derivative)
 

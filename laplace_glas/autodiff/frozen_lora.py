@@ -54,12 +54,12 @@ keeps anyway, and reads ``x = weight * (centred * r) + bias`` through them:
 rank-``r`` work beside a ``d_in``-wide tensor not kept (GPT-2 + LoRA over tokens: 10%
 fewer kept bytes a batch).
 
-Covered: ``peft.tuners.lora.layer.Linear`` (exact type, its adapters and base layer
-without forward hooks) with one active adapter, unmerged, plain LoRA (no DoRA or other
-variant, no ``lora_bias``), dropout that is ``nn.Identity`` or inactive, a base
-``nn.Linear`` or ``transformers``' ``Conv1D`` whose parameters are not trained, and a
-float32 or float64 input sharing the weights' dtype. Other calls run the module's own
-forward.
+Covered: ``peft.tuners.lora.layer.Linear`` (exact type) with one active adapter,
+unmerged, plain LoRA (no DoRA or other variant, no ``lora_bias``), dropout that is
+``nn.Identity`` or inactive, a base ``nn.Linear`` or ``transformers``' ``Conv1D`` whose
+parameters are not trained, and a float32 or float64 input sharing the weights' dtype.
+Other calls run the module's own forward. A forward hook on the layer's adapters or base
+layer that changes their output fails the check (it is computed from the weights).
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from laplace_glas.autodiff.frozen_norms import normalised_rows
@@ -95,7 +96,6 @@ class _Parts:
     transposed: bool  # the base weight is stored as W (d_out x d_in): M = W^T
     lora_A: nn.Linear
     lora_B: nn.Linear
-    dropout: nn.Module
     scaling: float
 
 
@@ -113,19 +113,6 @@ def _inactive(dropout: nn.Module) -> bool:
     return type(dropout) is nn.Dropout and (not dropout.training or dropout.p == 0)
 
 
-def _hooked(*modules: nn.Module) -> bool:
-    """Whether forward hooks (the modules' own or global ones) may change what
-    ``modules`` compute: the frozen backward would not see it, and the output check
-    calls the same modules.
-    """
-    # torch lists hooks only in these attributes (no public accessor)
-    if torch.nn.modules.module._global_forward_hooks:
-        return True
-    if torch.nn.modules.module._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
-
-
 def _plain_parts(module: nn.Module) -> _Parts | None:
     """The layer's pieces where it computes plain LoRA on a frozen base, else None."""
     if getattr(module, "disable_adapters", True) or getattr(module, "merged", True):
@@ -139,8 +126,7 @@ def _plain_parts(module: nn.Module) -> _Parts | None:
     base = module.base_layer
     base_params = [base.weight, getattr(base, "bias", None)]
     plain = (
-        not _hooked(lora_A, lora_B, dropout, base)
-        and type(lora_A) is nn.Linear
+        type(lora_A) is nn.Linear
         and type(lora_B) is nn.Linear
         and lora_A.bias is None
         and lora_B.bias is None
@@ -152,7 +138,25 @@ def _plain_parts(module: nn.Module) -> _Parts | None:
     if not plain:
         return None
     scaling = float(module.scaling[name])
-    return _Parts(base, type(base) is nn.Linear, lora_A, lora_B, dropout, scaling)
+    return _Parts(base, type(base) is nn.Linear, lora_A, lora_B, scaling)
+
+
+def _plain_lora(parts: _Parts, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(base(x) + B(A(x)) * s, A(x))`` from the weights, in the order and with the
+    kernels of peft's and the base layer's own forward (``F.linear``, GPT-2's
+    ``Conv1D`` as one ``addmm``), so equal to them bit for bit where they compute plain
+    LoRA; not through the submodules, so that what a forward hook on them does shows
+    as a difference.
+    """
+    base = parts.base
+    if parts.transposed:
+        out = F.linear(x, base.weight, base.bias)
+    else:
+        rows = torch.addmm(base.bias, x.reshape(-1, x.shape[-1]), base.weight)
+        out = rows.view(*x.shape[:-1], base.weight.shape[1])
+    ax = F.linear(x, parts.lora_A.weight)
+    # in place: the same roundings as `out + B(A(x)) * s`, two temporaries
+    return out.add_(F.linear(ax, parts.lora_B.weight).mul_(parts.scaling)), ax
 
 
 def _base_matrix(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -339,18 +343,13 @@ def frozen_lora_forward(module: nn.Module, forward: Callable) -> Callable:
             return forward(x, *args, **kwargs)
         with torch.no_grad():
             y = forward(x)
-            ax = parts.lora_A(parts.dropout(x))
-            # base(x) + B(A(x)) * s, in place: the same roundings, two temporaries
-            mine = parts.base(x).add_(parts.lora_B(ax).mul_(parts.scaling))
-            if not torch.equal(y, mine):
-                return None
+            mine, ax = _plain_lora(parts, x)
+            matches = torch.equal(y, mine)
             del mine
-            scaled_ax = (ax * parts.scaling).reshape(-1, ax.shape[-1])
+        if not matches:  # the module's own forward, with its graph
+            return forward(x)
+        scaled_ax = (ax * parts.scaling).reshape(-1, ax.shape[-1])
         base = (parts.base.weight, parts.transposed, parts.scaling)
         return _FrozenLoRA.apply(x, A, B, Precomputed(y), scaled_ax, *base, *_kept_input(x))
 
-    def checked(x: Any, *args: Any, **kwargs: Any) -> Any:
-        out = wrapped(x, *args, **kwargs)
-        return forward(x, *args, **kwargs) if out is None else out
-
-    return checked
+    return wrapped
