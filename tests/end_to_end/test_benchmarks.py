@@ -133,8 +133,9 @@ def test_scale_benchmark_one_fit_in_a_fresh_process():
 
 
 def test_fit_floor_benchmark_quick_table():
-    """benchmarks/fit_floor.py --quick: a row per fit-cost case, its floor positive and
-    below the measured GLAS fit (no fit beats the arithmetic it must do)."""
+    """benchmarks/fit_floor.py --quick: a row per fit-cost case, its arithmetic floor and
+    its measured kernel floor positive and below the measured GLAS fit (no fit beats the
+    arithmetic or the kernels it must run)."""
     done = subprocess.run(
         [
             sys.executable,
@@ -153,3 +154,6 @@ def test_fit_floor_benchmark_quick_table():
         cells = row.strip("| ").split(" | ")
         floor, glas = float(cells[2]), float(cells[3])
         assert 0 < floor < glas
+        kernels = float(cells[9].split(" (")[0])
+        assert 0 < kernels < glas
+        assert cells[9].count("loader") == 1 and cells[9].count("pass") == 1
