@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from laplace_glas.autodiff.grad_mode import gradients_required
 from laplace_glas.curvature.batches import batch_size
 from laplace_glas.validation import check_model_output
 
@@ -372,7 +373,8 @@ def _batch_factors(model, recorder, X, y, likelihood, ignore_index, scale, offse
     """
     B = batch_size(X, dict_key_x)
     recorder.reset()
-    with torch.enable_grad():
+    fitted = [getattr(module, attr) for module, attrs in offsets.items() for attr in attrs]
+    with torch.enable_grad(), gradients_required(model, fitted):
         out = check_model_output(model(X))
         if out.shape[0] != B:
             raise _Unsupported(

@@ -95,6 +95,7 @@ from torch import nn
 
 from laplace_glas.autodiff.cotangents import zero_free_saving
 from laplace_glas.autodiff.frozen import Freezable, freezable_modules, switched_forwards
+from laplace_glas.autodiff.grad_mode import gradients_required
 from laplace_glas.curvature.batch_sizes import BatchSizes
 from laplace_glas.curvature.batches import batch_to_device
 from laplace_glas.curvature.budget import (
@@ -305,8 +306,8 @@ def linearize_batch(
     counter.add_inputs(X, y)
     # the frozen modules stay switched while J_b^T u is recorded: a checkpointed
     # segment recomputes its forward there, and must save what the first pass saved
-    frozen = freezable_modules(model)
-    with counter.hooks(), torch.enable_grad(), switched_forwards(frozen):
+    frozen, guard = freezable_modules(model), gradients_required(model, params)
+    with counter.hooks(), torch.enable_grad(), switched_forwards(frozen), guard:
         outputs = model(X)
         if not isinstance(outputs, torch.Tensor):
             return f"the model returned a {type(outputs).__name__}, not a tensor"
