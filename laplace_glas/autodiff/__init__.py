@@ -6,9 +6,8 @@
   derivative in the cotangent reads (the linearised GGN's kept graphs).
 * :mod:`~laplace_glas.autodiff.frozen`: elementwise activations whose derivative is
   frozen at the linearisation point (the linearised GGN's kept graphs).
-* :mod:`~laplace_glas.autodiff.grad_mode`: the guard that every module holding fitted
-  parameters runs with gradients in the passes the curvature differentiates (reentrant
-  activation checkpointing is refused by name).
+* :mod:`~laplace_glas.autodiff.checkpoints`: reentrant activation checkpoints that
+  leave fitted parameters out of the differentiated graph, refused by name.
 * :mod:`~laplace_glas.autodiff.kernels`: attention and recurrent kernels written for
   forward-mode autodiff.
 * :mod:`~laplace_glas.autodiff.rnn`: recurrent layers in elementary ops.

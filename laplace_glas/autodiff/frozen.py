@@ -43,7 +43,6 @@ from torch import nn
 
 from laplace_glas.autodiff.frozen_lora import frozen_lora_forward, is_frozen_lora
 from laplace_glas.autodiff.frozen_norms import frozen_norm_forward, is_frozen_norm
-from laplace_glas.autodiff.grad_mode import values_only
 from laplace_glas.autodiff.precomputed import Precomputed
 
 __all__ = [
@@ -112,7 +111,7 @@ def _forward_mode_derivative(forward: Callable, x: torch.Tensor) -> tuple[torch.
     ``_CHUNK_ELEMENTS`` numbers of the flattened input (``None`` where ``f(x)`` is not
     a tensor of ``x``'s shape).
     """
-    with values_only():
+    with torch.no_grad():
         y = forward(x)
         if not isinstance(y, torch.Tensor) or y.shape != x.shape:
             return y, None

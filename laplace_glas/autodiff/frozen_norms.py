@@ -64,7 +64,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from laplace_glas.autodiff.grad_mode import values_only
 from laplace_glas.autodiff.precomputed import Precomputed
 
 __all__ = ["NormalisedRows", "frozen_norm_forward", "is_frozen_norm", "normalised_rows"]
@@ -224,7 +223,7 @@ def frozen_norm_forward(module: nn.Module, forward: Callable) -> Callable:
         )
         if args or kwargs or not frozen or not torch.is_grad_enabled():
             return forward(x, *args, **kwargs)
-        with values_only():
+        with torch.no_grad():
             y = forward(x)
             centred, rstd, subtracts_mean = _statistics(module, x, shape, eps)
             matches = own or torch.equal(y, module.weight * (x * rstd))

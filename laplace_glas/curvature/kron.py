@@ -47,14 +47,16 @@ positions differ, another operator), and the caller falls back to :func:`ggn_kro
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from curvlinops import FisherType, KFACLinearOperator
 from laplace.utils.matrix import Kron
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from laplace_glas.curvature.batches import scored_pair, split_batch
 from laplace_glas.curvature.distributed import Shards, all_reduce_sum, flag_failure, sum_count
@@ -195,6 +197,45 @@ def ggn_kron(
     return Kron([[next(pieces).view_as(F) for F in block] for block in blocks])
 
 
+@contextlib.contextmanager
+def _hooks_removed_on_failure(model: nn.Module) -> Iterator[None]:
+    """Remove the module hooks registered inside the block if it raises.
+
+    curvlinops' KFAC registers forward hooks on the layers and removes them only after
+    a complete pass: a pass that raised left them on the model, and the next forward
+    pass without gradients raised "cannot register a hook on a tensor that doesn't
+    require gradient" (every predictive call after a fit whose ``complement='auto'``
+    had moved on from ``'kron'``). The modules' registration methods are shadowed in
+    the block to record the handles.
+    """
+    handles: list[RemovableHandle] = []
+    names = ("register_forward_hook", "register_forward_pre_hook")
+    modules = list(model.modules())
+
+    def recording(register: Callable) -> Callable:
+        def record(*args: Any, **kwargs: Any) -> RemovableHandle:
+            handle = register(*args, **kwargs)
+            handles.append(handle)
+            return handle
+
+        return record
+
+    shadowed: list[tuple[nn.Module, str]] = []
+    try:
+        for module in modules:
+            for name in names:
+                setattr(module, name, recording(getattr(module, name)))
+                shadowed.append((module, name))
+        yield
+    except BaseException:
+        for handle in handles:
+            handle.remove()
+        raise
+    finally:
+        for module, name in shadowed:
+            delattr(module, name)
+
+
 def _local_factors(
     model: nn.Module,
     params: list[torch.Tensor],
@@ -210,18 +251,19 @@ def _local_factors(
     # one loss term per example: _ScoredBatches refuses per-token targets
     counts = {} if num_data is None else {"num_data": num_data, "num_per_example_loss_terms": 1}
     try:
-        linop = KFACLinearOperator(
-            model,
-            loss_fn,
-            params,
-            data,
-            progressbar=progress_bar,
-            check_deterministic=False,
-            fisher_type=FisherType.TYPE2,
-            separate_weight_and_bias=True,
-            **counts,
-        )
-        linop.compute_kronecker_factors()
+        with _hooks_removed_on_failure(model):
+            linop = KFACLinearOperator(
+                model,
+                loss_fn,
+                params,
+                data,
+                progressbar=progress_bar,
+                check_deterministic=False,
+                fisher_type=FisherType.TYPE2,
+                separate_weight_and_bias=True,
+                **counts,
+            )
+            linop.compute_kronecker_factors()
     except _BatchError:
         raise
     except Exception as err:  # curvlinops' refusals come as several exception types
@@ -237,6 +279,12 @@ def _local_factors(
     inputs, gradients = state["input_covariances"], state["gradient_covariances"]
     blocks: list[list[torch.Tensor] | None] = [None] * len(params)
     for name, positions in KFACLinearOperator.compute_parameter_mapping(params, model).items():
+        if name not in gradients:  # curvlinops' hooks never saw the layer run
+            raise ValueError(
+                f"complement='kron' needs KFAC's factors of layer {name!r}, which the "
+                "forward pass never called as a module (its weights used through a "
+                "functional call?). Use complement='diag', 'zero' or 'prior'."
+            )
         B = _symmetric(gradients[name].detach()) * factor
         for kind, position in positions.items():
             if kind == "weight":

@@ -31,23 +31,21 @@ Supported parameters: the weight and bias of ``nn.Linear`` (any leading dimensio
 bias is the weight of a constant input 1, so it adds no factor of its own), the
 elementwise affine parameters of ``nn.LayerNorm`` and of ``nn.BatchNorm1d/2d`` in eval
 mode with running statistics (their Jacobians are stored explicitly, ``N R d`` numbers),
-and ``nn.Embedding`` (one-hot input side: gather / ``index_add``). A model with any
-other trainable parameter, a custom ``loss_fn``, or factors above the memory budget is
-not factored: :func:`build_factored_ggn` returns the reason instead, and the caller
-falls back to curvlinops. A forward-mode check on the first batch (``S v`` against
-``Lambda^{1/2} J v`` from ``torch.func.jvp``) catches what the layer list cannot see
-(a weight also used outside its module, a batch axis that is not the first).
+and ``nn.Embedding`` (one-hot input side: gather / ``index_add``). Any other trainable
+parameter, a custom ``loss_fn``, factors above the budget or a layer called without
+gradients: :func:`build_factored_ggn` returns the reason, and the planner moves on. A
+forward-mode check of the first batch (``S v`` against ``Lambda^{1/2} J v``) catches a
+weight also used outside its module and a batch axis that is not the first.
 
 Memory: the factors hold ``N * sum_l T_l (d_in,l + R d_out,l)`` numbers for the weight
-layers plus ``N R d`` for the explicit parameters, i.e. the activations times ``R``; they
-are built only while they stay below ``budget_bytes`` (a fit's planner derives it from
-``memory_budget`` and refuses the factors after the first batch when their projection
-does not fit, :mod:`~laplace_glas.curvature.planner`; a direct call defaults to
-:func:`default_factor_budget`). A product with ``m`` columns needs ``m N T d_out`` more
-per layer, in column chunks of at most ``FactoredGGN.chunk_elements`` numbers (the
-planner sets it from the budget; ``_CHUNK_ELEMENTS`` by default) and, for speed, of at
-most ``2^22`` numbers where one column takes fewer. Joining the batches'
-factors holds one layer's twice, not all of them.
+layers plus ``N R d`` for the explicit parameters (the activations times ``R``), built
+while below ``budget_bytes`` (the planner's, from ``memory_budget``, checked against the
+first batch's projection; a direct call: :func:`default_factor_budget`). A product
+with ``m`` columns needs ``m N T d_out`` more per layer, in column chunks of at most
+``FactoredGGN.chunk_elements`` numbers (the planner sets it from the budget;
+``_CHUNK_ELEMENTS`` by default) and, for speed, of at most ``2^22`` numbers where one
+column takes fewer. Joining the batches' factors holds
+one layer's twice, not all of them.
 """
 
 from __future__ import annotations
@@ -171,7 +169,6 @@ class FactoredGGN(TorchOperator):
         self.n_products = 0
         self.chunk_elements = _CHUNK_ELEMENTS  # temporaries of one product chunk
 
-    # -- torch
     @property
     def column_cost(self) -> int:
         """Flops of one product column ``G_1 v``."""
@@ -294,8 +291,11 @@ def _check_first_batch(model, params, names, X, out, rows, factors, n_params, dt
     def f(*ps):
         return functional_call(model, {**base, **dict(zip(names, ps))}, (X,))
 
-    with torch.no_grad():
-        _, Jv = jvp(f, tuple(p.detach() for p in params), tuple(tangents))
+    try:  # an autograd.Function that torch.func cannot transform: refused
+        with torch.no_grad():
+            _, Jv = jvp(f, tuple(p.detach() for p in params), tuple(tangents))
+    except RuntimeError as err:
+        raise _Unsupported(f"forward mode fails on the first batch ({err!s:.100})") from err
     reference = torch.einsum("rb...,b...->br", rows, Jv)
     op = FactoredGGN(factors, n_params, rows.shape[0])
     ours = op.apply_S(v.unsqueeze(0))[0]

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from laplace_glas.autodiff.grad_mode import gradients_required
+from laplace_glas.autodiff.checkpoints import watch_reentrant_checkpoints
 from laplace_glas.curvature.batches import batch_size
 from laplace_glas.validation import check_model_output
 
@@ -367,15 +367,30 @@ class _Recorder:
             handle.remove()
 
 
+def _without_graph(recorder, offsets) -> list[torch.Tensor]:
+    """The fitted parameters of layers the forward pass did not call with a graph to
+    their output (a reentrant checkpoint's segment; or not called at all).
+    """
+    missing = []
+    for module, attrs in offsets.items():
+        calls = recorder.calls.get(module, [])
+        if not calls or not all(z.requires_grad for _, z in calls):
+            missing += [getattr(module, attr) for attr in attrs]
+    return missing
+
+
 def _batch_factors(model, recorder, X, y, likelihood, ignore_index, scale, offsets, dict_key_x):
     """Forward pass, batched backward over the rows of ``Lambda^{1/2}``
     (:func:`_row_vectors`), per-layer factors of one batch.
     """
     B = batch_size(X, dict_key_x)
     recorder.reset()
-    fitted = [getattr(module, attr) for module, attrs in offsets.items() for attr in attrs]
-    with torch.enable_grad(), gradients_required(model, fitted):
-        out = check_model_output(model(X))
+    with torch.enable_grad():
+        with watch_reentrant_checkpoints() as watch:
+            out = check_model_output(model(X))
+        watch.check(model, _without_graph(recorder, offsets))
+        if any(not z.requires_grad for calls in recorder.calls.values() for _, z in calls):
+            raise _Unsupported("a layer called without gradients (under torch.no_grad)")
         if out.shape[0] != B:
             raise _Unsupported(
                 f"model outputs whose first axis ({out.shape[0]}) is not the batch ({B})"

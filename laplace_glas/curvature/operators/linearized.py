@@ -23,12 +23,11 @@ curvlinops' normalisation (``|b| / num_data`` for ``reduction='mean'``, 1 for
 ``'sum'``). ``J_b^T u`` is built once with ``create_graph=True``; it is linear in the
 dummy ``u``, so differentiating it against ``u`` gives ``J_b v`` (the double-backward
 identity) and a product costs two backward passes over kept graphs and no forward
-pass (about two forward passes' time against three for curvlinops on the GPT-2 +
-LoRA of ``benchmarks/linearized_cost.py``; there, on 6 December 2026, single products
-1.1-3.5x and Lanczos fits 1.5-3.5x faster than curvlinops', at 0.61-0.68x its peak
-memory, the backward pass's zero tensors not kept, see below). The loss
-Hessian ``Lambda_b`` comes from the loss itself, so any loss curvlinops takes works
-here too, and the matrix is curvlinops' GGN of the same loss, to rounding.
+pass (about two forward passes' time against three for curvlinops; on the GPT-2 + LoRA
+of ``benchmarks/linearized_cost.py`` single products 1.1-3.5x and Lanczos fits 1.5-3.5x
+faster than curvlinops', at 0.61-0.68x its peak memory, 6 December 2026). The loss
+Hessian ``Lambda_b`` comes from the loss itself, so any loss curvlinops takes works here
+too, and the matrix is curvlinops' GGN of the same loss, to rounding.
 
 Elementwise activation modules (GPT-2's GELU, ``nn.Tanh``, ...) enter the kept graph
 with their derivative at the batch's point frozen
@@ -49,9 +48,8 @@ forward again inside those backward passes, and must save what the recorded pass
 saved.
 
 Blocks of ``m`` columns go through ``torch.autograd.grad(..., is_grads_batched=True)``
-(one vmapped backward pass per batch, in column chunks whose temporaries, about one
-batch's kept bytes per column, stay near 512 MiB); a model whose backward pass vmap
-cannot batch falls back to one column at a time.
+(one vmapped backward pass per batch, in column chunks of about 512 MiB of temporaries);
+a model whose backward pass vmap cannot batch goes one column at a time.
 
 Memory: the kept graphs hold the activations of every batch and of its first
 backward pass, plus per batch the outputs, the loss gradient and ``J_b^T u`` (``D``
@@ -93,9 +91,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from laplace_glas.autodiff.checkpoints import watch_reentrant_checkpoints
 from laplace_glas.autodiff.cotangents import zero_free_saving
 from laplace_glas.autodiff.frozen import Freezable, freezable_modules, switched_forwards
-from laplace_glas.autodiff.grad_mode import gradients_required
 from laplace_glas.curvature.batch_sizes import BatchSizes
 from laplace_glas.curvature.batches import batch_to_device
 from laplace_glas.curvature.budget import (
@@ -304,14 +302,15 @@ def linearize_batch(
     X = batch_to_device(X, device)
     y = y.to(device)
     counter.add_inputs(X, y)
-    # the frozen modules stay switched while J_b^T u is recorded: a checkpointed
-    # segment recomputes its forward there, and must save what the first pass saved
-    frozen, guard = freezable_modules(model), gradients_required(model, params)
-    with counter.hooks(), torch.enable_grad(), switched_forwards(frozen), guard:
-        outputs = model(X)
+    # frozen modules stay switched while J_b^T u is recorded (checkpoints recompute there)
+    frozen = freezable_modules(model)
+    with counter.hooks(), torch.enable_grad(), switched_forwards(frozen):
+        with watch_reentrant_checkpoints() as watch:
+            outputs = model(X)
         if not isinstance(outputs, torch.Tensor):
             return f"the model returned a {type(outputs).__name__}, not a tensor"
         if not outputs.requires_grad:
+            watch.check(model, params)
             return "the model output does not depend on the parameters"
         dummy = torch.zeros_like(outputs, requires_grad=True)
         saving = zero_free_saving(counter.pack, counter.drop) if drop_zeros else counter.hooks()
@@ -320,6 +319,7 @@ def linearize_batch(
                 outputs, params, dummy, create_graph=True, allow_unused=True
             )
         used = tuple(i for i, g in enumerate(pullback) if g is not None)
+        watch.check(model, [p for p, g in zip(params, pullback, strict=True) if g is None])
         cut = [i for i in used if not pullback[i].requires_grad]
         if cut:  # J^T u without a graph to u: its J v would silently be zero
             return (
