@@ -191,7 +191,12 @@ def jacobian_gram(
         def f(params):
             return _call(model, params, x_chunk, kwargs)
 
-        J = jacrev(f)(primals)  # {name: (b, ..., C, *shape)}
+        try:
+            J = jacrev(f)(primals)  # {name: (b, ..., C, *shape)}
+        except RuntimeError as err:  # e.g. non-reentrant activation checkpointing
+            if "saved tensor hooks" not in str(err):
+                raise
+            return _jacobian_by_backward(f, primals, names)
         first = J[names[0]]
         n_out = first.shape[first.ndim - len(shapes[0]) - 1]
         flat = [J[n].reshape(-1, n_out, s.numel()) for n, s in zip(names, shapes)]
@@ -209,6 +214,28 @@ def jacobian_gram(
         J = jac(x)
         return gram(J.reshape(-1, J.shape[-1]))
     return torch.cat([gram(jac(rows)) for rows in row_chunks(x, chunk_size, dict_key_x)])
+
+
+def _jacobian_by_backward(
+    f: Callable[[dict], torch.Tensor], primals: Mapping[str, torch.Tensor], names: Sequence[str]
+) -> torch.Tensor:
+    """``(b * ..., C, D)`` Jacobian rows of ``f``'s outputs, one backward pass each: for
+    models torch.func's reverse mode refuses (non-reentrant activation checkpointing
+    saves its tensors through hooks, which ``jacrev`` does not support). Each output
+    element depends on its own example only, so its gradient is its Jacobian row.
+    """
+    leaves = {n: p.detach().requires_grad_(True) for n, p in primals.items()}
+    with torch.enable_grad():
+        out = f(leaves)
+        flat = out.reshape(-1)
+        rows = []
+        for i in range(flat.numel()):
+            grads = torch.autograd.grad(
+                flat[i], [leaves[n] for n in names], retain_graph=True, allow_unused=True
+            )
+            row = [torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(names, grads)]
+            rows.append(torch.cat([g.reshape(-1) for g in row]))
+    return torch.stack(rows).reshape(-1, out.shape[-1], len(rows[0]))
 
 
 def row_chunks(x: Any, size: int | None, dict_key_x: str = "input_ids") -> Iterator[Any]:

@@ -267,3 +267,15 @@ def test_hugging_face_checkpointing_is_off_in_the_fit_s_evaluation_mode():
         la.fit(DataLoader(rows, batch_size=8))
         values.append(la.eigenvalues)
     torch.testing.assert_close(values[1], values[0], rtol=0, atol=0)
+
+
+def test_the_predictive_of_a_non_reentrant_checkpointed_model_is_the_plain_model_s():
+    """'glm' with complement='kron' forms the complement's Jacobians with ``jacrev``,
+    which refuses the saved-tensor hooks of non-reentrant checkpointing ('don't yet
+    support saved tensor hooks'); one backward pass per output row stands in."""
+    data, X = _data(), torch.randn(5, 3, dtype=torch.float64)
+    la = _fit(_network(False, False), data)
+    plain = _fit(_network(None, False), data)
+    assert la.complement == plain.complement == "kron"
+    for ours, theirs in zip(la(X, pred_type="glm"), plain(X, pred_type="glm"), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
