@@ -15,28 +15,28 @@ gradient, ``torch.autograd.grad`` refuses the segment itself. Non-reentrant
 checkpointing (``use_reentrant=False``) runs the segment with gradients and is
 differentiated exactly.
 
-:func:`watch_reentrant_checkpoints` records that warning while a differentiated forward
-pass runs (every other warning is passed on after it); the operator then calls
-:meth:`CheckpointWatch.check` with the fitted parameters the pass left without a graph,
-which raises :class:`GradientsDisabledError` naming them when a segment ran without
-gradients. Parameters a model does not use, and segments that hold no fitted
-parameter (a frozen, checkpointed backbone), raise nothing.
+:func:`watch_reentrant_checkpoints` counts such segments while a differentiated forward
+pass runs (torch's ``check_backward_validity``, which the reentrant checkpoint calls with
+the segment's inputs, is wrapped for the block; the warning itself is left to torch);
+the operator then calls :meth:`CheckpointWatch.check` with the fitted parameters the pass
+left without a graph, which raises :class:`GradientsDisabledError` naming them when a
+segment ran without gradients. Parameters a model does not use, and segments that hold
+no fitted parameter (a frozen, checkpointed backbone), raise nothing. The wrapper is
+process-wide: a segment another thread runs meanwhile is counted too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import checkpoint as torch_checkpoint
 
 __all__ = ["CheckpointWatch", "GradientsDisabledError", "watch_reentrant_checkpoints"]
-
-CHECKPOINT_WARNING = "None of the inputs have requires_grad=True"
-"""The start of the warning a reentrant checkpoint gives when no input needs a gradient."""
 
 
 class GradientsDisabledError(ValueError):
@@ -46,24 +46,13 @@ class GradientsDisabledError(ValueError):
     """
 
 
-def _is_checkpoint_warning(record: warnings.WarningMessage) -> bool:
-    return issubclass(record.category, UserWarning) and str(record.message).startswith(
-        CHECKPOINT_WARNING
-    )
-
-
 @dataclass
 class CheckpointWatch:
-    """What :func:`watch_reentrant_checkpoints` records: ``records``, the warnings
-    raised in the block so far.
+    """What :func:`watch_reentrant_checkpoints` counts: ``segments``, the reentrant
+    checkpoints that ran without gradients in the block so far.
     """
 
-    records: list[warnings.WarningMessage] = field(default_factory=list)
-
-    @property
-    def segments(self) -> int:
-        """Reentrant checkpoints that ran without gradients so far."""
-        return sum(_is_checkpoint_warning(r) for r in self.records)
+    segments: int = 0
 
     def check(self, model: nn.Module, missing: Sequence[torch.Tensor]) -> None:
         """Raise :class:`GradientsDisabledError` if a segment ran without gradients and
@@ -93,30 +82,21 @@ class CheckpointWatch:
 
 @contextlib.contextmanager
 def watch_reentrant_checkpoints() -> Iterator[CheckpointWatch]:
-    """Record the reentrant checkpoints that run without gradients inside the block
-    (:attr:`CheckpointWatch.segments`, live).
-
-    torch's warning for them is recorded whatever filters or earlier occurrences say
-    (it is not shown); every other warning raised inside the block is passed on
-    afterwards through :func:`warnings.warn_explicit`, under the filters in force.
-    Warning filters are process-wide: warnings other threads raise meanwhile are passed
-    on too, from this thread.
+    """Count the reentrant checkpoints that run without gradients inside the block
+    (:attr:`CheckpointWatch.segments`, live); torch's own function is back on exit,
+    also where the block raises.
     """
-    records: list[warnings.WarningMessage] = []
+    watch = CheckpointWatch()
+    original = torch_checkpoint.check_backward_validity
+
+    def counting(inputs: Any) -> None:
+        inputs = tuple(inputs)
+        if not any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
+            watch.segments += 1
+        original(inputs)
+
+    torch_checkpoint.check_backward_validity = counting
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.filterwarnings("always", message=CHECKPOINT_WARNING, category=UserWarning)
-            try:
-                yield CheckpointWatch(caught)
-            finally:
-                records = list(caught)
-    finally:  # also where the block raised: its warnings are not lost
-        for record in records:
-            if not _is_checkpoint_warning(record):
-                warnings.warn_explicit(
-                    record.message,
-                    record.category,
-                    record.filename,
-                    record.lineno,
-                    source=record.source,
-                )
+        yield watch
+    finally:
+        torch_checkpoint.check_backward_validity = original

@@ -210,25 +210,23 @@ def test_kron_complement_of_weights_read_outside_their_layer():
     assert "never called as a module" in la.complement_reason
 
 
-def test_the_watch_passes_other_warnings_on_and_counts_segments():
-    with pytest.warns(RuntimeWarning, match="other"):
-        with watch_reentrant_checkpoints() as watch:
-            warnings.warn("other", RuntimeWarning, stacklevel=1)
-            x = torch.randn(2, 3)
-            checkpoint(torch.tanh, x, use_reentrant=True)
-            checkpoint(torch.tanh, x, use_reentrant=True)  # recorded every time
-            assert watch.segments == 2
+def test_the_watch_counts_segments_without_gradients_and_restores_torch():
+    original = torch.utils.checkpoint.check_backward_validity
+    x, w = torch.randn(2, 3), torch.randn(3, requires_grad=True)
+    with watch_reentrant_checkpoints() as watch, pytest.warns(UserWarning, match="None of"):
+        checkpoint(torch.tanh, x, use_reentrant=True)  # torch still warns, once a call
+        checkpoint(torch.tanh, x, use_reentrant=True)
+        checkpoint(torch.mul, x, w, use_reentrant=True)  # an input needs a gradient
+        checkpoint(torch.tanh, x, use_reentrant=False)  # runs with gradients
+        assert watch.segments == 2
+    assert torch.utils.checkpoint.check_backward_validity is original
     watch.check(nn.Linear(1, 1), [])  # nothing missing: nothing raised
+    layer = nn.Linear(1, 1)
     with pytest.raises(GradientsDisabledError, match=r"parameters weight, bias"):
-        layer = nn.Linear(1, 1)
         watch.check(layer, list(layer.parameters()))
-
-
-def test_the_watch_passes_warnings_on_when_its_block_raises():
-    with pytest.warns(RuntimeWarning, match="before"), pytest.raises(KeyError):
-        with watch_reentrant_checkpoints():
-            warnings.warn("before", RuntimeWarning, stacklevel=1)
-            raise KeyError
+    with pytest.raises(KeyError), watch_reentrant_checkpoints():
+        raise KeyError
+    assert torch.utils.checkpoint.check_backward_validity is original
 
 
 def test_hugging_face_checkpointing_is_off_in_the_fit_s_evaluation_mode():
