@@ -24,18 +24,14 @@ posterior is laplace-torch's ``FullLLLaplace`` / ``FullSubnetLaplace``.
 * :class:`SubnetActiveSubspaceLaplace` (``('subnetwork', 'glas')``):
   laplace-torch's ``SubnetLaplace`` conventions (``subnetwork_indices`` into
   ``parameters_to_vector(model.parameters())``). ``G_S`` is applied matrix-free as
-  ``v_S -> (G P_S v_S)_S``, one product with the full GGN (curvlinops' or the
-  factored one) per product, solved by Lanczos (or the block solver); the 'glm'
-  predictive pushes the embedded directions ``P_S U``. ``n_params`` and ``mean``
-  are those of the subnetwork (``D_S`` entries, GLAS's ``D``); ``sample`` returns
+  ``v_S -> (G P_S v_S)_S`` (one product with the full GGN), solved by Lanczos or the
+  block solver; the 'glm' predictive pushes the embedded directions ``P_S U``.
+  ``n_params`` and ``mean`` are the subnetwork's (``D_S`` entries); ``sample`` returns
   full weight vectors (the other weights at the MAP), as laplace-torch's does.
-  ``calibrate`` / :func:`~laplace_glas.diagnostics.calibration.select_dimension` sweep ``(k, tau)``
-  (scalar prior precision) through the same embedded directions, the network's MAP
-  weights and, for ``complement='prior'``, the subnetwork's Jacobian Gram ``J_S J_S^T``
-  and complement draws put on the subnetwork's weights.
+  ``calibrate`` sweeps ``(k, tau)`` through the same embedded directions (for
+  ``complement='prior'`` with the subnetwork's Jacobian Gram ``J_S J_S^T``).
   laplace-torch's ``Laplace`` factory refuses ``subset_of_weights='subnetwork'``
-  with any ``hessian_structure`` but 'full' and 'diag' before it looks the class
-  up, so construct :class:`SubnetActiveSubspaceLaplace` directly.
+  with 'glas', so construct :class:`SubnetActiveSubspaceLaplace` directly.
 """
 
 from __future__ import annotations
@@ -53,6 +49,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
+from laplace_glas.autodiff.checkpoints import outside_posterior
 from laplace_glas.curvature.batches import check_input_dtype, split_batch
 from laplace_glas.curvature.distributed import data_parallel
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES
@@ -158,9 +155,7 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
 
     @property
     def prior_precision(self) -> torch.Tensor:
-        """A scalar or one value per last-layer weight (laplace-torch's ``LLLaplace`` has
-        no layerwise prior); checked against ``D_L`` once the last layer is known.
-        """
+        """A scalar or one value per last-layer weight (checked once ``D_L`` is known)."""
         return self._prior_precision
 
     @prior_precision.setter
@@ -181,10 +176,7 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
 
     @unchanged_on_failure
     def optimize_prior_precision(self, *args: Any, **kwargs: Any) -> None:
-        """:meth:`ActiveSubspaceLaplace.optimize_prior_precision`; ``prior_structure=
-        'layerwise'`` is refused up front (the last layer takes a scalar or diagonal
-        prior), leaving the prior as it was.
-        """
+        """:meth:`ActiveSubspaceLaplace.optimize_prior_precision`, ``'layerwise'`` refused."""
         structure = kwargs.get("prior_structure", args[5] if len(args) > 5 else "scalar")
         if str(getattr(structure, "value", structure)) == "layerwise":
             raise ValueError(
@@ -239,9 +231,7 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
 
     @unchanged_on_failure
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a fitted last-layer posterior (the last layer is found from the
-        saved batch first when this object has not seen data).
-        """
+        """Restore a fitted last-layer posterior (finding the layer from the saved batch)."""
         if self._last_layer_name != state_dict.get("_last_layer_name"):
             raise ValueError("Different `last_layer_name` detected!")
         data = state_dict.get("data")
@@ -320,16 +310,14 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
     ----------
     model, likelihood, subnetwork_indices, sigma_noise, prior_precision, prior_mean,
     temperature, backend, backend_kwargs, asdl_fisher_kwargs :
-        As in laplace-torch's ``SubnetLaplace``: ``subnetwork_indices`` is a
-        non-empty 1-D ``torch.LongTensor`` of distinct indices into
-        ``parameters_to_vector(model.parameters())``.
+        As in laplace-torch's ``SubnetLaplace`` (``subnetwork_indices``: distinct indices
+        into ``parameters_to_vector(model.parameters())``, a non-empty 1-D LongTensor).
     enable_backprop, dict_key_x, dict_key_y :
         As in laplace-torch's ``ParametricLaplace``.
     **glas_kwargs :
         As in :class:`~laplace_glas.ActiveSubspaceLaplace`; ``1 <= n_components < D_S``.
-        The factored GGN (``solver='auto'``) serves the products with ``G``; the
-        subnetwork's eigenpairs then come from Lanczos (the dual solve needs the whole
-        network's factors).
+        The eigenpairs come from Lanczos or the block solver (the dual solve needs the
+        whole network's factors).
 
     """
 
@@ -434,6 +422,16 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
 
     def _index_on_device(self) -> torch.Tensor:
         return self.subnetwork_indices.to(self._device)
+
+    def _solve(self, problem: CurvatureProblem, *args: Any, **kwargs: Any) -> Any:
+        """The whole network's solve (weights outside the subnetwork may get no graph)."""
+        params = list(self.model.parameters())
+        inside = torch.zeros(sum(p.numel() for p in params), dtype=torch.bool)
+        inside[self.subnetwork_indices.cpu()] = True
+        spans = inside.split([p.numel() for p in params])
+        outside = [p for p, span in zip(params, spans, strict=True) if not span.any()]
+        with outside_posterior(outside):
+            return super()._solve(problem, *args, **kwargs)
 
     def _plan(self, problem: CurvatureProblem, k: int, ncv: int | None = None) -> Plan:
         """The whole network's plan, its operator restricted to the subnetwork."""

@@ -28,7 +28,8 @@ process-wide: a segment another thread runs meanwhile is counted too.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,14 @@ import torch
 from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
-__all__ = ["CheckpointWatch", "GradientsDisabledError", "watch_reentrant_checkpoints"]
+__all__ = [
+    "CheckpointWatch",
+    "GradientsDisabledError",
+    "outside_posterior",
+    "watch_reentrant_checkpoints",
+]
+
+_OUTSIDE: ContextVar[frozenset[int]] = ContextVar("glas_outside_posterior", default=frozenset())
 
 
 class GradientsDisabledError(ValueError):
@@ -66,6 +74,7 @@ class CheckpointWatch:
             Fitted parameters that the differentiated output does not reach.
 
         """
+        missing = [p for p in missing if id(p) not in _OUTSIDE.get()]
         if not self.segments or not missing:
             return
         names = {id(p): name for name, p in model.named_parameters()}
@@ -78,6 +87,19 @@ class CheckpointWatch:
             "no curvature. Use use_reentrant=False, which GLAS differentiates exactly, or "
             "leave these parameters out of the posterior (requires_grad_(False))."
         )
+
+
+@contextlib.contextmanager
+def outside_posterior(params: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Parameters the block's passes differentiate although the posterior does not
+    cover them (the weights outside a subnetwork): :meth:`CheckpointWatch.check` leaves
+    them out (a context variable: this thread or task only).
+    """
+    token = _OUTSIDE.set(frozenset(id(p) for p in params))
+    try:
+        yield
+    finally:
+        _OUTSIDE.reset(token)
 
 
 @contextlib.contextmanager

@@ -277,3 +277,25 @@ def test_the_predictive_of_a_non_reentrant_checkpointed_model_is_the_plain_model
     assert la.complement == plain.complement == "kron"
     for ours, theirs in zip(la(X, pred_type="glm"), plain(X, pred_type="glm"), strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("scale", [False, True], ids=["factored", "linearised"])
+def test_a_subnetwork_outside_the_reentrant_segment_fits_exactly(scale):
+    """The whole network's operator differentiates the segment's weights too, but the
+    posterior over the last layer does not need them: no error, and the subnetwork's
+    spectrum is the explicit GGN's of the last layer."""
+    from torch.nn.utils import parameters_to_vector
+
+    from laplace_glas.subsets import SubnetActiveSubspaceLaplace
+
+    data, model = _data(), _network(True, scale)
+    D = parameters_to_vector(model.parameters()).numel()
+    la = SubnetActiveSubspaceLaplace(
+        model, "regression", subnetwork_indices=torch.arange(D - 9, D), n_components=4
+    )
+    la.fit(data)
+    plain = _network(None, scale)
+    for p in list(plain.parameters())[:-2]:
+        p.requires_grad_(False)
+    reference = _explicit_top(plain, data, 4)
+    torch.testing.assert_close(la.eigenvalues * 64, reference, rtol=1e-10, atol=1e-12)
