@@ -67,15 +67,20 @@ from laplace_glas.curvature.solvers.threads import single_threaded_openblas
 CASES = [("c1-k10", 1, 10, 1.0), ("c1-k50", 1, 50, 1.5), ("c10-k10", 10, 10, 2.5)]
 
 
-def gemm_rate(repeats: int = 10) -> float:
-    """Float32 GEMM rate (flop/s) of a 3000 x 301 by 301 x 2000 product, best of ``repeats``."""
-    a, b = torch.randn(3000, 301), torch.randn(301, 2000)
+def fastest(call, repeats: int) -> float:
+    """Seconds of the fastest of ``repeats + 2`` calls of ``call()``."""
     best = float("inf")
     for _ in range(repeats + 2):
         start = time.perf_counter()
-        a @ b
+        call()
         best = min(best, time.perf_counter() - start)
-    return 2 * 3000 * 301 * 2000 / best
+    return best
+
+
+def gemm_rate(repeats: int = 10) -> float:
+    """Float32 GEMM rate (flop/s) of a 3000 x 301 by 301 x 2000 product, best of ``repeats``."""
+    a, b = torch.randn(3000, 301), torch.randn(301, 2000)
+    return 2 * 3000 * 301 * 2000 / fastest(lambda: a @ b, repeats)
 
 
 def floor_flops(C: int, k: int, model: torch.nn.Module, N: int) -> dict[str, float]:
@@ -91,16 +96,6 @@ def floor_flops(C: int, k: int, model: torch.nn.Module, N: int) -> dict[str, flo
         per_product = 4 * N * D + 4 * N * R * sum(m.out_features for m in layers)
         out[f"{2 * k + 1} products"] = (2 * k + 1) * per_product
     return out
-
-
-def fastest(call, repeats: int) -> float:
-    """Seconds of the fastest of ``repeats + 2`` calls of ``call()``."""
-    best = float("inf")
-    for _ in range(repeats + 2):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def _gram_by_mm(op: FactoredGGN) -> torch.Tensor:

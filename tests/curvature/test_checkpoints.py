@@ -10,12 +10,11 @@ import pytest
 import torch
 from laplace import Laplace
 from torch import nn
-from torch.func import functional_call, jacrev
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from laplace_glas.autodiff.checkpoints import GradientsDisabledError, watch_reentrant_checkpoints
-from tests.conftest import loader
+from tests.conftest import loader, output_jacobian
 
 
 class Checkpointed(nn.Module):
@@ -101,10 +100,8 @@ def _fit(model: nn.Module, data, **options) -> Laplace:
 def _explicit_top(model: nn.Module, data, k: int = 5) -> torch.Tensor:
     """Top eigenvalues of ``J^T J`` from ``jacrev`` Jacobians of ``model``'s trainable
     parameters over all of ``data``."""
-    X = torch.cat([x for x, _ in data])
-    trained = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    J = jacrev(lambda ps: functional_call(model, ps, (X,)))(trained)
-    J = torch.cat([j.reshape(len(X), -1) for j in J.values()], 1)
+    _, J = output_jacobian(model, torch.cat([x for x, _ in data]))
+    J = J.reshape(-1, J.shape[-1])
     return torch.linalg.eigvalsh(J.T @ J).flip(0)[:k]
 
 

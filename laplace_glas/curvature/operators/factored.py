@@ -44,8 +44,7 @@ first batch's projection; a direct call: :func:`default_factor_budget`). A produ
 with ``m`` columns needs ``m N T d_out`` more per layer, in column chunks of at most
 ``FactoredGGN.chunk_elements`` numbers (the planner sets it from the budget;
 ``_CHUNK_ELEMENTS`` by default) and, for speed, of at most ``2^22`` numbers where one
-column takes fewer. Joining the batches' factors holds
-one layer's twice, not all of them.
+column takes fewer. Joining the batches' factors holds one layer's twice, not all.
 """
 
 from __future__ import annotations
