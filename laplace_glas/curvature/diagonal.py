@@ -13,6 +13,14 @@ one pass over the data with BackPACK's exact GGN diagonal (``DiagGGNExact``) on 
 of the network (BackPACK's hooks stay on the modules it extends), over the parameters
 that require grad, leaving out classification targets equal to ``ignore_index``, and
 summed over the ranks of a data-parallel fit.
+
+BackPACK computes the diagonal layer by layer from the layers' inputs and output
+sensitivities, without per-example gradients, but only for the modules it has an
+extension for, and it counts a parameter shared by two modules (tied weights) once.
+Where it refuses the model (an ``nn.LSTM``, attention, a norm, an embedding, weights
+read functionally) or the model ties parameters, the same exact diagonal comes from
+:func:`~laplace_glas.curvature.per_example_diagonal.per_example_ggn_diagonal`: one
+reverse pass per example and output column, for any model torch differentiates.
 """
 
 from __future__ import annotations
@@ -31,9 +39,10 @@ from torch import nn
 from laplace_glas.curvature.batches import scored_pair
 from laplace_glas.curvature.distributed import Shards, all_reduce_sum, flag_failure
 from laplace_glas.curvature.losses import summed_unit_noise_loss
+from laplace_glas.curvature.per_example_diagonal import per_example_ggn_diagonal
 from laplace_glas.progress import progress
 
-__all__ = ["ggn_diagonal"]
+__all__ = ["ggn_diagonal", "shared_parameters"]
 
 
 def ggn_diagonal(
@@ -71,14 +80,27 @@ def ggn_diagonal(
     Raises
     ------
     ValueError
-        For inputs that are not tensors, per-token outputs, and layers or outputs
-        beyond what BackPACK's exact GGN diagonal covers (named with its reason).
+        For inputs that are not tensors, classification targets that are not one class
+        label per input, and models that neither BackPACK nor per-example reverse mode
+        can differentiate (named with both reasons).
 
     """
-    with _extended_copy(model) as network:
-        total, error = _summed_diagonal(
-            network, loader, likelihood, ignore_index, dict_key_y, device, shards, progress_bar
-        )
+    total, error = None, None
+    backpack_refusal = shared_parameters(model)
+    if backpack_refusal is None:
+        with _extended_copy(model) as network:
+            try:
+                total, error = _summed_diagonal(
+                    network, loader, likelihood, ignore_index, dict_key_y, device, shards,
+                    progress_bar,
+                )  # fmt: skip
+            except BackPACKRefusal as err:
+                backpack_refusal = str(err)
+    if backpack_refusal is not None:
+        total, error = _per_example_diagonal(
+            model, loader, likelihood, ignore_index, dict_key_y, device, shards, progress_bar,
+            backpack_refusal,
+        )  # fmt: skip
     if total is None:
         params = [p for p in model.parameters() if p.requires_grad]
         total = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
@@ -91,6 +113,62 @@ def ggn_diagonal(
     step = "computing the GGN diagonal of complement='diag'"
     flag_failure(shards, device, error, step, "no rank fits")
     return all_reduce_sum(total.to(device), shards)
+
+
+class BackPACKRefusal(ValueError):
+    """BackPACK cannot compute the diagonal of this model (the per-example pass can)."""
+
+
+def shared_parameters(model: nn.Module) -> str | None:
+    """Why BackPACK's diagonal would be wrong for ``model``: a trainable parameter held
+    by two modules (tied weights), whose diagonal BackPACK takes from one use only
+    (None where no parameter is shared).
+    """
+    owners: dict[int, str] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param_name, param in module.named_parameters(recurse=False):
+            where = f"{name}.{param_name}" if name else param_name
+            if param.requires_grad and owners.setdefault(id(param), where) != where:
+                return f"{owners[id(param)]!r} and {where!r} are one tied parameter"
+    return None
+
+
+def _per_example_diagonal(
+    model: nn.Module,
+    loader: Iterable,
+    likelihood: str,
+    ignore_index: int,
+    dict_key_y: str,
+    device: torch.device | str,
+    shards: Shards | None,
+    progress_bar: bool,
+    backpack_refusal: str,
+) -> tuple[torch.Tensor | None, Exception | None]:
+    """:func:`per_example_ggn_diagonal` over this process's batches, and the error a rank
+    of a data-parallel fit met (raised at once in one process).
+    """
+    try:
+        for batch in loader:  # the same checks of inputs and targets as BackPACK's pass
+            scored_pair(batch, likelihood, ignore_index, dict_key_y, _NEEDS)
+            break
+        total = per_example_ggn_diagonal(
+            model, loader, likelihood, ignore_index=ignore_index, dict_key_y=dict_key_y,
+            device=device, progress_bar=progress_bar,
+        )  # fmt: skip
+    except Exception as err:
+        if shards is not None:
+            return None, err
+        if isinstance(err, ValueError):
+            raise
+        raise ValueError(
+            "complement='diag' needs the GGN diagonal: BackPACK cannot compute it for this "
+            f"model ({backpack_refusal}) and per-example reverse mode failed "
+            f"({type(err).__name__}: {err}). Use complement='zero' or 'prior'."
+        ) from err
+    return total, None
+
+
+_NEEDS = "complement='diag' needs tensor inputs"
 
 
 def _summed_diagonal(
@@ -117,6 +195,8 @@ def _summed_diagonal(
                 continue
             diagonal = _batch_diagonal(network, params, loss_fn, X, y) * factor
             total = diagonal if total is None else total + diagonal
+    except BackPACKRefusal:
+        raise  # the per-example pass takes over on every rank alike
     except Exception as err:
         if shards is None:
             raise
@@ -154,13 +234,7 @@ def _batch_for_diagonal(
     """``(X, y)`` on ``device`` with the padded classification targets left out (None, None
     when nothing is left).
     """
-    X, y = scored_pair(
-        batch,
-        likelihood,
-        ignore_index,
-        dict_key_y,
-        "complement='diag' needs tensor inputs (its GGN diagonal comes from BackPACK)",
-    )
+    X, y = scored_pair(batch, likelihood, ignore_index, dict_key_y, _NEEDS)
     return (None, None) if X is None else (X.to(device), y.to(device))
 
 
@@ -181,7 +255,4 @@ def _batch_diagonal(
                 loss.backward()
             return torch.cat([p.diag_ggn_exact.detach().reshape(-1) for p in params])
     except Exception as err:  # BackPACK's refusals come as several exception types
-        raise ValueError(
-            "complement='diag' needs the GGN diagonal, which BackPACK cannot compute for "
-            f"this model ({type(err).__name__}: {err}). Use complement='zero' or 'prior'."
-        ) from err
+        raise BackPACKRefusal(f"{type(err).__name__}: {err}") from err

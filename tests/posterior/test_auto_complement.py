@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import loader, mlp, regression_data, train
+from conftest import loader, mlp, output_jacobian, regression_data, train
 from torch import nn
 
 from laplace_glas import ActiveSubspaceLaplace, SubnetActiveSubspaceLaplace
@@ -92,16 +92,17 @@ def test_a_conv1d_resolves_to_diag_with_the_reason(data):
         fitted(model, X, y, complement="kron")  # the explicit setting still refuses
 
 
-def test_what_neither_covers_resolves_to_zero_without_an_error(data):
+def test_what_backpack_refuses_gets_the_per_example_diagonal(data):
     X, y = data
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(2, 4), nn.LayerNorm(4), nn.Tanh(), nn.Linear(4, 1)).to(DOUBLE)
     auto = fitted(model, X, y)
-    assert auto.complement == "zero"
+    assert auto.complement == "diag"
     reason = auto.complement_reason
-    assert "resolved to 'zero'" in reason and "LayerNorm" in reason
-    assert "not 'kron'" in reason and "not 'diag'" in reason and "BackPACK" in reason
-    explicit = fitted(model, X, y, complement="zero")
+    assert "resolved to 'diag'" in reason and "LayerNorm" in reason and "not 'kron'" in reason
+    _, J = output_jacobian(model, X)
+    torch.testing.assert_close(auto._ggn_diagonal, torch.einsum("tcd,tcd->d", J, J))
+    explicit = fitted(model, X, y, complement="diag")
     for got, want in zip(glm(auto, X[:5]), glm(explicit, X[:5])):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
