@@ -21,7 +21,7 @@ from laplace.utils.matrix import Kron
 
 from laplace_glas.curvature.eigenpairs import Eigenpairs
 from laplace_glas.curvature.fitting import loss_fn_name
-from laplace_glas.curvature.kron import check_kron_factors
+from laplace_glas.curvature.kron_blocks import check_kron_factors
 from laplace_glas.validation import (
     homoscedastic_noise,
     positive_scalar,
@@ -208,8 +208,8 @@ def check_state(
         )
     if not isinstance(state.get("complement_reason", ""), str):
         raise ValueError("state_dict['complement_reason'] must be a str.")
-    _check_ggn_diagonal(state, n_params)
-    _check_ggn_kron(state, n_params, param_shapes)
+    kron_blocks = _check_ggn_kron(state, n_params, param_shapes)
+    _check_ggn_diagonal(state, n_params, kron_blocks)
     _count("n_data", state["n_data"])
     _count("n_outputs", state["n_outputs"])
     if not math.isfinite(scalar_value("state_dict['loss']", state["loss"])):
@@ -284,35 +284,51 @@ def _check_eigenpairs(record: Mapping[str, Any], U: torch.Tensor) -> None:
             raise ValueError(f"state_dict['eigenpairs'][{key!r}] contains NaN or inf.")
 
 
-def _check_ggn_diagonal(state: Mapping[str, Any], n_params: int) -> None:
-    """``complement='diag'`` needs the summed GGN diagonal: ``(D,)``, finite, ``>= 0``."""
+def _check_ggn_diagonal(
+    state: Mapping[str, Any], n_params: int, kron_blocks: list | None = None
+) -> None:
+    """``complement='diag'`` needs the summed GGN diagonal: ``(D,)``, finite, ``>= 0``;
+    ``'kron_diag'`` that of the parameters whose Kronecker block is empty (their sizes).
+    """
     diagonal = state.get("ggn_diagonal")
     if diagonal is None:
-        if state["complement"] == "diag":
+        if state["complement"] in ("diag", "kron_diag"):
             raise ValueError(
-                "state_dict['ggn_diagonal'] is missing: complement='diag' needs the GGN "
-                "diagonal that its fit computed."
+                "state_dict['ggn_diagonal'] is missing: complement="
+                f"{state['complement']!r} needs the GGN diagonal that its fit computed."
             )
         return
-    diagonal = _tensor("state_dict['ggn_diagonal']", diagonal, (n_params,))
+    size = n_params
+    if state["complement"] == "kron_diag" and kron_blocks is not None:
+        size = n_params - sum(
+            math.prod(F.shape[0] for F in block) for block in kron_blocks if block
+        )
+    diagonal = _tensor("state_dict['ggn_diagonal']", diagonal, (size,))
     if (diagonal < 0).any():
         raise ValueError("state_dict['ggn_diagonal'] holds negative values: a GGN's diagonal.")
 
 
 def _check_ggn_kron(
     state: Mapping[str, Any], n_params: int, shapes: list[torch.Size] | None
-) -> None:
+) -> list | None:
     """``complement='kron'`` needs KFAC's factors: one ``(B, A)`` / ``(B,)`` block per
-    parameter tensor, square, symmetric and finite, of Kronecker sizes summing to ``D``.
+    parameter tensor, square, symmetric and finite, of Kronecker sizes summing to ``D``
+    (``'kron_diag'``: also ``[]`` for a parameter the GGN diagonal covers; the parameter
+    shapes are then needed). Returns the checked blocks (None where there are none).
     """
-    blocks = state.get("ggn_kron")
+    blocks, partial = state.get("ggn_kron"), state["complement"] == "kron_diag"
     if blocks is None:
-        if state["complement"] == "kron":
+        if state["complement"] in ("kron", "kron_diag"):
             raise ValueError(
-                "state_dict['ggn_kron'] is missing: complement='kron' needs the Kronecker "
-                "factors that its fit computed."
+                f"state_dict['ggn_kron'] is missing: complement={state['complement']!r} "
+                "needs the Kronecker factors that its fit computed."
             )
-        return
+        return None
+    if partial and shapes is None:
+        raise ValueError(
+            "A complement='kron_diag' state is checked against the posterior's parameter "
+            "shapes (the sizes of the parameters the GGN diagonal covers); none were given."
+        )
     if shapes is None:  # the blocks' own sizes, which must then sum to D
         shapes = [
             torch.Size([math.prod(F.shape[0] for F in block)])
@@ -323,7 +339,7 @@ def _check_ggn_kron(
         ]
         if sum(math.prod(shape) for shape in shapes) != n_params:
             raise ValueError(f"state_dict['ggn_kron'] does not cover the D={n_params} weights.")
-    check_kron_factors(blocks, shapes, "state_dict['ggn_kron']")
+    return check_kron_factors(blocks, shapes, "state_dict['ggn_kron']", partial=partial)
 
 
 def restored_complement(

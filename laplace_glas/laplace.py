@@ -41,6 +41,7 @@ from laplace_glas.diagnostics.calibration import DimensionSelection, select_dime
 from laplace_glas.io import glas_state, restore_glas_state, restored_complement
 from laplace_glas.posterior.hyperparameters import (
     COMPLEMENTS,
+    CURVATURE_COMPLEMENTS,
     LOSS_SCALINGS,
     PosteriorHyperparameters,
     unchanged_on_failure,
@@ -352,7 +353,7 @@ class ActiveSubspaceLaplace(
             ggn_diagonal=getattr(self, "_ggn_diagonal", None),
             ggn_kron=getattr(self, "_ggn_kron", None),
             complement_curvature=(
-                self._complement_curvature() if self.complement in ("diag", "kron") else None
+                self._complement_curvature() if self.complement in CURVATURE_COMPLEMENTS else None
             ),
             process_group=getattr(self, "_process_group", None),
             ignore_index=self.ignore_index,

@@ -195,23 +195,27 @@ def plot_alignment(
     alignments: Mapping[str, Any],
     path: str | Path | None = None,
     title: str | None = None,
-    complement: str = "zero",
+    complement: str = "own",
 ) -> Any:
     """Captured share ``||J U||_F^2 / ||J||_F^2`` against the 'glm' variance, per input.
 
     ``alignments`` maps a label (e.g. ``"in-distribution"``, ``"shifted"``) to a
     :class:`~laplace_glas.diagnostics.alignment.Alignment`; ``complement`` picks the
-    variance: ``'zero'`` (``sum_j v_j ||J u_j||^2``) or ``'prior'`` (``+ residual /
-    tau``). The variance axis is logarithmic; the legend sits below the axes.
+    variance: ``'own'`` (default: the posterior's own, its complement included,
+    :attr:`~laplace_glas.diagnostics.alignment.Alignment.total_variance`), ``'zero'``
+    (``sum_j v_j ||J u_j||^2``) or ``'prior'`` (``+ residual / tau``). The variance axis
+    is logarithmic; the legend sits below the axes.
     """
-    if complement not in ("zero", "prior"):
-        raise ValueError(f"complement must be 'zero' or 'prior', got {complement!r}.")
+    if complement not in ("zero", "prior", "own"):
+        raise ValueError(f"complement must be 'own', 'zero' or 'prior', got {complement!r}.")
     fits = lambda a: hasattr(a, "captured") and hasattr(a, "combined")  # noqa: E731
     alignments = _curves(alignments, "alignments", "Alignment", "GLAS", fits)
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5, 4.4))
     for label, result in alignments.items():
-        variance = result.variance if complement == "zero" else result.combined
+        variance = {
+            "own": result.total_variance, "zero": result.variance, "prior": result.combined
+        }[complement]  # fmt: skip
         ax.scatter(
             result.captured.detach().cpu().numpy(),
             variance.detach().cpu().clamp_min(1e-30).numpy(),
@@ -221,7 +225,10 @@ def plot_alignment(
         )
     ax.set_yscale("log")
     ax.set_xlabel("captured share of ||J(x)||_F^2")
-    ax.set_ylabel(f"'glm' variance (complement='{complement}')")
+    shown = complement
+    if complement == "own":
+        shown = "/".join(dict.fromkeys(r.complement for r in alignments.values()))
+    ax.set_ylabel(f"'glm' variance (complement='{shown}')")
     ax.grid(True, alpha=0.3)
     _legend_below(ax)
     _title(ax, title)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,6 +37,7 @@ __all__ = [
     "scalar_value",
     "seed",
     "tolerance",
+    "user_stacklevel",
 ]
 
 
@@ -382,3 +385,16 @@ def grid_bounds_and_loss(log_min: Any, log_max: Any, loss: Any) -> None:
         raise ValueError(
             f"log_prior_prec_min must be below log_prior_prec_max, got {log_min} and {log_max}."
         )
+
+
+_PACKAGE = str(Path(__file__).resolve().parent)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` called from here that names the first
+    frame outside the package (the user's call, however deep the package's own calls).
+    """
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        level, frame = level + 1, frame.f_back
+    return level

@@ -3,9 +3,13 @@
 ``complement='diag'`` takes the summed GGN diagonal
 (:func:`~laplace_glas.curvature.diagonal.ggn_diagonal`, one data pass before the
 solve) and ``complement='kron'`` KFAC's Kronecker factors of the summed GGN
-(:mod:`~laplace_glas.curvature.kron`). ``'auto'`` takes the first of ``'kron'``,
-``'diag'`` that is not refused, under a scalar prior, and whose pass succeeds, else
-``'zero'``.
+(:mod:`~laplace_glas.curvature.kron`); ``complement='kron_diag'`` both, block by
+block: KFAC's factors of the layers KFAC covers and the GGN diagonal of every other
+trainable parameter (``ggn_kron(partial=True)``, then
+:func:`~laplace_glas.curvature.diagonal.ggn_diagonal` over the parameters it left
+empty). ``'auto'`` takes the first of ``'kron'``, ``'kron_diag'``, ``'diag'`` that is not
+refused, under a scalar prior, and whose pass succeeds, else ``'zero'`` with a warning
+naming why.
 
 KFAC's factors come without a data pass where the planner builds the factored
 operator: the fit hands its operator to :meth:`ComplementPass._complement_from_plan`
@@ -22,6 +26,7 @@ records the source as ``'kron_factors'``.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,9 +36,18 @@ from laplace.utils.matrix import Kron
 from laplace_glas.curvature.diagonal import ggn_diagonal
 from laplace_glas.curvature.distributed import Shards
 from laplace_glas.curvature.kron import factored_kron, factored_kron_refusal, ggn_kron
+from laplace_glas.curvature.kron_blocks import union_of_factors
 from laplace_glas.curvature.problem import CurvatureProblem
+from laplace_glas.validation import user_stacklevel
 
-__all__ = ["ComplementCurvature", "ComplementPass"]
+__all__ = ["ComplementCurvature", "ComplementPass", "ZeroComplementWarning"]
+
+
+class ZeroComplementWarning(UserWarning):
+    """``complement='auto'`` found no curvature outside ``span(U)`` it could compute and
+    resolved to ``'zero'`` (the reason is in the message and in ``complement_reason``).
+    """
+
 
 FROM_FACTORS = "factored operator"
 """``lanczos_info.plan['kron_factors']`` where KFAC's factors came from the operator."""
@@ -50,9 +64,11 @@ class ComplementCurvature:
     why : str or None
         The reason recorded for ``'auto'``.
     diagonal : torch.Tensor or None
-        The summed GGN diagonal (``'diag'``).
+        The summed GGN diagonal (``'diag'``; ``'kron_diag'``: over the parameters whose
+        KFAC block is empty, in their order).
     kron : Kron or None
-        KFAC's factors of the summed GGN (``'kron'``).
+        KFAC's factors of the summed GGN (``'kron'``; ``'kron_diag'``: ``[]`` blocks for
+        the parameters the diagonal covers).
     pending : bool
         ``'kron'`` waits for the fit's operator (its factors) or, failing that, for
         curvlinops' pass after the solve.
@@ -75,8 +91,8 @@ class ComplementCurvature:
 
 def _kron_why(reasons: list[str]) -> str:
     why = " ".join(reasons) or (
-        "KFAC covers every trainable parameter (scalar prior, the likelihood's GGN, no "
-        "loss_fn, one process, override=True)."
+        "KFAC covers every trainable parameter (a scalar or layerwise prior, the "
+        "likelihood's GGN, no loss_fn)."
     )
     return f"complement='auto' resolved to 'kron': {why}"
 
@@ -106,9 +122,13 @@ class ComplementPass:
             raise ValueError(refusal)
         if setting == "kron" and self._may_take_factors(problem, loader, shards, update):
             return ComplementCurvature(pending=True)
-        curvature = self._complement_data(setting, loader, shards, show, update)
+        n_new = None if problem is None else problem.n_loader_terms
+        curvature = self._complement_data(setting, loader, shards, show, update, n_new)
         if setting == "diag":
             return ComplementCurvature(diagonal=curvature)
+        if setting == "kron_diag":
+            kron, diagonal = curvature
+            return ComplementCurvature(kron=kron, diagonal=diagonal, source="curvlinops")
         source = None if curvature is None else "curvlinops"
         return ComplementCurvature(kron=curvature, source=source)
 
@@ -119,32 +139,48 @@ class ComplementPass:
         show: bool,
         update: bool,
         problem: CurvatureProblem | None,
-        candidates: tuple[str, ...] = ("kron", "diag"),
+        candidates: tuple[str, ...] = ("kron", "kron_diag", "diag"),
         reasons: list[str] | None = None,
     ) -> ComplementCurvature:
         """``'auto'`` over ``candidates`` (``reasons``: the refusals so far)."""
         reasons, shape = list(reasons or []), tuple(self.prior_precision.shape)
         for candidate in candidates:
             refusal = self._complement_refusal(candidate, update)
-            if refusal is None and not self._scalar_prior():
-                refusal = f"complement={candidate!r} takes a scalar prior, got shape {shape}."
+            if refusal is None and candidate != "diag" and self._per_weight_prior():
+                refusal = (
+                    f"complement={candidate!r} takes a scalar or layerwise prior, got one "
+                    f"per weight (shape {shape})."
+                )
             if refusal is None and candidate == "kron":
                 if self._may_take_factors(problem, loader, shards, update):
                     return ComplementCurvature("kron", _kron_why(reasons), pending=True,
                                                reasons=reasons)  # fmt: skip
             if refusal is None:
                 try:
-                    curvature = self._complement_data(candidate, loader, shards, show, update)
+                    n_new = None if problem is None else problem.n_loader_terms
+                    curvature = self._complement_data(
+                        candidate, loader, shards, show, update, n_new
+                    )
                 except ValueError as err:  # a data-time refusal (BackPACK's, a batch's)
                     refusal = str(err)
                 else:
                     if candidate == "kron":
                         return ComplementCurvature("kron", _kron_why(reasons), kron=curvature,
                                                    source="curvlinops")  # fmt: skip
-                    why = f"complement='auto' resolved to 'diag': {' '.join(reasons)}"
+                    why = f"complement='auto' resolved to {candidate!r}: {' '.join(reasons)}"
+                    if candidate == "kron_diag":
+                        kron, diagonal = curvature
+                        return ComplementCurvature("kron_diag", why, diagonal=diagonal,
+                                                   kron=kron, source="curvlinops")  # fmt: skip
                     return ComplementCurvature("diag", why, diagonal=curvature)
             reasons.append(f"not {candidate!r}: {refusal}")
         why = "complement='auto' resolved to 'zero': " + " ".join(reasons)
+        warnings.warn(
+            f"{why} The posterior has no variance outside span(U); pass complement='zero' "
+            "explicitly to silence this warning.",
+            ZeroComplementWarning,
+            stacklevel=user_stacklevel(),
+        )
         return ComplementCurvature("zero", why)
 
     def _may_take_factors(
@@ -202,21 +238,43 @@ class ComplementPass:
             kron = self._complement_data("kron", loader, None, show, False)
         except ValueError as err:
             reasons = [*complement.reasons, f"not 'kron': {err}"]
-            return self._auto_complement(loader, None, show, False, None, ("diag",), reasons)
+            candidates = ("kron_diag", "diag")
+            return self._auto_complement(loader, None, show, False, None, candidates, reasons)
         return ComplementCurvature("kron", complement.why, kron=kron, source=source)
 
     def _complement_data(
-        self, complement: str, loader: Any, shards: Shards | None, show: bool, update: bool
-    ) -> torch.Tensor | Kron | None:
-        """The summed GGN diagonal (``'diag'``; plus the stored one for an update) or
-        KFAC's factors of the summed GGN by curvlinops' pass (``'kron'``), else None.
+        self,
+        complement: str,
+        loader: Any,
+        shards: Shards | None,
+        show: bool,
+        update: bool,
+        n_new: int | None = None,
+    ) -> torch.Tensor | Kron | tuple[Kron, torch.Tensor] | None:
+        """The summed GGN diagonal (``'diag'``; plus the stored one for an update),
+        KFAC's factors of the summed GGN by curvlinops' pass (``'kron'``), both block by
+        block (``'kron_diag'``: the factors, and the diagonal of the parameters whose
+        block is empty), else None.
         """
         common = {"ignore_index": self.ignore_index, "dict_key_y": self.dict_key_y}
-        if complement == "kron":
-            return ggn_kron(
+        if complement in ("kron", "kron_diag"):
+            kron = ggn_kron(
                 self.model, loader, self._curvature_likelihood, shards=shards,
-                progress_bar=show, **common,
+                progress_bar=show, partial=complement == "kron_diag", **common,
             )  # fmt: skip
+            if update:  # KFAC's factors of the union: A by the counts, B summed
+                kron = union_of_factors(self._ggn_kron, self.n_data, kron, n_new)
+            if complement == "kron":
+                return kron
+            trainable = [n for n, p in self.model.named_parameters() if p.requires_grad]
+            names = [n for n, block in zip(trainable, kron.kfacs) if not block]
+            if not names:
+                return kron, torch.zeros(0, dtype=self._dtype, device=self._device)
+            diagonal = ggn_diagonal(
+                self.model, loader, self._curvature_likelihood, device=self._device,
+                shards=shards, progress_bar=show, names=names, **common,
+            ).to(self._dtype)  # fmt: skip
+            return kron, diagonal + self._ggn_diagonal if update else diagonal
         if complement != "diag":
             return None
         diagonal = ggn_diagonal(

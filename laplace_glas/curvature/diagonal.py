@@ -55,8 +55,10 @@ def ggn_diagonal(
     device: torch.device | str = "cpu",
     shards: Shards | None = None,
     progress_bar: bool = False,
+    names: list[str] | None = None,
 ) -> torch.Tensor:
-    """``(D,)`` diagonal of the summed unit-noise GGN over the trainable parameters.
+    """``(D,)`` diagonal of the summed unit-noise GGN over the trainable parameters (or
+    over the parameters ``names``, in their order: the per-example pass).
 
     Parameters
     ----------
@@ -76,17 +78,23 @@ def ggn_diagonal(
         The ranks of a data-parallel fit (the diagonal is summed over them).
     progress_bar : bool
         Show a ``tqdm`` bar over the batches.
+    names : list of str, optional
+        A subset of ``model.named_parameters()`` (``complement='kron_diag'``: those KFAC
+        does not cover); BackPACK, which takes every parameter, is then not used.
 
     Raises
     ------
     ValueError
-        For inputs that are not tensors, classification targets that are not one class
-        label per input, and models that neither BackPACK nor per-example reverse mode
-        can differentiate (named with both reasons).
+        For targets that do not match the outputs, outputs with more columns than the
+        per-example pass holds, and models that neither BackPACK nor per-example reverse
+        mode can differentiate (named with both reasons). Mapping inputs and per-token
+        outputs (``(batch, seq_len, C)``, ``ignore_index`` left out) take the per-example
+        pass.
 
     """
     total, error = None, None
-    backpack_refusal = shared_parameters(model)
+    backpack_refusal = "a subset of the parameters" if names is not None else None
+    backpack_refusal = backpack_refusal or shared_parameters(model)
     if backpack_refusal is None:
         with _extended_copy(model) as network:
             try:
@@ -99,10 +107,14 @@ def ggn_diagonal(
     if backpack_refusal is not None:
         total, error = _per_example_diagonal(
             model, loader, likelihood, ignore_index, dict_key_y, device, shards, progress_bar,
-            backpack_refusal,
+            backpack_refusal, names,
         )  # fmt: skip
     if total is None:
-        params = [p for p in model.parameters() if p.requires_grad]
+        wanted = None if names is None else set(names)
+        params = [
+            p for n, p in model.named_parameters()
+            if p.requires_grad and (wanted is None or n in wanted)
+        ]  # fmt: skip
         total = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
         if shards is None:
             raise ValueError("The loader has no scored targets: there is no GGN diagonal.")
@@ -143,17 +155,15 @@ def _per_example_diagonal(
     shards: Shards | None,
     progress_bar: bool,
     backpack_refusal: str,
+    names: list[str] | None,
 ) -> tuple[torch.Tensor | None, Exception | None]:
     """:func:`per_example_ggn_diagonal` over this process's batches, and the error a rank
     of a data-parallel fit met (raised at once in one process).
     """
     try:
-        for batch in loader:  # the same checks of inputs and targets as BackPACK's pass
-            scored_pair(batch, likelihood, ignore_index, dict_key_y, _NEEDS)
-            break
         total = per_example_ggn_diagonal(
-            model, loader, likelihood, ignore_index=ignore_index, dict_key_y=dict_key_y,
-            device=device, progress_bar=progress_bar,
+            model, loader, likelihood, names, ignore_index=ignore_index,
+            dict_key_y=dict_key_y, device=device, progress_bar=progress_bar,
         )  # fmt: skip
     except Exception as err:
         if shards is not None:
@@ -166,9 +176,6 @@ def _per_example_diagonal(
             f"({type(err).__name__}: {err}). Use complement='zero' or 'prior'."
         ) from err
     return total, None
-
-
-_NEEDS = "complement='diag' needs tensor inputs"
 
 
 def _summed_diagonal(
@@ -234,7 +241,10 @@ def _batch_for_diagonal(
     """``(X, y)`` on ``device`` with the padded classification targets left out (None, None
     when nothing is left).
     """
-    X, y = scored_pair(batch, likelihood, ignore_index, dict_key_y, _NEEDS)
+    X, y = scored_pair(
+        batch, likelihood, ignore_index, dict_key_y,
+        "BackPACK's diagonal takes tensor inputs", BackPACKRefusal,
+    )  # fmt: skip
     return (None, None) if X is None else (X.to(device), y.to(device))
 
 

@@ -60,16 +60,22 @@ from torch.utils.hooks import RemovableHandle
 
 from laplace_glas.curvature.batches import scored_pair, split_batch
 from laplace_glas.curvature.distributed import Shards, all_reduce_sum, flag_failure, sum_count
+from laplace_glas.curvature.kron_blocks import (
+    KFAC_LAYERS,
+    blocks_over,
+    check_kron_factors,
+    kfac_parameters,
+    kron_diag_refusal,
+    kron_refusal,
+)
 from laplace_glas.curvature.losses import summed_unit_noise_loss
 from laplace_glas.curvature.operators.factored import FactoredGGN
 from laplace_glas.curvature.operators.factors import OuterFactor
 
 __all__ = [
-    "check_kron_factors",
     "factored_kron",
     "factored_kron_refusal",
     "ggn_kron",
-    "kron_refusal",
 ]
 
 
@@ -101,29 +107,6 @@ class _ScoredBatches:
                 yield X, y
 
 
-KFAC_LAYERS = (nn.Linear, nn.Conv2d)
-"""The layers curvlinops' ``KFACLinearOperator`` covers (its documented list)."""
-
-
-def kron_refusal(model: nn.Module) -> str | None:
-    """Why :func:`ggn_kron` cannot serve ``model`` (None: it can): a trainable parameter
-    outside the layers curvlinops' KFAC covers (``nn.Linear``, ``nn.Conv2d``). A
-    data-parallel fit is served too: the factors are summed over the ranks.
-    """
-    for name, module in model.named_modules():
-        if isinstance(module, KFAC_LAYERS):
-            continue
-        for param_name, param in module.named_parameters(recurse=False):
-            if param.requires_grad:
-                where = f"{name}.{param_name}" if name else param_name
-                return (
-                    f"complement='kron' needs every trainable parameter in an nn.Linear or "
-                    f"nn.Conv2d (the layers KFAC covers); {where!r} sits in a "
-                    f"{type(module).__name__}. Use complement='diag', 'zero' or 'prior'."
-                )
-    return None
-
-
 def ggn_kron(
     model: nn.Module,
     loader: Iterable,
@@ -133,8 +116,13 @@ def ggn_kron(
     dict_key_y: str = "labels",
     shards: Shards | None = None,
     progress_bar: bool = False,
+    partial: bool = False,
 ) -> Kron:
     """KFAC of the summed unit-noise GGN over the trainable parameters (see the module).
+
+    With ``partial`` (``complement='kron_diag'``) the factors are those of the layers
+    KFAC covers (:func:`kfac_parameters`) that the forward pass calls as modules; every
+    other trainable parameter gets an empty block ``[]``, for the GGN diagonal to fill.
 
     In a data-parallel fit each rank computes its shard's share and the factors are
     summed over the ranks: ``B = sum_r B_r`` and ``A = sum_r A_r`` with each rank's
@@ -159,6 +147,8 @@ def ggn_kron(
         The ranks of a data-parallel fit (the factors are summed over them).
     progress_bar : bool
         Show curvlinops' progress bar over the batches.
+    partial : bool
+        ``complement='kron_diag'``: the covered layers' factors, ``[]`` for the rest.
 
     Raises
     ------
@@ -169,14 +159,17 @@ def ggn_kron(
         others.
 
     """
-    refusal = kron_refusal(model)
+    refusal = kron_diag_refusal(model) if partial else kron_refusal(model)
     if refusal is not None:
         raise ValueError(refusal)
-    params = [p for p in model.parameters() if p.requires_grad]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    covered = set(kfac_parameters(model))
+    params = [p for n, p in model.named_parameters() if p.requires_grad and n in covered]
     data = _ScoredBatches(loader, likelihood, ignore_index, dict_key_y)
     if shards is None:
-        blocks = _local_factors(model, params, likelihood, data, progress_bar)
-        return Kron(check_kron_factors(blocks, [p.shape for p in params]))
+        blocks = _local_factors(model, params, likelihood, data, progress_bar, partial=partial)
+        blocks = blocks_over(blocks, params, trainable)
+        return Kron(check_kron_factors(blocks, [p.shape for p in trainable], partial=partial))
     device = params[0].device if params else "cpu"
     n_local, error = 0, None
     try:  # a rank whose count or pass fails still takes part in the collectives (flagged)
@@ -186,8 +179,11 @@ def ggn_kron(
     n_total = sum_count(n_local, shards, device, error=error)
     blocks, error = [], None
     try:
-        blocks = _local_factors(model, params, likelihood, data, progress_bar, n_total)
-        blocks = check_kron_factors(blocks, [p.shape for p in params])
+        blocks = _local_factors(
+            model, params, likelihood, data, progress_bar, n_total, partial=partial
+        )
+        blocks = blocks_over(blocks, params, trainable)
+        blocks = check_kron_factors(blocks, [p.shape for p in trainable], partial=partial)
     except Exception as err:
         error = err
     step = "computing KFAC's factors of complement='kron'"
@@ -243,9 +239,12 @@ def _local_factors(
     data: _ScoredBatches,
     progress_bar: bool,
     num_data: int | None = None,
+    partial: bool = False,
 ) -> list:
     """The ``[B, A]`` / ``[B]`` blocks of curvlinops' KFAC over ``data`` in the order of
-    ``params`` (``num_data``: the ``N`` dividing ``A``; None: ``data``'s own count).
+    ``params`` (``num_data``: the ``N`` dividing ``A``; None: ``data``'s own count);
+    ``partial``: a layer the forward pass never called as a module gets ``[]`` blocks
+    instead of an error.
     """
     loss_fn, factor = summed_unit_noise_loss(likelihood)
     # one loss term per example: _ScoredBatches refuses per-token targets
@@ -279,6 +278,10 @@ def _local_factors(
     inputs, gradients = state["input_covariances"], state["gradient_covariances"]
     blocks: list[list[torch.Tensor] | None] = [None] * len(params)
     for name, positions in KFACLinearOperator.compute_parameter_mapping(params, model).items():
+        if name not in gradients and partial:  # the diagonal takes its parameters
+            for position in positions.values():
+                blocks[position] = []
+            continue
         if name not in gradients:  # curvlinops' hooks never saw the layer run
             raise ValueError(
                 f"complement='kron' needs KFAC's factors of layer {name!r}, which the "
@@ -415,39 +418,3 @@ def factored_kron(
     if not all(bool(torch.isfinite(F).all()) for block in ordered for F in block):
         return "the factored operator's KFAC factors hold NaN or inf"
     return Kron(ordered)
-
-
-def check_kron_factors(
-    blocks: Any, shapes: list[torch.Size], what: str = "the Kronecker factors"
-) -> list[list[torch.Tensor]]:
-    """``blocks`` as a list of ``[B, A]`` / ``[B]`` square, symmetric, finite factors
-    whose Kronecker sizes are those of ``shapes``; a ``ValueError`` naming ``what``
-    otherwise.
-    """
-    if not isinstance(blocks, (list, tuple)) or len(blocks) != len(shapes):
-        n = len(blocks) if isinstance(blocks, (list, tuple)) else type(blocks).__name__
-        raise ValueError(
-            f"{what} must hold one block per parameter tensor ({len(shapes)}), got {n}."
-        )
-    checked = []
-    for i, (block, shape) in enumerate(zip(blocks, shapes)):
-        if not isinstance(block, (list, tuple)) or len(block) not in (1, 2):
-            raise ValueError(f"{what}: block {i} must be [B, A] or [B].")
-        size = 1
-        for F in block:
-            if not isinstance(F, torch.Tensor) or F.ndim != 2 or F.shape[0] != F.shape[1]:
-                raise ValueError(f"{what}: block {i} holds a factor that is not a square matrix.")
-            if not torch.isfinite(F).all():
-                raise ValueError(f"{what}: block {i} holds NaN or inf.")
-            largest = float(F.abs().max()) if F.numel() else 0.0
-            rounding = math.sqrt(torch.finfo(F.dtype).eps) if F.is_floating_point() else 0.0
-            if not torch.allclose(F, F.T, rtol=0.0, atol=rounding * max(largest, 1e-30)):
-                raise ValueError(f"{what}: block {i} holds a factor that is not symmetric.")
-            size *= F.shape[0]
-        if size != math.prod(shape):
-            raise ValueError(
-                f"{what}: block {i} has Kronecker size {size}, but parameter {i} has "
-                f"{math.prod(shape)} entries (shape {tuple(shape)})."
-            )
-        checked.append(list(block))
-    return checked

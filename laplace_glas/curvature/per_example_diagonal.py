@@ -26,7 +26,9 @@ Hugging Face's ``Conv1D``, weights read functionally or tied across modules); it
 exact, the same quantity as BackPACK's ``DiagGGNExact`` where that covers the model.
 Classification targets equal to ``ignore_index`` contribute nothing. Modules without a
 ``vmap`` batching rule over examples fall back to a loop over the examples (each still
-``vmap``-ed over its columns). The cost is ``C`` (times the positions) backward passes of
+``vmap``-ed over its columns), and models torch.func refuses (non-reentrant activation
+checkpointing saves its tensors through hooks) to one ``torch.autograd.grad`` call per
+example and column. The cost is ``C`` (times the positions) backward passes of
 one example per example: about what BackPACK's exact diagonal costs.
 
 :func:`sampled_ggn_diagonal_columns` gives the opt-in Monte Carlo variant: one column
@@ -114,9 +116,35 @@ def _squared_pullbacks(
     """``sum_{s,r} (J^T l_{s,r})^2`` of one example, by parameter (``x`` with a batch
     axis of one; ``columns`` ``(*S, C, R)``).
     """
-    _, pullback = vjp(lambda params: call(params, x)[0], free)
-    (grads,) = vmap(pullback)(_cotangents(columns))
+    try:
+        _, pullback = vjp(lambda params: call(params, x)[0], free)
+        (grads,) = vmap(pullback)(_cotangents(columns))
+    except RuntimeError as err:
+        if "saved tensor hooks" not in str(err):
+            raise
+        return _squared_gradients(call, free, x, columns)
     return {name: grad.square().sum(0) for name, grad in grads.items()}
+
+
+def _squared_gradients(
+    call: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
+    free: dict[str, torch.Tensor],
+    x: object,
+    columns: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """:func:`_squared_pullbacks` by ``torch.autograd.grad``, one call per cotangent."""
+    leaves = {name: value.detach().requires_grad_(True) for name, value in free.items()}
+    totals = {name: torch.zeros_like(value) for name, value in free.items()}
+    with torch.enable_grad():
+        out = call(leaves, x)[0]
+        for cotangent in _cotangents(columns):
+            grads = torch.autograd.grad(
+                out, list(leaves.values()), cotangent, retain_graph=True, allow_unused=True
+            )
+            for name, grad in zip(leaves, grads):
+                if grad is not None:
+                    totals[name] += grad.square()
+    return totals
 
 
 def batch_ggn_diagonal(
@@ -185,6 +213,14 @@ def batch_ggn_diagonal(
         )
     if estimator == "mc":
         columns = sampled_ggn_diagonal_columns(columns, generator)
+    cotangent_numbers = columns[0].numel() // columns.shape[-2] * outputs[0].numel()
+    if cotangent_numbers > _CHUNK_ELEMENTS:
+        raise ValueError(
+            f"The exact GGN diagonal of outputs of shape {tuple(outputs.shape[1:])} an "
+            f"example needs {cotangent_numbers:,} cotangent numbers per example (one per "
+            "output position and class), beyond the 2^24 it holds: use complement='zero' "
+            "(or 'prior') for per-token outputs over a large vocabulary."
+        )
     if chunk_size is None:
         per_example = (
             columns[0].numel() // columns.shape[-2] * sum(p.numel() for p in free.values())

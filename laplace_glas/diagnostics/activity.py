@@ -12,10 +12,14 @@ with the weights ``w_j`` chosen by ``weighting``:
   the mean-loss GGN eigenvalue; then ``alpha_i(D) = G_ii``;
 * ``'posterior'``: ``w_j = a_j v_j = a_j / (a_j + tau)`` with ``a_j = s lambda_j / T``,
   the share of direction ``j``'s prior variance the data removed (in [0, 1));
-* ``'variance'``: ``w_j = v_j``, the posterior variance along ``u_j``; then
-  ``alpha_i`` is the marginal posterior variance of weight ``i`` in the subspace.
+* ``'variance'``: the marginal posterior variance ``Sigma_ii`` of weight ``i`` under
+  the posterior in use (its complement included): ``sum_j v_j u_ij^2`` for
+  ``complement='zero'``, plus ``(1 - sum_j u_ij^2) / tau`` for ``'prior'``, plus
+  ``diag(P E^{-1} P)_i`` for ``'diag'`` / ``'kron'`` / ``'kron_diag'``
+  (:meth:`~laplace_glas.posterior.complement.ProjectedComplementPosterior.marginal_variances`).
 
-Since ``U`` is orthonormal, ``sum_i alpha_i = sum_j w_j``.
+For the first two, since ``U`` is orthonormal, ``sum_i alpha_i = sum_j w_j``; with
+``'variance'``, ``sum_i alpha_i = tr(Sigma)``.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ def activity_scores(la: Any, k: int | None = None, weighting: str = "eigenvalue"
     if weighting not in _WEIGHTINGS:
         raise ValueError(f"weighting must be one of {_WEIGHTINGS}, got {weighting!r}.")
     U = posterior.eigenvectors[:, :k]
+    if weighting == "variance" and posterior.complement not in ("zero", "prior"):
+        return posterior.posterior_in_use(k).marginal_variances().detach()
     if weighting == "eigenvalue":
         weights = posterior.ggn_eigenvalues[:k]
     else:
@@ -59,7 +65,10 @@ def activity_scores(la: Any, k: int | None = None, weighting: str = "eigenvalue"
         scalar_prior_precision(posterior.prior_precision)
         variances = posterior_variances(a, posterior.prior_precision.reshape(()))
         weights = a * variances if weighting == "posterior" else variances
-    return (U.square() @ weights).detach()
+    scores = U.square() @ weights
+    if weighting == "variance" and posterior.complement == "prior":
+        scores = scores + (1 - U.square().sum(-1)).clamp_min(0) / posterior.prior_precision
+    return scores.detach()
 
 
 def _tensor(name: str, value: Any) -> None:

@@ -31,7 +31,19 @@ orthonormal its total 'glm' variance is exactly
     = \\mathrm{variance} + \\mathrm{residual} / \\tau ,
 
 :attr:`Alignment.combined`: the out-of-subspace energy ``residual`` (the score of
-sketched-Lanczos uncertainty) enters at the prior's variance. An input whose Jacobian
+sketched-Lanczos uncertainty) enters at the prior's variance. With a curvature-aware
+complement (``'diag'``, ``'kron'``, ``'kron_diag'``) the posterior is
+``U diag(v) U^T + B`` with ``B = P E^{-1} P`` and ``U^T B = 0``, so its total 'glm'
+variance is exactly
+
+.. math::
+
+    \\mathrm{variance} + \\mathrm{tr}\\,(J B J^\top),
+
+the second term (:attr:`Alignment.complement_variance`, from the Jacobian over all
+weights as the 'glm' predictive forms it) being the complement's share.
+:attr:`Alignment.total_variance` is the 'glm' variance of the posterior in use, whatever
+its complement. An input whose Jacobian
 points away from the kept directions has a small ``captured`` share, and with
 ``complement='zero'`` almost no variance; :func:`ood_scores` turns these numbers into
 out-of-distribution scores (larger = more unusual).
@@ -59,7 +71,7 @@ from torch.func import functional_call, vjp, vmap
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.autodiff.rnn import elementary_rnns
 from laplace_glas.posterior.view import FittedPosterior, fitted_posterior
-from laplace_glas.predictive.jvp import jvp_directions, row_chunks, unflatten
+from laplace_glas.predictive.jvp import jacobian_gram, jvp_directions, row_chunks, unflatten
 from laplace_glas.progress import progress
 from laplace_glas.validation import (
     check_model_output,
@@ -92,6 +104,11 @@ class Alignment:
         with ``per_output=True``.
     prior_precision : float
         ``tau`` of the posterior, for :attr:`combined`.
+    complement : str
+        The posterior's complement (what :attr:`total_variance` adds).
+    complement_variance : torch.Tensor or None
+        ``(n,)``: ``tr(J B J^T)``, the complement's share of the 'glm' variance for
+        ``'diag'``, ``'kron'`` and ``'kron_diag'`` (None for ``'zero'`` and ``'prior'``).
 
     """
 
@@ -99,6 +116,8 @@ class Alignment:
     projected_norm2: torch.Tensor
     variance_by_direction: torch.Tensor
     prior_precision: float
+    complement: str = "zero"
+    complement_variance: torch.Tensor | None = None
 
     @property
     def residual(self) -> torch.Tensor:
@@ -131,6 +150,27 @@ class Alignment:
                 f"got {self.prior_precision}."
             )
         return self.variance + self.residual / self.prior_precision
+
+    @property
+    def total_variance(self) -> torch.Tensor:
+        """The trace of the 'glm' covariance of the posterior in use: :attr:`variance`
+        (``'zero'``), :attr:`combined` (``'prior'``), or ``variance +
+        complement_variance`` (the curvature-aware complements).
+        """
+        if self.complement == "prior":
+            return self.combined
+        if self.complement_variance is not None:
+            return self.variance + self.complement_variance
+        return self.variance
+
+    @property
+    def complement_share(self) -> torch.Tensor:
+        """``1 - variance / total_variance``: the share of the 'glm' variance from
+        outside ``span(U)`` (0 where the total is 0).
+        """
+        total = self.total_variance
+        safe = torch.where(total > 0, total, torch.ones_like(total))
+        return torch.where(total > 0, 1 - self.variance / safe, torch.zeros_like(total))
 
 
 def _check_la(la: Any) -> FittedPosterior:
@@ -255,7 +295,11 @@ def alignment(
     indices = posterior.weight_indices
     names, shapes = posterior.param_names, posterior.param_shapes
     primals = unflatten(theta, names, shapes)
-    norms, projected, by_direction = [], [], []
+    norms, projected, by_direction, outside = [], [], [], []
+    complement = posterior.complement
+    B = None
+    if complement not in ("zero", "prior"):
+        B = posterior.posterior_in_use().covariance_factors()[2]
     chunks = list(row_chunks(x, chunk_size, la.dict_key_x))
     with (
         torch.no_grad(),
@@ -278,6 +322,12 @@ def alignment(
             with torch.enable_grad():
                 norm2 = _per_example_norms(la.model, primals, rows, n_out, la.dict_key_x, indices)
                 norms.append(norm2.detach())
+                if B is not None:  # tr(J B J^T) from the Jacobian over all weights
+                    gram = jacobian_gram(
+                        la.model, names, shapes, theta, rows, chunk_size=chunk_size,
+                        dict_key_x=la.dict_key_x, weights=B,
+                    )  # fmt: skip
+                    outside.append(torch.diagonal(gram, dim1=-2, dim2=-1).sum(-1).detach())
     scalar_prior_precision(posterior.prior_precision)
     tau = posterior.tau
     return Alignment(
@@ -285,6 +335,8 @@ def alignment(
         projected_norm2=torch.cat(projected),
         variance_by_direction=torch.cat(by_direction),
         prior_precision=tau,
+        complement=complement,
+        complement_variance=torch.cat(outside) if B is not None else None,
     )
 
 
@@ -294,6 +346,8 @@ def ood_scores(result: Alignment) -> dict[str, torch.Tensor]:
     Returns
     -------
     dict
+        ``'variance'``: :attr:`Alignment.total_variance`, the 'glm' variance of the
+        posterior in use (its complement included);
         ``'variance (zero)'``: ``sum_j v_j ||J u_j||^2``, the 'glm' variance with
         ``complement='zero'``; ``'variance (prior)'``: ``variance + residual / tau``,
         the 'glm' variance with ``complement='prior'`` (equal to it, see
@@ -304,7 +358,7 @@ def ood_scores(result: Alignment) -> dict[str, torch.Tensor]:
     """
     if not isinstance(result, Alignment):
         raise TypeError(f"ood_scores needs an Alignment, got {type(result).__name__}.")
-    scores = {"variance (zero)": result.variance}
+    scores = {"variance": result.total_variance, "variance (zero)": result.variance}
     if math.isfinite(result.prior_precision) and result.prior_precision > 0:
         scores["variance (prior)"] = result.combined
     scores["residual"] = result.residual

@@ -30,6 +30,7 @@ import torch
 
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature.fitting import check_labels
+from laplace_glas.posterior.hyperparameters import CURVATURE_COMPLEMENTS
 from laplace_glas.predictive.jvp import batched_outputs, jvp_directions, row_chunks
 from laplace_glas.predictive.links import gaussian_samples
 from laplace_glas.validation import ArgumentTypeError, choice, flag, positive_int, scalar_value
@@ -143,7 +144,7 @@ def coverage_table(
     prior_complement = la.complement == "prior"
     # complement='diag' / 'kron': every candidate through the posterior's own predictive at that
     # (k, tau) (the complement's variance depends on k through P = I - U_k U_k^T)
-    own = la.complement in ("diag", "kron")
+    own = la.complement in CURVATURE_COMPLEMENTS
     theta = posterior.network_weights.detach()
     rows = []
     with torch.no_grad(), autodiff_friendly(la.model):
@@ -297,7 +298,7 @@ def _sampled_rows(
 
     rows = []
     for k, tau, eb in pairs:
-        if tau is None or la.complement in ("diag", "kron"):  # its own prior / complement
+        if tau is None or la.complement in CURVATURE_COMPLEMENTS:  # its own prior / complement
             fs = _own_prior_draws(la, X, k, pred_type, n_samples, generator, batch_size, tau)
         elif pred_type == "glm":
             fs = f0 + torch.einsum("...k,sk->s...", JU[..., :k], _coefficients(z, a, k, tau))

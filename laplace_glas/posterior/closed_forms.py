@@ -402,8 +402,10 @@ class ScalarPriorPosterior:
 
 
 def proper_tau(tau: torch.Tensor, what: str) -> torch.Tensor:
-    """``tau``, refused with a ``ValueError`` where ``what`` needs a proper prior."""
-    if tau == 0:
+    """``tau`` (0-dim, or a per-weight ``(D,)`` prior diagonal), refused with a
+    ``ValueError`` where ``what`` needs a proper prior.
+    """
+    if bool((tau == 0).any()):
         raise ValueError(
             f"{what} needs a proper prior: prior_precision is 0. Set a positive "
             "prior_precision (e.g. with optimize_prior_precision())."

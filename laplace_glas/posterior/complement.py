@@ -114,9 +114,22 @@ class ProjectedComplementPosterior:
         \\log\\det \\Sigma^{-1} = \\sum_j \\log(a_j + \\tau) + \\log\\det E
         - \\log\\det(U^\\top E U).
 
-    Subclasses hold ``U`` (``(D, k)``), ``a`` (``(k,)``) and ``tau`` (0-dim) and supply
-    :meth:`power_of_E`, :meth:`log_det_E` and the matrix-free operator types of
-    :attr:`covariance` and :attr:`precision`.
+    Under a layerwise or per-weight prior ``P_0 = diag(p)`` (``tau`` then holds ``p``,
+    ``(D,)``) the same construction holds with ``E = C + P_0`` and the subspace block
+    ``diag(a + tau)`` replaced by the restricted precision
+    ``A = diag(a) + U^T P_0 U = R diag(mu_A) R^T`` (``k x k``):
+
+    .. math::
+
+        \\Sigma = U A^{-1} U^\top + P E^{-1} P, \\qquad
+        \\log\\det \\Sigma^{-1} = \\log\\det A + \\log\\det E - \\log\\det(U^\top E U),
+
+    and the Occam term subtracts ``log det P_0 = sum_i log p_i``. For ``p = tau 1`` this
+    is the scalar posterior above.
+
+    Subclasses hold ``U`` (``(D, k)``), ``a`` (``(k,)``) and ``tau`` (0-dim, or ``p``
+    ``(D,)``) and supply :meth:`power_of_E`, :meth:`log_det_E` and the matrix-free
+    operator types of :attr:`covariance` and :attr:`precision`.
     """
 
     complement: str
@@ -136,6 +149,29 @@ class ProjectedComplementPosterior:
         """``log det E``."""
         raise NotImplementedError
 
+    def inverse_E_diagonal(self) -> torch.Tensor:
+        """``diag(E^{-1})`` ``(D,)``."""
+        raise NotImplementedError
+
+    def marginal_variances(self) -> torch.Tensor:
+        """``diag(Sigma)`` ``(D,)``: each weight's posterior variance.
+
+        .. math::
+
+            \\mathrm{diag}(U A^{-1} U^\top) + \\mathrm{diag}(E^{-1})
+            - 2\\,\\mathrm{rowsum}(U \\circ E^{-1} U) + \\mathrm{rowsum}((U M) \\circ U),
+
+        ``M = U^T E^{-1} U`` (``diag(P E^{-1} P)`` expanded; ``O(k D)`` besides ``k``
+        products with ``E^{-1}``).
+        """
+        U = self.U
+        mu, R = self._subspace_eigen()
+        inside = ((U @ R).square() / mu).sum(-1)
+        EiU = self.power_of_E(U.T, -1.0).T
+        M = U.T @ EiU
+        outside = self.inverse_E_diagonal() - 2 * (U * EiU).sum(-1) + ((U @ M) * U).sum(-1)
+        return inside + outside.clamp_min(0)
+
     def _covariance_operator(self, V: torch.Tensor, w: torch.Tensor) -> Any:
         """``E^{-1} + V diag(w) V^T``, matrix-free."""
         raise NotImplementedError
@@ -145,19 +181,46 @@ class ProjectedComplementPosterior:
         raise NotImplementedError
 
     @property
+    def scalar_prior(self) -> bool:
+        """Whether the prior is ``tau I`` (``tau`` 0-dim) rather than ``diag(p)``."""
+        return self.tau.ndim == 0
+
+    def subspace_precision(self) -> torch.Tensor:
+        """``A = diag(a + tau)``, or ``diag(a) + U^T diag(p) U`` ``(k, k)``: the
+        posterior precision restricted to ``span(U)``.
+        """
+        if self.scalar_prior:
+            return torch.diag_embed(self.a + self.tau)
+        return torch.diag_embed(self.a) + (self.U.T * self.tau) @ self.U
+
+    def _subspace_eigen(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mu_A, R)`` with ``A = R diag(mu_A) R^T`` (``R = I`` for a scalar prior)."""
+        if self.scalar_prior:
+            k = self.a.shape[0]
+            return self.a + self.tau, torch.eye(k, dtype=self.U.dtype, device=self.U.device)
+        return torch.linalg.eigh(self.subspace_precision())
+
+    @property
     def subspace_variances(self) -> torch.Tensor:
-        """``v_j = 1 / (a_j + tau)`` ``(k,)`` (``U^T P = 0``: the complement adds none)."""
-        return posterior_variances(self.a, self.tau)
+        """``v_j = 1 / (a_j + tau)`` ``(k,)`` (``U^T P = 0``: the complement adds none);
+        ``diag(A^{-1})``, the variance along each ``u_j``, under a non-scalar prior.
+        """
+        if self.scalar_prior:
+            return posterior_variances(self.a, self.tau)
+        mu, R = self._subspace_eigen()
+        return (R.square() / mu).sum(-1)
 
     def covariance_factors(self) -> tuple[torch.Tensor, torch.Tensor, ProjectedInverse]:
-        """``(U, v, B)`` with ``Sigma = U diag(v) U^T + B`` and ``B = P E^{-1} P``
+        """``(V, v, B)`` with ``Sigma = V diag(v) V^T + B``, ``V = U R`` and ``v = 1 /
+        mu_A`` (``V = U`` for a scalar prior) and ``B = P E^{-1} P``
         (:class:`ProjectedInverse`, whose ``root`` gives ``J P F`` with ``F F^T =
         E^{-1}``): two positive semi-definite terms, so a predictive variance cannot
         round below zero.
         """
+        mu, R = self._subspace_eigen()
         return (
-            self.U,
-            self.subspace_variances,
+            self.U if self.scalar_prior else self.U @ R,
+            1.0 / mu,
             ProjectedInverse(self.U, self.power_of_E, self.factor_of_E),
         )
 
@@ -171,9 +234,10 @@ class ProjectedComplementPosterior:
         k = U.shape[1]
         eye = torch.eye(k, dtype=U.dtype, device=U.device)
         EiU = self.power_of_E(U.T, -1.0).T
+        mu, R = self._subspace_eigen()
         S = torch.cat(
             [
-                torch.cat([torch.diag(self.subspace_variances) + U.T @ EiU, -eye], dim=1),
+                torch.cat([(R / mu) @ R.T + U.T @ EiU, -eye], dim=1),
                 torch.cat([-eye, torch.zeros_like(eye)], dim=1),
             ]
         )
@@ -196,27 +260,37 @@ class ProjectedComplementPosterior:
         """
         EU = self.power_of_E(self.U.T, 1.0).T
         mu, R = torch.linalg.eigh(self.U.T @ EU)  # U^T E U, with E U formed once
-        V = torch.cat([self.U, EU @ R], dim=1)
-        return self._precision_operator(V, torch.cat([self.a + self.tau, -1.0 / mu]))
+        mu_A, R_A = self._subspace_eigen()
+        V = torch.cat([self.U @ R_A, EU @ R], dim=1)
+        return self._precision_operator(V, torch.cat([mu_A, -1.0 / mu]))
 
     @property
     def log_det_posterior_precision(self) -> torch.Tensor:
-        """``sum_j log(a_j + tau) + log det E - log det(U^T E U)``."""
-        return (
-            torch.log(self.a + self.tau).sum()
-            + self.log_det_E()
-            - torch.linalg.slogdet(self._projected_precision())[1]
-        )
+        """``log det A + log det E - log det(U^T E U)`` (``log det A = sum_j log(a_j +
+        tau)`` for a scalar prior).
+        """
+        if self.scalar_prior:
+            log_det_A = torch.log(self.a + self.tau).sum()
+        else:
+            log_det_A = torch.linalg.slogdet(self.subspace_precision())[1]
+        return log_det_A + self.log_det_E() - torch.linalg.slogdet(self._projected_precision())[1]
 
     @property
     def log_det_ratio(self) -> torch.Tensor:
-        """``log det Sigma^{-1} - D log tau``: the Occam term over all ``D`` directions."""
-        return self.log_det_posterior_precision - self.U.shape[0] * self.tau.log()
+        """``log det Sigma^{-1} - log det P_0`` (``D log tau`` for a scalar prior): the
+        Occam term over all ``D`` directions.
+        """
+        if self.scalar_prior:
+            return self.log_det_posterior_precision - self.U.shape[0] * self.tau.log()
+        return self.log_det_posterior_precision - self.tau.log().sum()
 
     def square_norm(self, delta: torch.Tensor) -> torch.Tensor:
         """``delta^T Sigma^{-1} delta`` for ``delta`` ``(D,)`` or ``(n, D)``."""
         z = delta @ self.U
-        inside = (z.square() * (self.a + self.tau)).sum(-1)
+        if self.scalar_prior:
+            inside = (z.square() * (self.a + self.tau)).sum(-1)
+        else:
+            inside = ((z @ self.subspace_precision()) * z).sum(-1)
         Ed = self.power_of_E(delta, 1.0)
         projected = Ed @ self.U
         solved = torch.linalg.solve(self._projected_precision(), projected.unsqueeze(-1))
@@ -233,7 +307,9 @@ class ProjectedComplementPosterior:
         options = {"generator": generator, "device": self.U.device, "dtype": self.U.dtype}
         z = torch.randn(n_samples, k, **options)
         e = self.power_of_E(torch.randn(n_samples, D, **options), -0.5)
-        return (z * self.subspace_variances.sqrt()) @ self.U.T + e - (e @ self.U) @ self.U.T
+        mu, R = self._subspace_eigen()
+        inside = ((z / mu.sqrt()) @ R.T) @ self.U.T
+        return inside + e - (e @ self.U) @ self.U.T
 
 
 class DiagonalComplementPosterior(ProjectedComplementPosterior):
@@ -249,7 +325,8 @@ class DiagonalComplementPosterior(ProjectedComplementPosterior):
     curvature : torch.Tensor
         ``(k,)`` ``a >= 0``.
     tau : torch.Tensor
-        0-dim ``tau > 0``.
+        0-dim ``tau > 0``, or the prior's diagonal ``p > 0`` ``(D,)`` (layerwise or
+        per weight).
     complement_curvature : torch.Tensor
         ``(D,)`` ``c >= 0``, scaled as ``curvature``.
 
@@ -286,6 +363,10 @@ class DiagonalComplementPosterior(ProjectedComplementPosterior):
     def log_det_E(self) -> torch.Tensor:
         """``sum_i log(c_i + tau)``."""
         return torch.log(self.c + self.tau).sum()
+
+    def inverse_E_diagonal(self) -> torch.Tensor:
+        """``1 / (c + tau)``."""
+        return self.diagonal
 
     def _covariance_operator(self, V: torch.Tensor, w: torch.Tensor) -> LowRankDiagonalOperator:
         return LowRankDiagonalOperator(self.diagonal, V, w)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import functools
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 from laplace.baselaplace import ParametricLaplace
 
-from laplace_glas.curvature.kron import kron_refusal
+from laplace_glas.curvature.kron_blocks import kron_diag_refusal, kron_refusal
 from laplace_glas.validation import (
     ArgumentTypeError,
     choice,
@@ -42,6 +41,7 @@ from laplace_glas.validation import (
 __all__ = [
     "COMPLEMENTS",
     "COMPLEMENT_SETTINGS",
+    "CURVATURE_COMPLEMENTS",
     "DEFAULT_N_COMPONENTS",
     "LOSS_SCALINGS",
     "PosteriorHyperparameters",
@@ -50,8 +50,12 @@ __all__ = [
 
 LOSS_SCALINGS = ("mean", "sum")
 """The ``loss_scaling`` values: generalized (``s = 1``) and standard (``s = N``)."""
-COMPLEMENTS = ("zero", "prior", "diag", "kron")
-"""The ``complement`` values: none, the prior's, the GGN diagonal's or KFAC's curvature."""
+COMPLEMENTS = ("zero", "prior", "diag", "kron", "kron_diag")
+"""The ``complement`` values: none, the prior's, the GGN diagonal's, KFAC's curvature, or
+KFAC's where it covers a layer and the GGN diagonal's elsewhere."""
+CURVATURE_COMPLEMENTS = ("diag", "kron", "kron_diag")
+"""The complements that carry the GGN's curvature outside ``span(U)`` (a data pass in
+``fit``, a scalar prior)."""
 COMPLEMENT_SETTINGS = ("auto", *COMPLEMENTS)
 """The ``complement`` arguments: ``'auto'`` (resolved by ``fit``) or one of :data:`COMPLEMENTS`."""
 DEFAULT_N_COMPONENTS = 20
@@ -107,7 +111,7 @@ class PosteriorHyperparameters:
         """Why ``complement`` cannot serve this class, curvature and loss (None: it can):
         ``'diag'`` and ``'kron'`` take the likelihood's GGN over all of the weights.
         """
-        if complement not in ("diag", "kron"):
+        if complement not in CURVATURE_COMPLEMENTS:
             return None
         if not self._diag_complement_available:
             return (
@@ -123,25 +127,38 @@ class PosteriorHyperparameters:
             )
         return None
 
+    def _stored_complement_curvature(self) -> str | None:
+        """Which complement's curvature the stored fit holds (``'diag'``, ``'kron'``,
+        ``'kron_diag'``; None: none).
+        """
+        kron = getattr(self, "_ggn_kron", None)
+        if kron is not None:
+            return "kron_diag" if any(not block for block in kron.kfacs) else "kron"
+        return "diag" if getattr(self, "_ggn_diagonal", None) is not None else None
+
     def _complement_refusal(self, complement: str, update: bool) -> str | None:
         """Why ``fit`` cannot compute ``complement``'s curvature here (None: it can): the
-        class, curvature and loss (:meth:`_static_complement_refusal`), then for ``'kron'``
-        an update (``fit(override=False)``) or :func:`~laplace_glas.curvature.kron.kron_refusal`,
-        for ``'diag'`` an update of a fit without the GGN diagonal.
+        class, curvature and loss (:meth:`_static_complement_refusal`), the model
+        (:func:`~laplace_glas.curvature.kron_blocks.kron_refusal` for ``'kron'``,
+        :func:`~laplace_glas.curvature.kron_blocks.kron_diag_refusal` for ``'kron_diag'``), and
+        for an update (``fit(override=False)``) a stored fit without that complement's
+        curvature to add to.
         """
         refusal = self._static_complement_refusal(complement, self.curvature.kind, self.loss_fn)
-        if refusal is not None or complement not in ("diag", "kron"):
+        if refusal is not None or complement not in CURVATURE_COMPLEMENTS:
             return refusal
-        if complement == "kron":
-            return kron_refusal(self.model) if not update else (
-                "fit(override=False) with complement='kron' is not supported yet (KFAC's "
-                "factors of two data sets do not add up to the union's): refit with "
-                "override=True on all of the data."
-            )  # fmt: skip
-        return None if not update or getattr(self, "_ggn_diagonal", None) is not None else (
-            "fit(override=False) with complement='diag' needs the GGN diagonal of the "
-            "stored fit, which was fitted with another complement: refit with override=True."
-        )  # fmt: skip
+        if complement in ("kron", "kron_diag"):
+            refusal = (kron_refusal if complement == "kron" else kron_diag_refusal)(self.model)
+            if refusal is not None:
+                return refusal
+        stored = self._stored_complement_curvature()
+        if not update or stored == complement:
+            return None
+        return (
+            f"fit(override=False) with complement={complement!r} adds to the stored fit's "
+            f"curvature, which is {stored or 'none'!r} (fitted with another complement): "
+            "refit with override=True."
+        )
 
     def _checked_complement(
         self, complement: Any, curvature_kind: str = "ggn", loss_fn: Any = None
@@ -154,8 +171,9 @@ class PosteriorHyperparameters:
             "complement",
             complement,
             COMPLEMENT_SETTINGS,
-            " (resolved by fit / no variance / the prior's / the GGN diagonal's / KFAC's "
-            "curvature outside span(U))",
+            " (resolved by fit / no variance / the prior's / the GGN diagonal's / KFAC's / "
+            "KFAC's where it covers a layer and the GGN diagonal's elsewhere, curvature "
+            "outside span(U))",
         )
         refusal = self._static_complement_refusal(complement, curvature_kind, loss_fn)
         if refusal is not None:
@@ -167,17 +185,13 @@ class PosteriorHyperparameters:
         """The complement in use: as given, or for ``complement='auto'`` what ``fit``
         resolved it to (``'auto'`` before the fit; see :attr:`complement_reason`).
 
-        An ``'auto'`` that resolved to ``'diag'`` or ``'kron'`` is ``'zero'`` while the
-        prior precision is not a scalar (those complements take a scalar prior; a
-        warning says so when the prior changes), and ``'diag'`` / ``'kron'`` again when
-        it is a scalar once more. Assigning a value sets it explicitly.
+        The curvature-aware complements take a scalar, layerwise or (``'diag'``)
+        per-weight prior precision. Assigning a value sets it explicitly.
         """
         if self._complement_setting != "auto":
             return self._complement_setting
         if self._complement_fitted is None:
             return "auto"
-        if self._complement_fitted in ("diag", "kron") and not self._scalar_prior():
-            return "zero"
         return self._complement_fitted
 
     @complement.setter
@@ -191,12 +205,6 @@ class PosteriorHyperparameters:
         """Why ``complement='auto'`` resolved as it did (None for an explicit
         complement, or before the fit).
         """
-        if self.complement == "zero" and self._complement_fitted in ("diag", "kron"):
-            return (
-                f"complement='auto' resolved to {self._complement_fitted!r} by fit, which "
-                "takes a scalar prior precision: 'zero' while the prior is not a scalar "
-                "(pass complement='zero' or 'prior' explicitly for a structured prior)."
-            )
         return self._complement_why
 
     def _complement_state(self) -> dict[str, str]:
@@ -220,10 +228,15 @@ class PosteriorHyperparameters:
             self._complement_setting, self._complement_fitted = "auto", state["complement"]
             self._complement_why = state.get("complement_reason") or None
 
-    def _scalar_prior(self) -> bool:
-        """Whether the prior precision is one scalar ``tau`` (what 'diag' / 'kron' take)."""
+    def _per_weight_prior(self) -> bool:
+        """Whether the prior precision has one value per weight (not a scalar, not one
+        per parameter tensor): what the Kronecker blocks of 'kron' / 'kron_diag' cannot
+        take.
+        """
         prior_precision = getattr(self, "_prior_precision", None)
-        return prior_precision is None or prior_precision.numel() == 1
+        if prior_precision is None or prior_precision.numel() == 1:
+            return False
+        return prior_precision.numel() != len(list(self.params))
 
     def _capped_default(self, k: int | None, n_params: float) -> int:
         """``k``, or for the default (``None``, or the default after the weights are
@@ -326,18 +339,19 @@ class PosteriorHyperparameters:
             prior_precision = prior_precision.reshape(-1)
         else:
             prior_precision = scalar_value("prior_precision", prior_precision)
-        before = self.complement
-        ParametricLaplace.prior_precision.fset(self, prior_precision)
-        if before in ("diag", "kron") and self.complement == "zero":
-            warnings.warn(
-                f"complement='auto' resolved to {before!r}, which takes a scalar prior "
-                "precision; with this prior of shape "
-                f"{tuple(self.prior_precision.shape)} the complement is 'zero' (no variance "
-                f"outside span(U)) until the prior is a scalar again. Pass complement='zero' "
-                "or 'prior' explicitly to choose the complement of a structured prior.",
-                UserWarning,
-                stacklevel=2,
+        n_values = prior_precision.numel() if isinstance(prior_precision, torch.Tensor) else 1
+        if (
+            self.complement in ("kron", "kron_diag")
+            and n_values not in (1, self.n_layers)
+            and getattr(self, "_ggn_kron", None) is not None
+            and any(len(block) > 0 for block in self._ggn_kron.kfacs)
+        ):
+            raise ValueError(
+                f"complement={self.complement!r} takes a scalar or layerwise prior precision "
+                "(one value per parameter tensor) on its Kronecker blocks; a per-weight "
+                "prior needs complement='diag' (refit with it)."
             )
+        ParametricLaplace.prior_precision.fset(self, prior_precision)
 
     @property
     def sigma_noise(self) -> torch.Tensor:

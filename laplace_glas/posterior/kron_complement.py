@@ -55,7 +55,9 @@ class KronCurvature:
     ----------
     blocks : list
         Per parameter tensor ``([Q_B, Q_A], [l_B, l_A])`` or ``([Q_B], [l_B])``: the
-        factors' eigenvectors and (non-negative) eigenvalues.
+        factors' eigenvectors and (non-negative) eigenvalues; or ``([], [c])``, a
+        diagonal block (``complement='kron_diag'``: the GGN diagonal ``c`` of a parameter
+        KFAC does not cover, its own eigenvalues in the identity's eigenbasis).
     scale : torch.Tensor
         0-dim ``s >= 0`` (differentiable).
 
@@ -66,12 +68,25 @@ class KronCurvature:
         self.scale = scale
 
     @classmethod
-    def decompose(cls, kron: Kron, dtype: torch.dtype, device: torch.device) -> list:
+    def decompose(
+        cls,
+        kron: Kron,
+        dtype: torch.dtype,
+        device: torch.device,
+        diagonals: list[torch.Tensor] | None = None,
+    ) -> list:
         """The ``blocks`` of :class:`KronCurvature` from laplace-torch's ``Kron``
-        (eigenvalues of round-off sign clamped to 0).
+        (eigenvalues of round-off sign clamped to 0); its empty blocks take the next of
+        ``diagonals`` (flat, one per empty block: ``complement='kron_diag'``).
         """
-        blocks = []
+        blocks, pending = [], iter(diagonals or [])
         for factors in kron.kfacs:
+            if not factors:
+                diagonal = next(pending, None)
+                if diagonal is None:
+                    raise ValueError("An empty Kronecker block needs its GGN diagonal.")
+                blocks.append(([], [diagonal.to(device, dtype).reshape(-1).clamp(min=0)]))
+                continue
             Qs, ls = [], []
             for F in factors:
                 with eigh_threads(F.shape[0]):  # small: threads only synchronise
@@ -97,8 +112,27 @@ class KronCurvature:
         return torch.cat([self._block_values(ls).reshape(-1) for _, ls in self.blocks])
 
     def logdet(self, tau: torch.Tensor) -> torch.Tensor:
-        """``log det(C + tau I)``."""
+        """``log det(C + tau I)`` (``tau``: 0-dim, or a ``(D,)`` prior diagonal constant
+        over each Kronecker block, see :meth:`check_prior`).
+        """
         return torch.log(self.eigenvalues + tau).sum()
+
+    def check_prior(self, prior: torch.Tensor, complement: str) -> None:
+        """``prior`` ``(D,)`` must be constant over each Kronecker block (one value per
+        parameter tensor: a layerwise prior), so that ``C + diag(prior)`` keeps the
+        blocks' eigenvectors; diagonal blocks take any positive values.
+        """
+        start = 0
+        for Qs, ls in self.blocks:
+            size = math.prod(len(v) for v in ls)
+            block = prior[start : start + size]
+            if Qs and bool((block != block[0]).any()):
+                raise ValueError(
+                    f"complement={complement!r} takes a scalar or layerwise prior precision "
+                    "(one value per parameter tensor) on its Kronecker blocks; a per-weight "
+                    "prior needs complement='diag'."
+                )
+            start += size
 
     def apply(self, W: torch.Tensor, tau: torch.Tensor, exponent: float = 1.0) -> torch.Tensor:
         """``(C + tau I)^exponent`` applied to the last axis of ``W`` ``(..., D)``."""
@@ -124,8 +158,15 @@ class KronCurvature:
         W = W.reshape(-1, D)
         out, start = [], 0
         for Qs, ls in self.blocks:
-            scaled = (self._block_values(ls) + tau).pow(exponent)
-            if len(Qs) == 1:
+            values = self._block_values(ls)
+            shift = tau
+            if tau.ndim:  # a prior diagonal: constant over a Kronecker block
+                shift = tau[start : start + values.numel()]
+                shift = shift[0] if Qs else shift
+            scaled = (values + shift).pow(exponent)
+            if not Qs:  # a diagonal block: its own eigenbasis
+                out.append(W[:, start : start + scaled.numel()] * scaled)
+            elif len(Qs) == 1:
                 (Q,) = Qs
                 part = W[:, start : start + len(ls[0])]
                 rotated = (part @ Q) * scaled
@@ -141,10 +182,32 @@ class KronCurvature:
             start += scaled.numel()
         return torch.cat(out, dim=1).reshape(*lead, D)
 
+    def inverse_diagonal(self, tau: torch.Tensor) -> torch.Tensor:
+        """``diag((C + tau I)^{-1})`` ``(D,)`` without forming a block: for ``Q = Q_B (x)
+        Q_A`` and ``g = 1 / (s l_B l_A^T + tau)`` on the ``(d_B, d_A)`` grid the block's
+        diagonal is ``(Q_B o Q_B) g (Q_A o Q_A)^T``.
+        """
+        out, start = [], 0
+        for Qs, ls in self.blocks:
+            values = self._block_values(ls)
+            shift = tau
+            if tau.ndim:
+                shift = tau[start : start + values.numel()]
+                shift = shift[0] if Qs else shift
+            g = 1.0 / (values + shift)
+            if not Qs:
+                out.append(g)
+            elif len(Qs) == 1:
+                out.append(Qs[0].square() @ g)
+            else:
+                out.append((Qs[0].square() @ g @ Qs[1].square().T).reshape(-1))
+            start += values.numel()
+        return torch.cat(out)
+
     def to_dense(self, tau: torch.Tensor, exponent: float = 1.0) -> torch.Tensor:
         """The ``D x D`` matrix ``(C + tau I)^exponent`` (for tests and small models)."""
-        Q0 = self.blocks[0][0][0]
-        eye = torch.eye(self.n_params, dtype=Q0.dtype, device=Q0.device)
+        l0 = self.blocks[0][1][0]
+        eye = torch.eye(self.n_params, dtype=l0.dtype, device=l0.device)
         return self.apply(eye, tau, exponent)
 
 
@@ -219,9 +282,13 @@ class KronComplementPosterior(ProjectedComplementPosterior):
     curvature : torch.Tensor
         ``(k,)`` ``a >= 0``.
     tau : torch.Tensor
-        0-dim ``tau > 0``.
+        0-dim ``tau > 0``, or the prior's diagonal ``p > 0`` ``(D,)``, constant over each
+        Kronecker block (a layerwise prior).
     complement_curvature : KronCurvature
         ``C``, scaled as ``curvature``.
+    complement : {'kron', 'kron_diag'}
+        Its name: ``'kron_diag'`` where ``C`` has diagonal blocks (the GGN diagonal of
+        the parameters KFAC does not cover).
 
     """
 
@@ -233,11 +300,17 @@ class KronComplementPosterior(ProjectedComplementPosterior):
         curvature: torch.Tensor,
         tau: torch.Tensor,
         complement_curvature: KronCurvature,
+        complement: str = "kron",
     ):
         self.U = vectors
         self.a = curvature
-        self.tau = proper_tau(tau, "complement='kron' (the prior outside KFAC's curvature)")
+        self.complement = complement
+        self.tau = proper_tau(
+            tau, f"complement={complement!r} (the prior outside the complement's curvature)"
+        )
         self.C = complement_curvature
+        if self.tau.ndim:
+            self.C.check_prior(self.tau, complement)
 
     def power_of_E(self, W: torch.Tensor, power: float) -> torch.Tensor:
         """``W (C + tau I)^power`` through the factors' eigen-decompositions."""
@@ -252,6 +325,10 @@ class KronComplementPosterior(ProjectedComplementPosterior):
     def log_det_E(self) -> torch.Tensor:
         """``sum log(s lambda_B lambda_A / T + tau)`` over the factors' eigenvalues."""
         return self.C.logdet(self.tau)
+
+    def inverse_E_diagonal(self) -> torch.Tensor:
+        """``diag((C + tau I)^{-1})`` (:meth:`KronCurvature.inverse_diagonal`)."""
+        return self.C.inverse_diagonal(self.tau)
 
     def _covariance_operator(self, V: torch.Tensor, w: torch.Tensor) -> KronLowRankOperator:
         return KronLowRankOperator(self.C, self.tau, -1.0, V, w)

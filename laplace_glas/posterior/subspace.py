@@ -47,7 +47,7 @@ from laplace_glas.posterior.diagonal_prior import (
     LowRankDiagonalOperator,
     layer_grams,
 )
-from laplace_glas.posterior.hyperparameters import unchanged_on_failure
+from laplace_glas.posterior.hyperparameters import CURVATURE_COMPLEMENTS, unchanged_on_failure
 from laplace_glas.posterior.kron_complement import KronComplementPosterior, KronCurvature
 from laplace_glas.posterior.prior import Prior
 from laplace_glas.validation import (
@@ -170,19 +170,20 @@ class SubspacePosterior:
         U, curvature = self.eigenvectors, self.subspace_curvature  # refused before a fit
         if self.complement == "diag":
             return DiagonalComplementPosterior(
-                U, curvature, self._diag_complement_tau(), self._complement_curvature()
+                U, curvature, self._complement_prior(), self._complement_curvature()
             )
-        if self.complement == "kron":
+        if self.complement in ("kron", "kron_diag"):
             return KronComplementPosterior(
-                U, curvature, self._diag_complement_tau(), self._complement_curvature()
-            )
+                U, curvature, self._complement_prior(), self._complement_curvature(),
+                self.complement,
+            )  # fmt: skip
         return self._prior.posterior(U, curvature, self.complement, self._layer_grams)
 
     def _complement_curvature(self) -> torch.Tensor | KronCurvature:
-        """``c = s diag(G) / T`` ``(D,)`` ('diag'), or KFAC's ``C = s K / T`` ('kron'),
-        scaled as the subspace curvature ``a``.
+        """``c = s diag(G) / T`` ``(D,)`` ('diag'), or KFAC's ``C = s K / T`` ('kron'; with
+        diagonal blocks for 'kron_diag'), scaled as the subspace curvature ``a``.
         """
-        if self.complement == "kron":
+        if self.complement in ("kron", "kron_diag"):
             return KronCurvature(self._kron_blocks(), self._H_factor)
         diagonal = getattr(self, "_ggn_diagonal", None)
         if diagonal is None:
@@ -193,31 +194,39 @@ class SubspacePosterior:
         return self._H_factor * diagonal
 
     def _kron_blocks(self) -> list:
-        """The eigen-decomposed Kronecker factors of the fit (cached per factor set)."""
-        kron = getattr(self, "_ggn_kron", None)
-        if kron is None:
-            raise ValueError(
-                "complement='kron' needs KFAC's Kronecker factors, computed by fit: this "
-                "posterior was fitted with another complement. Refit with complement='kron'."
-            )
-        cache = getattr(self, "_kron_cache", None)
-        if cache is None or cache[0] is not kron:
-            cache = (kron, KronCurvature.decompose(kron, self._dtype, self._device))
-            self._kron_cache = cache
-        return cache[1]
-
-    def _diag_complement_tau(self) -> torch.Tensor:
-        """The scalar ``tau`` that ``complement='diag'`` or ``'kron'`` needs (a clear
-        error otherwise).
+        """The eigen-decomposed Kronecker factors of the fit (cached per factor set); for
+        'kron_diag' the GGN diagonal fills the empty blocks.
         """
-        if not self._scalar_prior() or self._directions_embedded:
+        kron, complement = getattr(self, "_ggn_kron", None), self.complement
+        partial = kron is not None and any(not block for block in kron.kfacs)
+        if kron is None or partial != (complement == "kron_diag"):
             raise ValueError(
-                f"complement={self.complement!r} takes a scalar prior_precision on a "
-                "posterior over all "
-                f"of the network's weights; got {type(self).__name__} with a prior of shape "
-                f"{tuple(self.prior_precision.shape)}. Use complement='prior' here."
+                f"complement={complement!r} needs its curvature, computed by fit: this "
+                f"posterior was fitted with another complement. Refit with "
+                f"complement={complement!r}."
             )
-        return self._prior.tau
+        diagonal = getattr(self, "_ggn_diagonal", None)
+        cache = getattr(self, "_kron_cache", None)
+        if cache is None or cache[0] is not kron or cache[1] is not diagonal:
+            sizes = [q.numel() for q, block in zip(self.params, kron.kfacs) if not block]
+            pieces = list(diagonal.split(sizes)) if partial else None
+            blocks = KronCurvature.decompose(kron, self._dtype, self._device, pieces)
+            cache = (kron, diagonal, blocks)
+            self._kron_cache = cache
+        return cache[2]
+
+    def _complement_prior(self) -> torch.Tensor:
+        """The prior the curvature-aware complements take: the scalar ``tau`` (0-dim), or
+        the layerwise / per-weight prior's diagonal ``p`` ``(D,)`` (a clear error on a
+        posterior over part of the weights).
+        """
+        if self._directions_embedded:
+            raise ValueError(
+                f"complement={self.complement!r} takes a prior over all of the network's "
+                f"weights; got {type(self).__name__}. Use complement='prior' here."
+            )
+        prior = self._prior
+        return prior.tau if prior.tau is not None else prior.diagonal()
 
     def _layer_grams(self) -> torch.Tensor:
         """The ``(n_layers, k, k)`` blocks ``U_l^T U_l``, cached."""
@@ -449,7 +458,7 @@ class SubspacePosterior:
             delta = self.mean - self.prior_mean
             square_norm = float(delta.detach().square().sum())
             with torch.no_grad():
-                if self.complement in ("diag", "kron"):  # the evidence over every direction
+                if self.complement in CURVATURE_COMPLEMENTS:  # the evidence over every direction
                     tau = optimal_complement_prior_precision(
                         self.eigenvectors,
                         self.subspace_curvature,

@@ -202,9 +202,10 @@ def test_kron_complement_of_weights_read_outside_their_layer():
     model, data = _network(None, False, "functional"), _data()
     with pytest.raises(ValueError, match=r"layer '0\.fc'.*never called as a module"):
         _fit(model, data, complement="kron")
-    la = _fit(_network(None, False, "functional"), data)  # 'auto' moves on (to 'zero':
-    assert la.complement == "zero"  # BackPACK's diagonal needs the layer called too)
+    la = _fit(_network(None, False, "functional"), data)  # 'auto' moves on: the layer
+    assert la.complement == "kron_diag"  # read functionally gets the GGN diagonal
     assert "never called as a module" in la.complement_reason
+    assert [len(block) for block in la._ggn_kron.kfacs][:2] == [0, 0]
 
 
 def test_the_watch_counts_segments_without_gradients_and_restores_torch():

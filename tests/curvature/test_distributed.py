@@ -451,7 +451,7 @@ def _break_solver(fault: str) -> None:
     if fault == "kron":
         import laplace_glas.curvature.kron as kron_module
 
-        def broken_factors(*args):
+        def broken_factors(*args, **kwargs):
             raise RuntimeError("KFAC ran out of memory")
 
         kron_module._local_factors = broken_factors

@@ -42,8 +42,9 @@ def test_scores_sum_to_weights(setup, weighting):
         w = la.eigenvalues
     elif weighting == "posterior":
         w = la.subspace_curvature * la.posterior_variances
-    else:
-        w = la.posterior_variances
+    else:  # the posterior in use ('auto' -> 'kron'): the trace of its covariance
+        assert la.complement == "kron"
+        w = torch.diagonal(la.posterior_covariance.to_dense())
     torch.testing.assert_close(scores.sum(), w.sum())
 
 

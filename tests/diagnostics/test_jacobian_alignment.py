@@ -111,7 +111,9 @@ def test_variance_and_combined_score_are_the_glm_variances_of_both_complements(l
         la.complement = "zero"
     torch.testing.assert_close(result.combined, f_var.diagonal(dim1=1, dim2=2).sum(-1))
     scores = ood_scores(result)
-    assert set(scores) == {"variance (zero)", "variance (prior)", "residual", "1 - captured"}
+    assert set(scores) == {
+        "variance", "variance (zero)", "variance (prior)", "residual", "1 - captured"
+    }  # fmt: skip
     torch.testing.assert_close(scores["variance (prior)"], result.combined)
 
 

@@ -13,7 +13,7 @@ from conftest import loader, mlp, output_jacobian, regression_data, train
 from torch import nn
 
 from laplace_glas import ActiveSubspaceLaplace, SubnetActiveSubspaceLaplace
-from laplace_glas.curvature.kron import kron_refusal
+from laplace_glas.curvature.kron_blocks import kron_refusal
 
 DOUBLE = torch.float64
 
@@ -76,16 +76,21 @@ def test_an_mlp_resolves_to_kron_and_equals_the_explicit_setting(mlp_model, data
     assert not torch.allclose(glm(old, X[:7])[1], glm(auto, X[:7])[1])
 
 
-def test_a_conv1d_resolves_to_diag_with_the_reason(data):
+def test_a_conv1d_resolves_to_the_mix_with_the_reason(data):
     X, y = data
     model = train(conv1d_model(), X, y, steps=100)
     assert kron_refusal(model) is not None and "Conv1d" in kron_refusal(model)
     auto = fitted(model, X, y)
-    assert auto.complement == "diag"
-    assert "resolved to 'diag'" in auto.complement_reason
+    assert auto.complement == "kron_diag"
+    assert "resolved to 'kron_diag'" in auto.complement_reason
     assert "not 'kron'" in auto.complement_reason and "Conv1d" in auto.complement_reason
-    explicit = fitted(model, X, y, complement="diag")
+    explicit = fitted(model, X, y, complement="kron_diag")
     torch.testing.assert_close(auto._ggn_diagonal, explicit._ggn_diagonal, rtol=0, atol=0)
+    # the Conv1d's entries of the mix are those of the whole diagonal
+    whole = fitted(model, X, y, complement="diag")
+    conv = sum(len(block) == 0 for block in auto._ggn_kron.kfacs)
+    sizes = [p.numel() for p in model.parameters()][:conv]
+    torch.testing.assert_close(auto._ggn_diagonal, whole._ggn_diagonal[: sum(sizes)])
     for got, want in zip(glm(auto, X[:5]), glm(explicit, X[:5])):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"nn\.Linear or nn\.Conv2d"):
@@ -96,12 +101,10 @@ def test_what_backpack_refuses_gets_the_per_example_diagonal(data):
     X, y = data
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(2, 4), nn.LayerNorm(4), nn.Tanh(), nn.Linear(4, 1)).to(DOUBLE)
-    auto = fitted(model, X, y)
-    assert auto.complement == "diag"
-    reason = auto.complement_reason
-    assert "resolved to 'diag'" in reason and "LayerNorm" in reason and "not 'kron'" in reason
+    auto = fitted(model, X, y, complement="diag")
     _, J = output_jacobian(model, X)
     torch.testing.assert_close(auto._ggn_diagonal, torch.einsum("tcd,tcd->d", J, J))
+    assert fitted(model, X, y).complement == "kron_diag"  # the default: KFAC where it reaches
     explicit = fitted(model, X, y, complement="diag")
     for got, want in zip(glm(auto, X[:5]), glm(explicit, X[:5])):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -123,35 +126,35 @@ def test_a_subnetwork_and_a_custom_loss_resolve_to_zero(mlp_model, data):
     torch.testing.assert_close(glm(custom, X[:5])[1], glm(explicit, X[:5])[1], rtol=0, atol=0)
 
 
-def test_a_structured_prior_at_fit_resolves_to_zero(mlp_model, data):
+def test_a_structured_prior_at_fit_keeps_a_curvature_aware_complement(mlp_model, data):
     X, y = data
-    la = fitted(mlp_model, X, y, prior_precision=torch.ones(4, dtype=DOUBLE))
-    assert la.complement == "zero"
-    assert "scalar prior" in la.complement_reason
-    assert la._ggn_kron is None and la._ggn_diagonal is None  # no pass for nothing
+    layerwise = fitted(mlp_model, X, y, prior_precision=torch.ones(4, dtype=DOUBLE))
+    assert layerwise.complement == "kron"
+    D = layerwise.n_params
+    per_weight = fitted(mlp_model, X, y, prior_precision=torch.ones(D, dtype=DOUBLE))
+    assert per_weight.complement == "diag"  # KFAC's blocks take one value per tensor
+    assert "takes a scalar or layerwise prior" in per_weight.complement_reason
+    assert per_weight._ggn_kron is None  # no KFAC pass for nothing
 
 
-def test_a_structured_prior_later_falls_back_to_zero_with_a_warning(mlp_model, data):
+def test_a_structured_prior_later_keeps_the_complement_without_a_warning(mlp_model, data):
     X, y = data
     la = fitted(mlp_model, X, y)
     zero = fitted(mlp_model, X, y, complement="zero")
     layerwise = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=DOUBLE)
-    with pytest.warns(UserWarning, match="complement='zero' or 'prior' explicitly"):
-        la.prior_precision = layerwise
-    assert la.complement == "zero"
-    assert "'zero' while the prior is not a scalar" in la.complement_reason
-    zero.prior_precision = layerwise
-    torch.testing.assert_close(glm(la, X[:5])[1], glm(zero, X[:5])[1], rtol=0, atol=0)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # only the change to 'zero' warns
-        la.prior_precision = 2 * layerwise
-        la.prior_precision = 1.0
+        warnings.simplefilter("error")
+        la.prior_precision = layerwise
     assert la.complement == "kron"
     assert "resolved to 'kron'" in la.complement_reason
-    # laplace-torch's marglik over a layerwise prior runs on the 'zero' complement
-    with pytest.warns(UserWarning, match="complement is 'zero'"):
-        la.optimize_prior_precision(prior_structure="layerwise", n_steps=5)
-    assert la.complement == "zero" and la.prior_precision.shape == (4,)
+    zero.prior_precision = layerwise  # KFAC's complement adds variance off span(U)
+    assert bool((glm(la, X[:5])[1] > glm(zero, X[:5])[1]).all())
+    # laplace-torch's marglik over a layerwise prior runs on the 'kron' complement
+    la.prior_precision = torch.ones(4, dtype=DOUBLE)  # where laplace-torch's ascent starts
+    before = la.log_marginal_likelihood().item()
+    la.optimize_prior_precision(prior_structure="layerwise", n_steps=5)
+    assert la.complement == "kron" and la.prior_precision.shape == (4,)
+    assert la.log_marginal_likelihood().item() > before
 
 
 def test_the_state_keeps_the_resolved_complement(mlp_model, data):

@@ -165,12 +165,13 @@ def test_nn_samples_spread_outside_the_subspace(fitted):
     assert outside.norm(dim=1).mean() > 0
 
 
-def test_diag_refuses_what_it_cannot_serve(fitted):
+def test_diag_serves_structured_priors_and_refuses_what_it_cannot_serve(fitted):
     la, *_ = fitted
-    with pytest.raises(ValueError, match="scalar prior_precision"):
-        other = la.with_loss_scaling("sum")
-        other.prior_precision = torch.ones(4, dtype=torch.float64)
-        other.posterior_variances  # noqa: B018
+    other = la.with_loss_scaling("sum")
+    other.prior_precision = torch.ones(4, dtype=torch.float64)  # layerwise: served
+    assert torch.isfinite(other.posterior_variances).all()
+    other.prior_precision = torch.linspace(0.5, 2, other.n_params, dtype=torch.float64)
+    assert torch.isfinite(other.posterior_variances).all()  # per weight: 'diag' takes it
     zero = fit_glas(fitted[1], fitted[2], fitted[3], n_components=2)
     zero.complement = "diag"
     with pytest.raises(ValueError, match="Refit with complement='diag'"):

@@ -253,7 +253,7 @@ def test_bridge_refuses_a_rank_deficient_covariance(trained):
     conditioned per-class variances would be round-off (it returned rows of [1, 1, ...]
     or flipped classes), so it is refused with the alternatives named."""
     model, x, y = trained
-    la = fit(model, x, y, n_components=VOCAB - 1)
+    la = fit(model, x, y, n_components=VOCAB - 1, complement="zero")
     for link in ("bridge", "bridge_norm"):
         with pytest.raises(ValueError, match=r"full rank C = 6.*k = 5.*probit"):
             la(x[:2], link_approx=link)
