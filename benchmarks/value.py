@@ -33,9 +33,9 @@ Data sets (all offline):
   bins), Brier score and OOD AUROC (score 1 - max prob, in-distribution test points
   against the ring; rank-based, ties counted half).
 * ``lstm``: sequence classification where KFAC does not reach: an ``nn.LSTM(2, 16)``
-  and a linear head read 12 steps of 2 noisy features and name which of 3 slopes their
-  running sum follows. OOD inputs: the same sequences scaled by 4 with their steps in
-  random order. The same metrics as ``blobs``.
+  and a linear head (200 full-batch Adam steps) read 12 steps of 2 noisy features and
+  name which of 3 slopes their running sum follows. OOD inputs: the same sequences
+  scaled by 4 with their steps in random order. The same metrics as ``blobs``.
 * ``transformer``: the same task through a one-layer ``nn.TransformerEncoder`` (width
   16, 2 heads, mean-pooled, linear head): attention's weights, its LayerNorms and the
   read-in are outside KFAC's layers (``complement='auto'`` resolves to ``'kron_diag'``).
@@ -160,10 +160,11 @@ def blob_points(n: int, g: torch.Generator) -> tuple[Tensor, Tensor]:
 
 def slope_sequences(n: int, g: torch.Generator) -> tuple[Tensor, Tensor]:
     """``n`` sequences of 12 steps with 2 features: feature 0 steps by the class's slope
-    (-0.3, 0, +0.3) plus unit noise, feature 1 is noise; the label is the slope."""
+    (-0.5, 0, +0.5) plus unit noise, feature 1 is noise; the label is the slope (the
+    Bayes classifier, from the sum of feature 0, is right about 70% of the time)."""
     y = torch.arange(n) % 3
     noise = torch.randn(n, SEQUENCE_LENGTH, 2, generator=g, dtype=DTYPE)
-    slope = (y.to(DTYPE) - 1) * 0.3
+    slope = (y.to(DTYPE) - 1) * 0.5
     noise[:, :, 0] += slope[:, None]
     return noise, y
 
@@ -237,7 +238,9 @@ def make_problem(name: str, seed: int, cfg: Config, concrete_path: Path) -> Prob
         X, y = slope_sequences(cfg.n_blobs, g)
         Xt, yt = slope_sequences(cfg.n_test, g)
         model = SequenceClassifier(name, seed).to(DTYPE)
-        train_map(model, X, y, steps=cfg.steps // 2, lr=1e-2, weight_decay=1e-4, loss="ce")
+        # 200 full-batch steps: the MAP fits its training data (~95%) and is over-confident
+        # on the test data (test accuracy ~67%, NLL ~1.2), the case a posterior should mend
+        train_map(model, X, y, steps=200, lr=1e-2, weight_decay=1e-4, loss="ce")
         order = torch.argsort(torch.rand(cfg.n_test, SEQUENCE_LENGTH, generator=g), dim=1)
         X_ood = 4 * torch.gather(slope_sequences(cfg.n_test, g)[0], 1,
                                  order[..., None].expand(-1, -1, 2))  # fmt: skip

@@ -431,7 +431,7 @@ class ActiveSubspaceLaplace(
         pred_type: str = "glm",
         n_samples: int = 200,
         generator: torch.Generator | None = None,
-        include_noise: bool = False,
+        include_noise: bool = True,
         empirical_bayes: bool = True,
     ) -> DimensionSelection:
         """Select ``k`` and the prior precision by coverage on held-out data and apply them.

@@ -159,12 +159,17 @@ class SubspaceFit(ComplementPass, FitAgreement):
             loss, n_data = self.loss + loss, self.n_data + n_data
         n_below = int(eig.below_threshold.sum())
         if n_below:
+            remedy = (
+                "Use fewer components."
+                if self._dtype == torch.float64
+                else "Use fewer components, or float64 for the spectrum's tail."
+            )
             warnings.warn(
                 f"{n_below} of the {eig.k} eigenvalues lie below "
                 f"{eig.rank_threshold:.1e} x lambda_1, beyond what the "
                 f"{str(self._dtype).replace('torch.', '')} GGN products resolve: they "
-                "are treated as zero curvature (prior variance along those directions). "
-                "Use fewer components, or float64 for the spectrum's tail.",
+                f"are treated as zero curvature (prior variance along those directions). "
+                f"{remedy}",
                 NumericalRankWarning,
                 stacklevel=2,
             )

@@ -8,12 +8,24 @@ truncated to its leading ``k`` eigenpairs is evaluated on held-out calibration d
 * classification: the smallest set of classes whose predictive mass reaches
   ``1 - alpha``; coverage is the fraction of points whose label is in their set.
 
-The selection is the smallest ``k`` whose coverage reaches the nominal level, the
-prior precision chosen jointly among the candidates (the empirical-Bayes optimum at
-that ``k``, the posterior's current value and an optional grid), ties broken by the
-narrowest interval (smallest set). The sweep is vectorised over ``k``: the linearised
-predictive computes ``J U`` once for all ``k`` and accumulates the variance along the
-eigen-directions; the sampling predictive draws one set of ``z`` and truncates it.
+By default (``prior_precisions=None``) the prior precision is tuned over a continuous
+range: for each ``k`` the largest ``tau`` whose calibration coverage reaches the level
+(:func:`~laplace_glas.diagnostics.coverage_tuning.tuned_rows`, a bracketing search in
+``log tau``), so every ``k`` is calibrated and ``k`` is then chosen by sharpness: the
+narrowest calibrated intervals (smallest sets), the smallest ``k`` within 1% of them.
+A curvature-aware complement (``'diag'``, ``'kron'``, ``'kron_diag'``) carries curvature
+in every direction, so ``k`` barely moves its coverage: its ``k`` is the one whose
+evidence (at its empirical-Bayes ``tau``, over all ``D`` directions) is largest, ``tau``
+is tuned at that ``k``, and the table holds every ``k`` at that ``tau`` to show the
+effect (``DimensionSelection.k_rule`` says which rule chose).
+
+With a grid (``prior_precisions=[...]``) the selection is the smallest ``k`` whose
+coverage reaches the nominal level, the prior precision chosen jointly among the
+candidates (the empirical-Bayes optimum at that ``k``, the posterior's current value
+and the grid), ties broken by the narrowest interval (smallest set). The sweep is
+vectorised over ``k``: the linearised predictive computes ``J U`` once for all ``k`` and
+accumulates the variance along the eigen-directions; the sampling predictive draws one
+set of ``z`` and truncates it.
 
 A posterior with a layerwise or diagonal prior precision is swept at that prior (the
 candidate ``prior_precision=None`` in the table), through the posterior's own
@@ -25,13 +37,10 @@ embedded in the network's weights, the network's MAP weights as the point of
 linearisation, the subnetwork's Jacobian Gram for ``complement='prior'`` and
 complement draws put on the subnetwork's weights.
 
-Why observation noise is left out by default (the paper's convention): under
-mean-loss scaling each retained direction ``u_j`` with ``lambda_j >> tau`` adds about
-``(J u_j)^2 / lambda_j`` of variance at a training input, whose average is
-``sigma^2`` whatever N is, so a few directions cover the data; with summed-loss
-scaling each adds ``sigma^2 / N``. With the noise added (the usual predictive of y),
-coverage is often reached at k = 1 under either scaling and says little about the
-weight posterior.
+Regression scores like with like: by default (``include_noise=True``) intervals of
+``y = f(x) + noise`` against the observed targets. Intervals of ``f`` alone
+(``include_noise=False``) are to be scored against values of ``f`` (a known function),
+not against noisy observations: they cannot cover the noise.
 
 After a data-parallel fit (:mod:`laplace_glas.curvature.distributed`) each rank passes
 its shard of the calibration data; coverage, width and NLL of every candidate are
@@ -41,7 +50,6 @@ so every rank selects the same ``(k, tau)``.
 
 from __future__ import annotations
 
-import math
 import numbers
 import warnings
 from collections.abc import Iterable, MutableMapping, Sequence
@@ -55,10 +63,9 @@ from laplace_glas.curvature.batches import check_input_dtype, concatenate_inputs
 from laplace_glas.curvature.collectives import reduce_coverage_rows
 from laplace_glas.curvature.distributed import data_parallel
 from laplace_glas.diagnostics.coverage import CoverageRow, check_sweep_arguments, coverage_table
-from laplace_glas.posterior.closed_forms import optimal_prior_precision
-from laplace_glas.posterior.complement import optimal_complement_prior_precision
-from laplace_glas.posterior.view import FittedPosterior, fitted_posterior
-from laplace_glas.validation import ArgumentTypeError, flag, scalar_value
+from laplace_glas.diagnostics.coverage_tuning import grid_candidates, sharpest, tuned_table
+from laplace_glas.posterior.view import fitted_posterior
+from laplace_glas.validation import flag
 
 __all__ = [
     "CoverageNotReachedWarning",
@@ -109,6 +116,7 @@ class DimensionSelection:
     include_noise: bool = False
     likelihood: str = "regression"
     numerical_rank: int | None = None
+    k_rule: str = "smallest k reaching the level among the candidates"
 
     @property
     def beyond_rank(self) -> bool:
@@ -136,6 +144,7 @@ class DimensionSelection:
             f"'{self.pred_type}', noise {'added' if self.include_noise else 'not added'}): "
             f"nominal {self.level:.0%} {status}; k = {self.k}, prior precision = "
             f"{_prior_label(self.prior_precision)}, coverage = {self.coverage:.3f}",
+            f"k chosen by: {self.k_rule}",
             f"{'k':>4} {'prior prec':>11} {'coverage':>9} {unit:>9} {'NLL':>9}",
         ]
         for r in self.rows:
@@ -212,72 +221,6 @@ def _pad_time_axis(t: torch.Tensor, length: int, value: float) -> torch.Tensor:
     return torch.nn.functional.pad(t, padding, value=value)
 
 
-def _prior_precision_grid(prior_precisions: Any) -> list[float]:
-    """``prior_precisions`` as a list of floats: a sequence of real numbers or a 1-d
-    tensor; an ``ArgumentTypeError`` naming the entry otherwise.
-    """
-    if isinstance(prior_precisions, torch.Tensor) and prior_precisions.dim() > 1:
-        raise ArgumentTypeError(
-            "prior_precisions must be a sequence of positive numbers or a 1-d tensor, got "
-            f"a tensor of shape {tuple(prior_precisions.shape)}."
-        )
-    if isinstance(prior_precisions, torch.Tensor):
-        prior_precisions = list(prior_precisions.reshape(-1))
-    if isinstance(prior_precisions, (str, bytes)) or not isinstance(prior_precisions, Iterable):
-        raise ArgumentTypeError(
-            "prior_precisions must be a sequence of positive numbers or a 1-d tensor, got "
-            f"{type(prior_precisions).__name__} ({prior_precisions!r})."
-        )
-    return [scalar_value(f"prior_precisions[{i}]", t) for i, t in enumerate(prior_precisions)]
-
-
-def _candidates(
-    la: Any, ks: Sequence[int], prior_precisions: Iterable[float] | None, empirical_bayes: bool
-) -> list[tuple[int, float, bool]]:
-    # every candidate k, also those above the posterior's current n_components
-    posterior = la.posterior
-    curvature = posterior.curvature[: max(ks)].detach()
-    square_norm = float((la.mean - la.prior_mean).detach().square().sum())
-    if prior_precisions is not None:
-        grid = _prior_precision_grid(prior_precisions)
-    else:  # the posterior's own prior: tau, or None for a layerwise / diagonal one
-        grid = [posterior.tau]
-    if any(t is not None and not (t > 0 and math.isfinite(t)) for t in grid):
-        raise ValueError("Prior precisions must be positive and finite.")
-    if not grid and not empirical_bayes:
-        raise ValueError(
-            "prior_precisions is empty and empirical_bayes=False: there is no prior "
-            "precision to try."
-        )
-    pairs = []
-    for k in ks:
-        taus = {t: False for t in grid}
-        if empirical_bayes:
-            try:
-                taus[_evidence_optimum(posterior, curvature, k, square_norm)] = True
-            except ValueError:
-                pass
-        pairs.extend((k, t, eb) for t, eb in taus.items())
-    return pairs
-
-
-def _evidence_optimum(
-    posterior: FittedPosterior, curvature: torch.Tensor, k: int, square_norm: float
-) -> float:
-    """The evidence-maximising ``tau`` at ``k``: over the subspace, or over every
-    direction for ``complement='diag'`` or ``'kron'`` (its evidence counts the complement
-    too).
-    """
-    if posterior.complement_curvature is not None:
-        return optimal_complement_prior_precision(
-            posterior.eigenvectors[:, :k],
-            curvature[:k],
-            posterior.complement_curvature,
-            square_norm,
-        )
-    return optimal_prior_precision(curvature[:k], square_norm)
-
-
 def _validate_ks(la: Any, ks: Sequence[int] | None) -> list[int]:
     available = fitted_posterior(la, "calibration").n_computed
     if ks is not None and (
@@ -304,10 +247,11 @@ def select_dimension(
     pred_type: str = "glm",
     n_samples: int = 200,
     generator: torch.Generator | None = None,
-    include_noise: bool = False,
+    include_noise: bool = True,
     empirical_bayes: bool = True,
 ) -> DimensionSelection:
-    """Smallest ``k`` (and its prior precision) whose calibration coverage reaches ``coverage``.
+    """``k`` and the prior precision whose predictive covers ``coverage`` of the
+    calibration targets (see the module for the rules).
 
     Parameters
     ----------
@@ -320,8 +264,9 @@ def select_dimension(
     ks : sequence of int, optional
         Candidate dimensions (default ``1..n_components``).
     prior_precisions : iterable of float, optional
-        Grid of prior precisions (default: the posterior's current one). The
-        empirical-Bayes optimum at each ``k`` is added when ``empirical_bayes``.
+        Grid of prior precisions. Default: tuned over ``[1e-8, 1e8]`` for each ``k`` (the
+        largest whose coverage reaches the level). With a grid, the empirical-Bayes
+        optimum at each ``k`` is added when ``empirical_bayes``.
     pred_type : {'glm', 'nn'}, default='glm'
         Linearised or sampling predictive (the default agrees with ``coverage``,
         ``interval_width`` and the posterior's ``__call__``). 'glm' pushes ``J U``
@@ -331,10 +276,13 @@ def select_dimension(
         Samples for 'nn' (and for 'glm' in classification).
     generator : torch.Generator, optional
         Controls the samples.
-    include_noise : bool, default=False
-        Regression only: add the observation noise (intervals of y instead of f).
+    include_noise : bool, default=True
+        Regression only: intervals of ``y`` (with the observation noise), scored against
+        the observed targets; False: intervals of ``f``, for targets that are values of
+        ``f``.
     empirical_bayes : bool, default=True
-        Add each ``k``'s evidence-maximising prior precision to the candidates.
+        With a grid: add each ``k``'s evidence-maximising prior precision to the
+        candidates.
 
     Returns
     -------
@@ -355,11 +303,33 @@ def select_dimension(
     )
     flag("empirical_bayes", empirical_bayes)
     ks = _validate_ks(la, ks)
-    pairs = _candidates(la, ks, prior_precisions, empirical_bayes)
-    args = (pairs, coverage, pred_type, n_samples, generator, include_noise)
-    rows = _all_ranks(la, calib_loader, *args)
+    tuning = prior_precisions is None and la.posterior.scalar_prior
+    k_rule = "smallest k reaching the level among the candidates"
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {generator!r}.")
+    if tuning:
+        if generator is None:  # one stream for every pass, drawn from torch's global one
+            generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,))))
+        state, args = generator.get_state(), (coverage, pred_type, n_samples, generator)
+
+        def table(pairs: list) -> list[CoverageRow]:
+            generator.set_state(state)  # the same draws at every call
+            return _all_ranks(la, calib_loader, pairs, *args, include_noise)
+
+        square_norm = float((la.mean - la.prior_mean).detach().square().sum())
+        per_candidate = pred_type == "nn"  # a network evaluation per sample and candidate
+        rows, k_rule, chosen = tuned_table(
+            table, la.posterior, ks, coverage, square_norm, per_candidate
+        )
+    else:
+        pairs = grid_candidates(la, ks, prior_precisions, empirical_bayes)
+        args = (pairs, coverage, pred_type, n_samples, generator, include_noise)
+        rows = _all_ranks(la, calib_loader, *args)
     reaching = [r for r in rows if r.coverage >= coverage]
-    if reaching:
+    if tuning and reaching:
+        best = chosen if chosen is not None and chosen.coverage >= coverage else None
+        best = best or sharpest(reaching)
+    elif reaching:
         k_min = min(r.k for r in reaching)
         best = _preferred([r for r in reaching if r.k == k_min], coverage)
     else:
@@ -383,6 +353,7 @@ def select_dimension(
         include_noise=include_noise,
         likelihood=str(getattr(la.likelihood, "value", la.likelihood)),
         numerical_rank=numerical_rank,
+        k_rule=k_rule,
     )
     if selection.reached and selection.beyond_rank:
         warnings.warn(
@@ -444,7 +415,7 @@ def coverage(
     pred_type: str = "glm",
     n_samples: int = 200,
     generator: torch.Generator | None = None,
-    include_noise: bool = False,
+    include_noise: bool = True,
 ) -> float:
     """Empirical coverage of the central ``level`` intervals (credible sets) on ``loader``
     at the posterior's current ``n_components`` and prior precision.
@@ -459,7 +430,7 @@ def interval_width(
     pred_type: str = "glm",
     n_samples: int = 200,
     generator: torch.Generator | None = None,
-    include_noise: bool = False,
+    include_noise: bool = True,
 ) -> float:
     """Mean width of the central ``level`` intervals (mean credible-set size for
     classification) on ``loader``.

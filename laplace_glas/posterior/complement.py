@@ -27,6 +27,20 @@ with curvature off the subspace are narrowed by it. The forms below follow from
 The evidence's Occam term ``log det Sigma^{-1} - D log tau`` so counts every one of the
 ``D`` directions: the subspace through ``a``, the rest through ``c``. With ``c = 0`` all
 of this is the ``complement='prior'`` posterior.
+
+The diagonal is that of the residual curvature, the part of the GGN that ``span(U)``
+does not already hold (:func:`residual_curvature`):
+
+.. math::
+
+    c_i = \\big(s\\,\\mathrm{diag}(G)/T - \\mathrm{diag}(U \\mathrm{diag}(a) U^\\top)\\big)_i
+    = \\mathrm{diag}\\big(s\\,G/T - U \\mathrm{diag}(a) U^\\top\\big)_i \\;\\ge 0 ,
+
+since ``s G / T - U diag(a) U^T`` is the GGN's curvature on the complement (positive
+semi-definite; its diagonal is clamped at 0 against round-off). The plain diagonal
+would count the top-``k`` curvature twice: a weight's ``diag(G)`` is dominated by the
+leading eigen-directions, which the subspace treats exactly, and its complement
+variance would shrink by their weight.
 """
 
 from __future__ import annotations
@@ -46,7 +60,20 @@ __all__ = [
     "ProjectedComplementPosterior",
     "ProjectedInverse",
     "optimal_complement_prior_precision",
+    "residual_curvature",
 ]
+
+
+def residual_curvature(curvature: Any, U: torch.Tensor, a: torch.Tensor) -> Any:
+    """The complement's curvature less what ``span(U)`` holds: for the GGN diagonal
+    ``c`` ``(D,)``, ``max(c - diag(U diag(a) U^T), 0)`` (see the module); for a
+    :class:`~laplace_glas.posterior.kron_complement.KronCurvature` its diagonal blocks
+    deflated alike (:meth:`KronCurvature.deflated`; KFAC's Kronecker blocks stay as
+    they are: ``K - U diag(a) U^T`` has no Kronecker form).
+    """
+    if isinstance(curvature, torch.Tensor):
+        return (curvature - U.square() @ a).clamp_min(0)
+    return curvature.deflated(U, a)
 
 
 class ProjectedInverse:
@@ -393,13 +420,16 @@ def optimal_complement_prior_precision(
         - D \\log \\tau\\Big],
 
     with ``m = ||theta* - mu_0||^2``, ``c`` the eigenvalues of the complement's
-    curvature ``C`` (the diagonal ``c`` itself for 'diag', KFAC's ``s lambda_B lambda_A
-    / T`` for 'kron': a :class:`~laplace_glas.posterior.kron_complement.KronCurvature`)
+    curvature ``C`` (the residual diagonal ``c`` itself for 'diag', KFAC's ``s lambda_B
+    lambda_A / T`` for 'kron': a
+    :class:`~laplace_glas.posterior.kron_complement.KronCurvature`; the curvature is
+    passed as fitted and deflated here, :func:`residual_curvature`)
     and ``beta`` the eigenvalues of ``U^T C U`` (so ``log det(U^T E U) = sum_j
     log(beta_j + tau)``). Each evaluation is ``O(D)``: the minimum is bracketed on a
     log-spaced grid over ``[1e-8, 1e8]`` and refined by Brent's method in ``log tau``.
     """
     U = vectors.detach().to(torch.float64)
+    complement_curvature = residual_curvature(complement_curvature, vectors, curvature)
     if isinstance(complement_curvature, torch.Tensor):
         c = complement_curvature.detach().to(U)
         projected = U.T @ (c[:, None] * U)

@@ -117,6 +117,27 @@ class KronCurvature:
         """
         return torch.log(self.eigenvalues + tau).sum()
 
+    def deflated(self, U: torch.Tensor, a: torch.Tensor) -> KronCurvature:
+        """The curvature with each diagonal block ``c`` (``complement='kron_diag'``)
+        replaced by ``max(c - diag(U diag(a) U^T) / s, 0)`` on its rows (the residual
+        curvature, see :func:`~laplace_glas.posterior.complement.residual_curvature`);
+        Kronecker blocks are kept. ``self`` where there is no diagonal block.
+        """
+        if all(Qs for Qs, _ in self.blocks):
+            return self
+        held = U.square() @ a  # (D,) diag(U diag(a) U^T), scaled as s C
+        blocks, start = [], 0
+        scale = self.scale.detach()
+        for Qs, ls in self.blocks:
+            size = math.prod(len(v) for v in ls)
+            if not Qs and bool(scale > 0):
+                c = (ls[0] - held[start : start + size] / scale).clamp_min(0)
+                blocks.append(([], [c]))
+            else:
+                blocks.append((Qs, ls))
+            start += size
+        return KronCurvature(blocks, self.scale)
+
     def check_prior(self, prior: torch.Tensor, complement: str) -> None:
         """``prior`` ``(D,)`` must be constant over each Kronecker block (one value per
         parameter tensor: a layerwise prior), so that ``C + diag(prior)`` keeps the

@@ -41,6 +41,7 @@ from laplace_glas.posterior.closed_forms import (
 from laplace_glas.posterior.complement import (
     DiagonalComplementPosterior,
     optimal_complement_prior_precision,
+    residual_curvature,
 )
 from laplace_glas.posterior.diagonal_prior import (
     DiagonalPriorPosterior,
@@ -168,15 +169,14 @@ class SubspacePosterior:
         if self._directions_embedded:
             self._prior.check_embedded(type(self).__name__)
         U, curvature = self.eigenvectors, self.subspace_curvature  # refused before a fit
+        if self.complement in CURVATURE_COMPLEMENTS:  # what span(U) does not hold
+            residual = residual_curvature(self._complement_curvature(), U, curvature)
         if self.complement == "diag":
-            return DiagonalComplementPosterior(
-                U, curvature, self._complement_prior(), self._complement_curvature()
-            )
+            return DiagonalComplementPosterior(U, curvature, self._complement_prior(), residual)
         if self.complement in ("kron", "kron_diag"):
             return KronComplementPosterior(
-                U, curvature, self._complement_prior(), self._complement_curvature(),
-                self.complement,
-            )  # fmt: skip
+                U, curvature, self._complement_prior(), residual, self.complement
+            )
         return self._prior.posterior(U, curvature, self.complement, self._layer_grams)
 
     def _complement_curvature(self) -> torch.Tensor | KronCurvature:

@@ -160,23 +160,31 @@ class FittedPosterior:
     check_fitted_weights: Callable[[], bool]
     to_device: Callable[[Any], Any]
 
-    def posterior_in_use(self, k: int | None = None) -> Any:
+    def posterior_in_use(self, k: int | None = None, tau: float | None = None) -> Any:
         """The posterior object of the complement in use with the leading ``k``
         eigenpairs (default: the posterior's ``n_components``): a
         :class:`~laplace_glas.posterior.complement.ProjectedComplementPosterior` for the
         curvature-aware complements, else the prior's
-        (:meth:`~laplace_glas.posterior.prior.Prior.posterior`).
+        (:meth:`~laplace_glas.posterior.prior.Prior.posterior`); under the scalar prior
+        ``tau`` where given (curvature-aware complements only).
         """
-        from laplace_glas.posterior.complement import DiagonalComplementPosterior
+        from laplace_glas.posterior.complement import (
+            DiagonalComplementPosterior,
+            residual_curvature,
+        )
         from laplace_glas.posterior.kron_complement import KronComplementPosterior
 
         k = self.n_components if k is None else self.check_k(k)
         U, a = self.eigenvectors[:, :k], self.curvature[:k]
         prior = self.prior.tau if self.prior.tau is not None else self.prior.diagonal()
+        if tau is not None:
+            prior = torch.as_tensor(tau, dtype=U.dtype, device=U.device)
+        if self.complement in ("diag", "kron", "kron_diag"):  # what span(U) does not hold
+            residual = residual_curvature(self.complement_curvature, U, a)
         if self.complement == "diag":
-            return DiagonalComplementPosterior(U, a, prior, self.complement_curvature)
+            return DiagonalComplementPosterior(U, a, prior, residual)
         if self.complement in ("kron", "kron_diag"):
-            return KronComplementPosterior(U, a, prior, self.complement_curvature, self.complement)
+            return KronComplementPosterior(U, a, prior, residual, self.complement)
         return self.prior.posterior(U, a, self.complement)
 
     @property

@@ -166,8 +166,10 @@ class SubspacePredictive(PriorGram):
         laplace-torch's ``ParametricLaplace.__call__``.
 
         'glm': ``f(x; theta*)`` and ``(J U) diag(v) (J U)^T`` from ``k`` forward-mode
-        JVPs (no Jacobian is formed unless ``complement='prior'``, whose prior term
-        needs ``J J^T``). 'nn': weight samples pushed through the network with
+        JVPs; with ``complement='zero'`` no Jacobian is formed, with ``'prior'`` and the
+        curvature-aware complements (the default ``'auto'`` among them) each input's
+        Jacobian over all weights is formed, chunked by inputs, for ``J J^T / tau`` or
+        ``J P E^{-1} P J^T``. 'nn': weight samples pushed through the network with
         ``functional_call`` under ``vmap``. ``generator`` controls every sampling
         path (laplace-torch ignores it for 'nn' and 'mc').
         """

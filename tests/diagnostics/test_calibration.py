@@ -43,6 +43,7 @@ def test_glm_sweep_equals_truncated_predictive(fitted):
         prior_precisions=[0.5, 2.0],
         pred_type="glm",
         empirical_bayes=False,
+        include_noise=False,
     )
     z = statistics.NormalDist().inv_cdf(0.95)
     for row in sel.rows:
@@ -52,8 +53,10 @@ def test_glm_sweep_equals_truncated_predictive(fitted):
         expected = ((yc - f).abs() <= half).double().mean().item()
         assert row.coverage == pytest.approx(expected, abs=1e-12)
         assert row.mean_width == pytest.approx(2 * half.mean().item(), rel=1e-5)
-        assert coverage(la, calib, 0.9, pred_type="glm") == pytest.approx(expected, abs=1e-12)
-        assert interval_width(la, calib, 0.9) == pytest.approx(row.mean_width, rel=1e-6)
+        got = coverage(la, calib, 0.9, pred_type="glm", include_noise=False)
+        assert got == pytest.approx(expected, abs=1e-12)
+        width = interval_width(la, calib, 0.9, include_noise=False)
+        assert width == pytest.approx(row.mean_width, rel=1e-6)
     assert la.lanczos_info.n_products == n_products
     la.n_components, la.prior_precision = 10, 1.0
 
@@ -95,8 +98,9 @@ def test_never_reached_warns_and_reports_best(fitted):
     la, calib, *_ = fitted
     with pytest.warns(CoverageNotReachedWarning, match="best achieved"):
         sel = select_dimension(
-            la, calib, 0.9, prior_precisions=[1e9, 1e10], pred_type="glm", empirical_bayes=False
-        )
+            la, calib, 0.9, prior_precisions=[1e9, 1e10], pred_type="glm",
+            empirical_bayes=False, include_noise=False,
+        )  # fmt: skip
     assert not sel.reached
     best = max(r.coverage for r in sel.rows)
     assert sel.coverage == best < 0.9
@@ -130,11 +134,14 @@ def test_calibrate_applies_selection_and_reports_table(fitted):
     assert la.n_components == sel.k and float(la.prior_precision) == pytest.approx(
         sel.prior_precision
     )
-    assert any(r.empirical_bayes for r in sel.rows)
+    assert sel.reached and not any(r.empirical_bayes for r in sel.rows)  # tuned, not EB
+    assert "narrowest calibrated intervals" in sel.k_rule
     d = sel.to_dict()
     assert d["k"] == sel.k and len(d["rows"]) == len(sel.rows)
     text = str(sel)
-    assert "coverage" in text and "(EB)" in text
+    assert "coverage" in text and "k chosen by: the narrowest" in text
+    grid = la.calibrate(calib, 0.9, pred_type="glm", prior_precisions=[1.0])
+    assert any(r.empirical_bayes for r in grid.rows) and "(EB)" in str(grid)
     la.n_components, la.prior_precision = 10, 1.0
 
 
@@ -157,7 +164,10 @@ def test_mean_scaling_calibrates_with_few_directions_sum_does_not(toy_regression
         la.fit(loader(X, y))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CoverageNotReachedWarning)
-            out[scaling] = select_dimension(la, calib, 0.9, pred_type="glm", empirical_bayes=False)
+            out[scaling] = select_dimension(
+                la, calib, 0.9, pred_type="glm", empirical_bayes=False,
+                prior_precisions=[1.0], include_noise=False,
+            )  # fmt: skip
     assert out["mean"].reached and out["mean"].k <= 3
     assert max(r.coverage for r in out["sum"].rows) < 0.8
 
@@ -292,7 +302,10 @@ def test_selection_beyond_numerical_rank_is_flagged():
         warnings.simplefilter("ignore")
         la.fit(loader(Xtr, Xtr @ w, batch_size=4))
     with pytest.warns(CoverageNotReachedWarning, match="beyond the numerical rank"):
-        sel = select_dimension(la, loader(Xc, yc), 0.9, pred_type="glm", empirical_bayes=False)
+        sel = select_dimension(
+            la, loader(Xc, yc), 0.9, pred_type="glm", empirical_bayes=False,
+            prior_precisions=[1e-2], include_noise=False,
+        )  # fmt: skip
     assert sel.numerical_rank == 3 and sel.k > 3 and sel.beyond_rank
     assert "* k beyond the numerical rank (3)" in str(sel)
 
@@ -361,10 +374,10 @@ def test_defaults_use_the_same_predictive_as_coverage(fitted):
     predictive it was chosen by."""
     la, calib, *_ = fitted
     sel = select_dimension(la, calib, 0.9, ks=[2], empirical_bayes=False)
-    assert sel.pred_type == "glm"
-    la.n_components = 2
+    assert sel.pred_type == "glm" and sel.include_noise  # y-intervals against y
+    la.n_components, la.prior_precision = 2, sel.rows[0].prior_precision
     assert coverage(la, calib, 0.9) == pytest.approx(sel.rows[0].coverage, abs=1e-12)
-    la.n_components = 10
+    la.n_components, la.prior_precision = 10, 1.0
 
 
 def test_empirical_bayes_candidates_use_each_k_even_above_n_components(fitted):
@@ -375,7 +388,7 @@ def test_empirical_bayes_candidates_use_each_k_even_above_n_components(fitted):
     la, calib, *_ = fitted
     la.n_components = 2
     try:
-        sel = select_dimension(la, calib, 0.9, ks=[1, 2, 5, 10])
+        sel = select_dimension(la, calib, 0.9, ks=[1, 2, 5, 10], prior_precisions=[1.0])
     finally:
         la.n_components = 10
     square_norm = float((la.mean - la.prior_mean).square().sum())

@@ -43,8 +43,9 @@ def test_known_noise_regression_quick(tmp_path):
         "eigenpairs of the mean-loss GGN (solver '",
         "Posterior variances",
         "90% interval of f on a grid",
-        "(a) Coverage of the 90% interval of f, WITHOUT observation noise",
-        "(b) Coverage of the 90% interval of y = f + noise, WITH sigma^2 added",
+        "(a) Coverage of the 90% interval of f (no observation noise) against the true",
+        "(b) Coverage of the 90% interval of y = f + noise (sigma^2 added) against the",
+        "la.calibrate(coverage=0.9) on the calibration set",
         "smallest k whose calibration coverage",
     ):
         assert section in out, f"missing section {section!r} in:\n{out}"
@@ -57,6 +58,9 @@ def test_known_noise_regression_quick(tmp_path):
     # the paper's result in miniature: mean-loss scaling reaches 90% by k = 2 ('glm')
     assert "mean / glm: k =  2" in out or "mean / glm: k =  1" in out
     assert "sum / glm: none of k" in out
+    # calibrate: both scalings, intervals of y against y and of f against the true f
+    for route in ("mean / y vs y", "mean / f vs f", "sum / y vs y", "sum / f vs f"):
+        assert f"{route}: k =" in out, route
 
 
 @pytest.mark.skipif(not CONCRETE.exists(), reason=f"UCI Concrete data not found at {CONCRETE}")

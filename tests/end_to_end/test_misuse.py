@@ -895,11 +895,15 @@ def test_calibrate_with_a_custom_dict_key_x(data, prior):
     half = statistics.NormalDist().inv_cdf(0.5 + level / 2) * var.reshape(yc.shape).sqrt()
     own = float(((yc - f).abs() <= half).double().mean())
     assert 0 < own < 1
-    assert coverage(la, calib, level=level) == pytest.approx(own)
+    assert coverage(la, calib, level=level, include_noise=False) == pytest.approx(own)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CoverageNotReachedWarning)
         selection = la.calibrate(calib, coverage=level, ks=[K], prior_precisions=[1.0])
     assert selection.k == K
+    with warnings.catch_warnings():  # the default: the prior tuned, intervals of y
+        warnings.simplefilter("ignore", CoverageNotReachedWarning)
+        tuned = la.calibrate(calib, coverage=level, ks=[K])
+    assert tuned.include_noise and tuned.k == K
 
 
 def test_last_layer_fit_of_an_empty_loader(data):

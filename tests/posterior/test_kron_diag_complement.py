@@ -119,7 +119,10 @@ def test_the_glm_variance_equals_the_dense_posterior(norm_fit):
     )  # fmt: skip
     eye = torch.eye(U.shape[0], dtype=DOUBLE)
     P = eye - U @ U.T
-    sigma = U @ torch.diag(1 / (a + tau)) @ U.T + P @ torch.linalg.inv(s * dense + tau * eye) @ P
+    C = s * dense  # the norm's diagonal less what span(U) holds (the residual curvature)
+    C[15:25, 15:25] = torch.diag((s * diag - U[15:25].square() @ a).clamp_min(0))
+    assert not torch.allclose(C, s * dense)
+    sigma = U @ torch.diag(1 / (a + tau)) @ U.T + P @ torch.linalg.inv(C + tau * eye) @ P
     _, J = output_jacobian(model, X[:7])
     want = torch.einsum("ncd,de,nke->nck", J, sigma, J)
     _, var = la(X[:7], pred_type="glm")
