@@ -27,7 +27,7 @@ import torch
 from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, RandomSampler
 
-from laplace_glas.autodiff.context import autodiff_friendly
+from laplace_glas.autodiff.context import autodiff_friendly, evaluation_mode
 from laplace_glas.curvature.agreement import FitAgreement
 from laplace_glas.curvature.budget import return_freed_memory
 from laplace_glas.curvature.complement_pass import ComplementCurvature, ComplementPass
@@ -104,7 +104,9 @@ class SubspaceFit(ComplementPass, FitAgreement):
             group of one rank fits on the local data alone.
 
         """
-        with PeakMemory(self._device) as peak:
+        # every pass of the fit sees the network in evaluation mode (dropout off, batch
+        # norm on its running statistics); the caller's modes come back afterwards
+        with PeakMemory(self._device) as peak, evaluation_mode(self.model):
             self._fit(train_loader, override, progress_bar, process_group=process_group)
         self._eigenpairs = with_measured_peak(self._eigenpairs, peak)
 
@@ -207,7 +209,6 @@ class SubspaceFit(ComplementPass, FitAgreement):
             )
         reiterable("train_loader", train_loader)
         trainable_size_and_dtype(self.model)  # e.g. moved to the 'meta' device since
-        self.model.eval()
         k = self._validate_n_components(
             self.H[0].shape[1] if update else self._n_components, self.n_params
         )

@@ -45,6 +45,7 @@ variance would shrink by their weight.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -426,8 +427,21 @@ def optimal_complement_prior_precision(
     passed as fitted and deflated here, :func:`residual_curvature`)
     and ``beta`` the eigenvalues of ``U^T C U`` (so ``log det(U^T E U) = sum_j
     log(beta_j + tau)``). Each evaluation is ``O(D)``: the minimum is bracketed on a
-    log-spaced grid over ``[1e-8, 1e8]`` and refined by Brent's method in ``log tau``.
+    log-spaced grid over ``[1e-8, 1e8]``, widened by ``1e8`` at the end it lies on (up
+    to ``[1e-40, 1e40]``), and refined by Brent's method in ``log tau``.
+
+    Raises
+    ------
+    ValueError
+        If ``m <= 0`` (the optimum is ``tau -> inf``, as for the subspace alone), or the
+        minimum still lies on an end of ``[1e-40, 1e40]``.
+
     """
+    if not math.isfinite(square_norm) or square_norm <= 0:
+        raise ValueError(
+            "The marginal likelihood has no finite optimum in the prior precision: "
+            f"||theta* - mu_0||^2 = {square_norm} (the optimum is tau -> inf)."
+        )
     U = vectors.detach().to(torch.float64)
     complement_curvature = residual_curvature(complement_curvature, vectors, curvature)
     if isinstance(complement_curvature, torch.Tensor):
@@ -449,9 +463,23 @@ def optimal_complement_prior_precision(
         logdet = (np.log(a + tau).sum() + log_c - np.log(beta + tau).sum()) - D * log_tau
         return 0.5 * tau * square_norm + 0.5 * logdet
 
-    grid = np.linspace(np.log(1e-8), np.log(1e8), 161)
-    values = np.array([g(x) for x in grid])
-    best = int(np.argmin(values))
-    low, high = grid[max(best - 1, 0)], grid[min(best + 1, grid.size - 1)]
+    low_end, high_end = np.log(1e-8), np.log(1e8)
+    while True:
+        grid = np.linspace(low_end, high_end, round((high_end - low_end) / 0.23) + 1)
+        values = np.array([g(x) for x in grid])
+        best = int(np.argmin(values))
+        if 0 < best < grid.size - 1:
+            break
+        if low_end <= np.log(1e-40) or high_end >= np.log(1e40):
+            end = "1e-40" if best == 0 else "1e40"
+            raise ValueError(
+                "The marginal likelihood's optimum in the prior precision lies beyond "
+                f"{end} (the evidence still rises at that end): no finite optimum to take."
+            )
+        if best == 0:
+            low_end -= np.log(1e8)
+        else:
+            high_end += np.log(1e8)
+    low, high = grid[best - 1], grid[best + 1]
     result = minimize_scalar(g, bounds=(low, high), method="bounded", options={"xatol": 1e-10})
     return float(np.exp(result.x))

@@ -196,6 +196,11 @@ class PosteriorHyperparameters:
 
     @complement.setter
     def complement(self, value: str) -> None:
+        # checked as the constructor checks it: a misspelt value (or None, a number) is
+        # refused by name instead of predicting as 'zero'
+        curvature = getattr(self, "curvature", None)
+        kind = getattr(curvature, "kind", "ggn")
+        value = self._checked_complement(value, kind, getattr(self, "loss_fn", None))
         self._complement_setting = value
         self._complement_fitted = None
         self._complement_why = None

@@ -162,3 +162,22 @@ def test_fit_floor_benchmark_quick_table():
         kernels = float(cells[9].split(" (")[0])
         assert 0 < kernels < glas
         assert cells[9].count("loader") == 1 and cells[9].count("pass") == 1
+
+
+def test_calibration_coverage_benchmark_quick_table():
+    """benchmarks/calibration_coverage.py --quick: both routes, y against y and f against
+    the true f, each a held-out coverage near the nominal 0.9 with the selected k."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "calibration_coverage.py"), "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "k=" in line]
+    assert len(rows) == 4, result.stdout
+    for row in rows:
+        cell = row.split("|")[3].strip()  # "0.903 k=1"
+        held_out = float(cell.split()[0])
+        assert 0.8 <= held_out <= 1.0, row  # 300 test points: sampling error of ~2 points

@@ -555,6 +555,8 @@ def test_dropout_in_train_mode_glm_runs_deterministically(data):
 
 def test_partly_train_mode_model_comes_back_as_it_was(data):
     la = fit(data, model=dropout_model())
+    assert all(m.training for m in la.model)  # fit gave the caller's (train) modes back
+    la.model.eval()
     la.model[2].train()
     la(torch.randn(2, 1))
     assert [m.training for m in la.model] == [False, False, True, False]

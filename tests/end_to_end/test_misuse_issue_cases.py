@@ -142,3 +142,28 @@ def test_a_state_field_of_the_wrong_type_is_refused_and_changes_nothing(
     with pytest.raises(error, match=match):
         la.load_state_dict(state)
     _unchanged(la, before)
+
+
+def test_a_model_in_train_mode_is_left_in_train_mode_and_fits_as_in_eval_mode():
+    """fit runs every pass in evaluation mode (dropout off) and gives the caller's modes
+    back, as the README says; the eigenpairs are those of the evaluation-mode network."""
+    import copy
+
+    from laplace import Laplace
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 8), nn.Dropout(0.3), nn.Tanh(), nn.Linear(8, 1)).double()
+    X = torch.randn(40, 2, dtype=torch.float64)
+    y = torch.randn(40, 1, dtype=torch.float64)
+    batches = [(X[:20], y[:20]), (X[20:], y[20:])]
+    fits = {}
+    for mode in ("train", "eval"):
+        network = copy.deepcopy(model).train(mode == "train")
+        la = Laplace(network, "regression", subset_of_weights="all", hessian_structure="glas",
+                     n_components=3)  # fmt: skip
+        la.fit(batches)
+        assert network.training == (mode == "train")
+        la(X[:3], pred_type="glm")
+        assert network.training == (mode == "train")
+        fits[mode] = la.eigenvalues
+    torch.testing.assert_close(fits["train"], fits["eval"])

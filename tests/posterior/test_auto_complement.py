@@ -195,3 +195,13 @@ def test_kron_refusal_accepts_linear_layers(mlp_model):
     # data-parallel fits are served too: the factors are summed over the ranks
     # (tests/curvature/test_distributed.py)
     assert kron_refusal(mlp_model) is None
+
+
+@pytest.mark.parametrize("value", ["kronn", None, 3])
+def test_assigning_an_unknown_complement_is_refused_and_changes_nothing(mlp_model, data, value):
+    X, y = data
+    la = fitted(mlp_model, X, y)
+    before = (la.complement, la.complement_reason)
+    with pytest.raises((ValueError, TypeError), match="complement"):
+        la.complement = value
+    assert (la.complement, la.complement_reason) == before

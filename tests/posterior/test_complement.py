@@ -316,3 +316,25 @@ def test_float32_variances_stay_nonnegative_under_a_huge_prior():
         f_var = torch.einsum("nck,k,nlk->ncl", JV, w, JV) + JR @ JR.transpose(-1, -2)
         worst = min(worst, f_var.diagonal(dim1=-2, dim2=-1).min().item())
     assert worst >= 0.0
+
+
+def test_empirical_bayes_looks_past_the_grid_and_refuses_no_optimum():
+    """The evidence optimum beyond [1e-8, 1e8] (a far prior mean) is found, not the grid's
+    edge; a prior mean at the weights (no finite optimum) is refused by name, as the
+    subspace alone refuses it."""
+    X, y = regression_data(48, dtype=torch.float64, seed=3)
+    model = train(mlp([1, 6, 1], dtype=torch.float64), X, y, steps=100)
+    D = sum(p.numel() for p in model.parameters())
+    for complement in ("diag", "kron"):
+        far = fit_glas(model, X, y, n_components=2, loss_scaling="sum", complement=complement,
+                       prior_mean=torch.full((D,), 1e5, dtype=torch.float64))  # fmt: skip
+        far.optimize_prior_precision()
+        tau = float(far.prior_precision)
+        assert 1e-12 < tau < 1e-9  # ~ D / ||theta* - mu_0||^2 = D / (D 1e10)
+        lml = far.log_marginal_likelihood(torch.tensor(tau, dtype=torch.float64))
+        for other in (tau / 1.05, tau * 1.05, 1e-8):
+            assert lml >= far.log_marginal_likelihood(torch.tensor(other, dtype=torch.float64))
+        at_weights = fit_glas(model, X, y, n_components=2, loss_scaling="sum",
+                              complement=complement, prior_mean=far.mean.clone())  # fmt: skip
+        with pytest.raises(ValueError, match="no finite optimum"):
+            at_weights.optimize_prior_precision()
