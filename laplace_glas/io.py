@@ -339,7 +339,18 @@ def _check_ggn_kron(
         ]
         if sum(math.prod(shape) for shape in shapes) != n_params:
             raise ValueError(f"state_dict['ggn_kron'] does not cover the D={n_params} weights.")
-    return check_kron_factors(blocks, shapes, "state_dict['ggn_kron']", partial=partial)
+    checked = check_kron_factors(blocks, shapes, "state_dict['ggn_kron']", partial=partial)
+    for i, block in enumerate(checked):  # sums of outer products: positive semi-definite
+        for F in block:
+            values = torch.linalg.eigvalsh(F.double())
+            rounding = math.sqrt(torch.finfo(F.dtype).eps) * max(float(values.abs().max()), 1e-30)
+            if F.numel() and float(values.min()) < -rounding:
+                raise ValueError(
+                    f"state_dict['ggn_kron']: block {i} holds a factor with a negative "
+                    f"eigenvalue ({float(values.min()):.3g}); KFAC's factors are positive "
+                    "semi-definite."
+                )
+    return checked
 
 
 def restored_complement(

@@ -38,6 +38,7 @@ from torch import nn
 
 from laplace_glas.curvature.batches import scored_pair
 from laplace_glas.curvature.distributed import Shards, all_reduce_sum, flag_failure
+from laplace_glas.curvature.kron_blocks import parameter_owners
 from laplace_glas.curvature.losses import summed_unit_noise_loss
 from laplace_glas.curvature.per_example_diagonal import per_example_ggn_diagonal
 from laplace_glas.progress import progress
@@ -136,12 +137,9 @@ def shared_parameters(model: nn.Module) -> str | None:
     by two modules (tied weights), whose diagonal BackPACK takes from one use only
     (None where no parameter is shared).
     """
-    owners: dict[int, str] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        for param_name, param in module.named_parameters(recurse=False):
-            where = f"{name}.{param_name}" if name else param_name
-            if param.requires_grad and owners.setdefault(id(param), where) != where:
-                return f"{owners[id(param)]!r} and {where!r} are one tied parameter"
+    for names in parameter_owners(model).values():
+        if len(names) > 1:
+            return f"{names[0]!r} and {names[1]!r} are one tied parameter"
     return None
 
 

@@ -208,6 +208,14 @@ class SubspaceFit(ComplementPass, FitAgreement):
                 "GGN products; use drop_last=False."
             )
         reiterable("train_loader", train_loader)
+        frozen = [n for n, p in zip(self._param_names, self.params) if not p.requires_grad]
+        if frozen:
+            raise ValueError(
+                f"The parameters {', '.join(frozen[:5])} no longer require grad: the "
+                "posterior was constructed over them (as laplace-torch, it collects the "
+                "trainable parameters at construction). Construct a new Laplace object "
+                "for the model as it is now."
+            )
         trainable_size_and_dtype(self.model)  # e.g. moved to the 'meta' device since
         k = self._validate_n_components(
             self.H[0].shape[1] if update else self._n_components, self.n_params

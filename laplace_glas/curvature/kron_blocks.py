@@ -26,6 +26,7 @@ __all__ = [
     "kfac_parameters",
     "kron_diag_refusal",
     "kron_refusal",
+    "parameter_owners",
     "union_of_factors",
 ]
 
@@ -39,6 +40,13 @@ def kron_refusal(model: nn.Module) -> str | None:
     outside the layers curvlinops' KFAC covers (``nn.Linear``, ``nn.Conv2d``). A
     data-parallel fit is served too: the factors are summed over the ranks.
     """
+    for owners in parameter_owners(model).values():
+        if len(owners) > 1:
+            return (
+                f"complement='kron' takes each parameter's KFAC block from one layer, and "
+                f"{owners[0]!r} and {owners[1]!r} are one tied parameter (its curvature "
+                "comes from both uses). Use complement='kron_diag' or 'diag'."
+            )
     for name, module in model.named_modules():
         if isinstance(module, KFAC_LAYERS):
             continue
@@ -53,15 +61,32 @@ def kron_refusal(model: nn.Module) -> str | None:
     return None
 
 
+def parameter_owners(model: nn.Module) -> dict[int, list[str]]:
+    """``id(param) -> [names]``: where modules hold each trainable parameter (two or more
+    names: a parameter tied across modules, whose curvature comes from every use).
+    """
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param_name, param in module.named_parameters(recurse=False):
+            if param.requires_grad:
+                where = f"{name}.{param_name}" if name else param_name
+                if where not in owners.setdefault(id(param), []):
+                    owners[id(param)].append(where)
+    return owners
+
+
 def kfac_parameters(model: nn.Module) -> list[str]:
     """Names of the trainable parameters held by the layers KFAC covers
-    (:data:`KFAC_LAYERS`), in the order of ``model.named_parameters()``.
+    (:data:`KFAC_LAYERS`), in the order of ``model.named_parameters()``; a parameter tied
+    across modules is left out (KFAC takes one use of it; the diagonal takes both).
     """
+    owners = parameter_owners(model)
     covered = {
         id(param)
         for module in model.modules()
         if isinstance(module, KFAC_LAYERS)
         for param in module.parameters(recurse=False)
+        if len(owners.get(id(param), [])) == 1
     }
     return [n for n, p in model.named_parameters() if p.requires_grad and id(p) in covered]
 

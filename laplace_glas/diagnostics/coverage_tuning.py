@@ -225,6 +225,13 @@ def grid_candidates(
             except ValueError:
                 pass
         pairs.extend((k, t, eb) for t, eb in taus.items())
+    if not pairs:
+        raise ValueError(
+            "prior_precisions is empty and no k has an empirical-Bayes optimum (the "
+            "evidence has no finite optimum in the prior precision, e.g. a prior mean at "
+            "the fitted weights): pass prior precisions to try, or leave "
+            "prior_precisions=None to tune it on the calibration data."
+        )
     return pairs
 
 

@@ -167,6 +167,22 @@ class FactoredMatrix:
         """Device of the factors."""
         return self.vectors.device
 
+    def to_dense(self) -> torch.Tensor:
+        """The ``D x D`` matrix (subclasses)."""
+        raise NotImplementedError
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """``torch.allclose``, ``torch.equal`` and ``torch.einsum`` accept the operators
+        (laplace-torch's code and tests apply them to posterior precisions and
+        covariances) through their ``D x D`` matrices, like the dense computations they
+        replace. Other torch functions are refused.
+        """
+        if func not in (torch.einsum, torch.allclose, torch.equal):
+            return NotImplemented
+        dense = (a.to_dense() if isinstance(a, FactoredMatrix) else a for a in args)
+        return func(*dense, **(kwargs or {}))
+
 
 class SubspaceOperator(FactoredMatrix):
     """The symmetric matrix ``A = U diag(d) U^T + c (I - U U^T)``, never formed.

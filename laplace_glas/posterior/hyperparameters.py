@@ -131,10 +131,10 @@ class PosteriorHyperparameters:
         """Which complement's curvature the stored fit holds (``'diag'``, ``'kron'``,
         ``'kron_diag'``; None: none).
         """
-        kron = getattr(self, "_ggn_kron", None)
-        if kron is not None:
-            return "kron_diag" if any(not block for block in kron.kfacs) else "kron"
-        return "diag" if getattr(self, "_ggn_diagonal", None) is not None else None
+        kron, diagonal = getattr(self, "_ggn_kron", None), getattr(self, "_ggn_diagonal", None)
+        if kron is not None:  # 'kron_diag' keeps a diagonal, empty where KFAC covers all
+            return "kron_diag" if diagonal is not None else "kron"
+        return "diag" if diagonal is not None else None
 
     def _complement_refusal(self, complement: str, update: bool) -> str | None:
         """Why ``fit`` cannot compute ``complement``'s curvature here (None: it can): the
@@ -204,6 +204,16 @@ class PosteriorHyperparameters:
         self._complement_setting = value
         self._complement_fitted = None
         self._complement_why = None
+        if value == "auto" and getattr(self, "_eigenpairs", None) is not None:
+            # after a fit: what the stored fit's curvature serves ('zero' without one)
+            stored = self._stored_complement_curvature()
+            self._complement_fitted = stored or "zero"
+            self._complement_why = (
+                f"complement='auto' assigned after fit: {stored!r}, the curvature the fit stored."
+                if stored
+                else "complement='auto' assigned after fit: 'zero', "
+                "the fit stored no curvature outside span(U) (refit for one)."
+            )
 
     @property
     def complement_reason(self) -> str | None:

@@ -198,8 +198,7 @@ class SubspacePosterior:
         'kron_diag' the GGN diagonal fills the empty blocks.
         """
         kron, complement = getattr(self, "_ggn_kron", None), self.complement
-        partial = kron is not None and any(not block for block in kron.kfacs)
-        if kron is None or partial != (complement == "kron_diag"):
+        if kron is None or self._stored_complement_curvature() != complement:
             raise ValueError(
                 f"complement={complement!r} needs its curvature, computed by fit: this "
                 f"posterior was fitted with another complement. Refit with "
@@ -209,7 +208,7 @@ class SubspacePosterior:
         cache = getattr(self, "_kron_cache", None)
         if cache is None or cache[0] is not kron or cache[1] is not diagonal:
             sizes = [q.numel() for q, block in zip(self.params, kron.kfacs) if not block]
-            pieces = list(diagonal.split(sizes)) if partial else None
+            pieces = list(diagonal.split(sizes)) if sizes else None
             blocks = KronCurvature.decompose(kron, self._dtype, self._device, pieces)
             cache = (kron, diagonal, blocks)
             self._kron_cache = cache

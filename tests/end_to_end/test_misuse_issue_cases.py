@@ -167,3 +167,62 @@ def test_a_model_in_train_mode_is_left_in_train_mode_and_fits_as_in_eval_mode():
         assert network.training == (mode == "train")
         fits[mode] = la.eigenvalues
     torch.testing.assert_close(fits["train"], fits["eval"])
+
+
+def _small_fit(**kwargs):
+    from laplace import Laplace
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 6), nn.Tanh(), nn.Linear(6, 1)).double()
+    X = torch.randn(48, 2, dtype=torch.float64)
+    y = X[:, :1].sin()
+    la = Laplace(model, "regression", subset_of_weights="all", hessian_structure="glas",
+                 n_components=3, **kwargs)  # fmt: skip
+    la.fit(DataLoader(TensorDataset(X, y), batch_size=16))
+    return la, X, y
+
+
+def test_an_empty_grid_without_an_evidence_optimum_is_refused_by_name():
+    from torch.nn.utils import parameters_to_vector
+
+    torch.manual_seed(0)
+    weights = parameters_to_vector(
+        nn.Sequential(nn.Linear(2, 6), nn.Tanh(), nn.Linear(6, 1)).double().parameters()
+    ).detach()
+    la, X, y = _small_fit(prior_mean=weights)
+    with pytest.raises(ValueError, match="no k has an empirical-Bayes optimum"):
+        la.calibrate(DataLoader(TensorDataset(X, y), batch_size=16), prior_precisions=[])
+
+
+def test_a_negative_definite_kron_factor_is_refused_on_load():
+    la, *_ = _small_fit()
+    assert la.complement == "kron"
+    state = la.state_dict()
+    state["ggn_kron"] = [list(block) for block in state["ggn_kron"]]
+    state["ggn_kron"][0][0] = -state["ggn_kron"][0][0]
+    before = la.posterior_covariance.to_dense()
+    with pytest.raises(ValueError, match="negative eigenvalue"):
+        la.load_state_dict(state)
+    torch.testing.assert_close(la.posterior_covariance.to_dense(), before)
+
+
+@pytest.mark.parametrize("complement", ["kron", "diag"])
+def test_allclose_and_einsum_take_the_curvature_complements_operators(complement):
+    la, *_ = _small_fit(complement=complement)
+    sigma = la.posterior_covariance
+    dense = sigma.to_dense()
+    assert torch.allclose(sigma, dense) and torch.allclose(dense, sigma)
+    assert torch.equal(la.posterior_precision, la.posterior_precision.to_dense())
+    J = torch.randn(3, la.n_params, dtype=torch.float64)
+    torch.testing.assert_close(torch.einsum("nd,de,me->nm", J, sigma, J), J @ dense @ J.T)
+    with pytest.raises(TypeError):
+        torch.exp(sigma)
+
+
+def test_a_layer_frozen_after_construction_is_named_at_the_refit():
+    la, X, y = _small_fit()
+    before = la.eigenvalues.clone()
+    la.model[0].requires_grad_(False)
+    with pytest.raises(ValueError, match=r"0\.weight, 0\.bias no longer require grad"):
+        la.fit(DataLoader(TensorDataset(X, y), batch_size=16))
+    torch.testing.assert_close(la.eigenvalues, before)  # the refused fit changed nothing

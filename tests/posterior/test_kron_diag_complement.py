@@ -174,3 +174,66 @@ def test_explicit_kron_diag_on_an_lstm_and_the_empirical_bayes_prior():
     before = la.log_marginal_likelihood().item()
     la.optimize_prior_precision()
     assert la.log_marginal_likelihood().item() >= before - 1e-9
+
+
+def test_kron_diag_on_a_model_kfac_covers_whole_is_kron():
+    X, y = regression_data(n=40, dtype=DOUBLE, seed=4, d_in=2)
+    torch.manual_seed(0)
+    model = train(nn.Sequential(nn.Linear(2, 5), nn.Tanh(), nn.Linear(5, 1)).to(DOUBLE), X, y,
+                  steps=80)  # fmt: skip
+    fits = {}
+    for complement in ("kron", "kron_diag"):
+        la = Laplace(model, "regression", subset_of_weights="all", hessian_structure="glas",
+                     n_components=3, sigma_noise=0.3, complement=complement)  # fmt: skip
+        la.fit(loader(X, y, batch_size=20))
+        la.optimize_prior_precision()
+        fits[complement] = la
+    mixed, kron = fits["kron_diag"], fits["kron"]
+    assert mixed._ggn_diagonal.numel() == 0
+    torch.testing.assert_close(mixed.prior_precision, kron.prior_precision)
+    for got, want in zip(mixed(X[:4], pred_type="glm"), kron(X[:4], pred_type="glm")):
+        torch.testing.assert_close(got, want)
+    other = Laplace(model, "regression", subset_of_weights="all", hessian_structure="glas",
+                    n_components=3, sigma_noise=0.3, complement="kron_diag")  # fmt: skip
+    other.load_state_dict(mixed.state_dict())
+    torch.testing.assert_close(other.log_marginal_likelihood(), mixed.log_marginal_likelihood())
+
+
+class TiedMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(2, 2)
+        self.second = nn.Linear(2, 2)
+        self.second.weight = self.first.weight
+        self.head = nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.second(torch.tanh(self.first(x)))))
+
+
+def test_a_tied_weight_takes_the_exact_diagonal_not_one_uses_kfac_block():
+    X, y = regression_data(n=40, dtype=DOUBLE, seed=5, d_in=2)
+    torch.manual_seed(0)
+    model = train(TiedMLP().to(DOUBLE), X, y, steps=80)
+    la = Laplace(model, "regression", subset_of_weights="all", hessian_structure="glas",
+                 n_components=2, sigma_noise=0.3)  # fmt: skip
+    la.fit(loader(X, y, batch_size=20))
+    assert la.complement == "kron_diag" and "tied" in la.complement_reason
+    names = [n for n, _ in model.named_parameters()]
+    assert names[0] == "first.weight" and la._ggn_kron.kfacs[0] == []
+    _, J = output_jacobian(model, X)
+    explicit = torch.einsum("tcd,tcd->d", J, J)  # both uses of the tied weight
+    torch.testing.assert_close(la._ggn_diagonal, explicit[:4])
+
+
+def test_auto_assigned_after_fit_keeps_the_fitted_curvature(norm_fit):
+    la, model, X, _ = norm_fit
+    variance = la(X[:3], pred_type="glm")[1]
+    la.complement = "zero"
+    la.complement = "auto"
+    assert la.complement == "kron_diag" and "assigned after fit" in la.complement_reason
+    torch.testing.assert_close(la(X[:3], pred_type="glm")[1], variance)
+    other = Laplace(model, "regression", subset_of_weights="all", hessian_structure="glas",
+                    n_components=3, sigma_noise=0.3)  # fmt: skip
+    other.load_state_dict(la.state_dict())
+    assert other.complement == "kron_diag"
