@@ -28,8 +28,12 @@ Classification targets equal to ``ignore_index`` contribute nothing. Modules wit
 ``vmap`` batching rule over examples fall back to a loop over the examples (each still
 ``vmap``-ed over its columns), and models torch.func refuses (non-reentrant activation
 checkpointing saves its tensors through hooks) to one ``torch.autograd.grad`` call per
-example and column. The cost is ``C`` (times the positions) backward passes of
-one example per example: about what BackPACK's exact diagonal costs.
+example and column (also where a module calls ``requires_grad_`` in its forward pass or
+holds an ``autograd.Function`` without ``setup_context``). The cost is ``C`` (times the
+positions) backward passes of one example per example, and ``C D`` numbers per example
+held at once: BackPACK's layer-wise diagonal, where it covers the model, is much cheaper
+(0.07 s against 5.5 s on a 10-300-300-10 MLP with N = 2,000), so it stays the first
+choice there.
 
 :func:`sampled_ggn_diagonal_columns` gives the opt-in Monte Carlo variant: one column
 ``l = Lambda^{1/2} xi`` per position with Rademacher ``xi`` (an unbiased estimate of the
@@ -119,10 +123,11 @@ def _squared_pullbacks(
     try:
         _, pullback = vjp(lambda params: call(params, x)[0], free)
         (grads,) = vmap(pullback)(_cotangents(columns))
-    except RuntimeError as err:
-        if "saved tensor hooks" not in str(err):
-            raise
-        return _squared_gradients(call, free, x, columns)
+    except RuntimeError as err:  # what torch.func refuses, plain autograd may take
+        try:
+            return _squared_gradients(call, free, x, columns)
+        except Exception:
+            raise err from None
     return {name: grad.square().sum(0) for name, grad in grads.items()}
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from conftest import output_jacobian, softmax_ggn
@@ -197,3 +199,46 @@ def test_mismatched_targets_are_named():
         batch_ggn_diagonal(model, ["weight"], X, torch.randn(4, dtype=DOUBLE), "regression")
     with pytest.raises(ValueError, match="Classification targets of shape"):
         batch_ggn_diagonal(model, ["weight"], X, torch.zeros(4, 2).long(), "classification")
+
+
+class _FrozenCheckpointed(nn.Module):
+    """A frozen first layer under reentrant checkpointing (an ``autograd.Function``
+    torch.func cannot transform), then trainable layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(3, 4).requires_grad_(False)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.utils.checkpoint.checkpoint(
+            lambda z: torch.tanh(self.frozen(z)), x, use_reentrant=True
+        )
+        return self.head(hidden * self.scale)
+
+
+def test_what_torch_func_refuses_falls_back_to_autograd_and_stays_exact():
+    torch.manual_seed(0)
+    model = _FrozenCheckpointed().to(DOUBLE).eval()
+    gen = torch.Generator().manual_seed(3)
+    X = torch.randn(6, 3, generator=gen, dtype=DOUBLE)
+    y = torch.randn(6, 2, generator=gen, dtype=DOUBLE)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's note on inputs without grad
+        got = batch_ggn_diagonal(model, names, X, y, "regression")
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    with warnings.catch_warnings():  # the reference: autograd's Jacobian, per parameter
+        warnings.simplefilter("ignore")
+        J = torch.cat(
+            [
+                torch.autograd.functional.jacobian(
+                    lambda v, n=n: torch.func.functional_call(model, {**params, n: v}, (X,)),
+                    params[n],
+                ).reshape(6, 2, -1)
+                for n in names
+            ],
+            dim=-1,
+        )
+    torch.testing.assert_close(got, J.square().sum((0, 1)), rtol=1e-10, atol=1e-12)
