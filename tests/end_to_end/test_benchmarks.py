@@ -138,9 +138,11 @@ def test_scale_benchmark_one_fit_in_a_fresh_process():
 
 
 def test_fit_floor_benchmark_quick_table():
-    """benchmarks/fit_floor.py --quick: a row per fit-cost case, its arithmetic floor and
-    its measured kernel floor positive and below the measured GLAS fit (no fit beats the
-    arithmetic or the kernels it must run)."""
+    """benchmarks/fit_floor.py --quick: a row per fit-cost case, with its arithmetic floor,
+    measured kernel floor and measured GLAS fit positive and finite. How the floors
+    compare with the fit is the benchmark's to report, not a test's to assert: with one
+    repeat the fit and the kernels are timed once each on a shared machine (a clean-clone
+    run once measured the kernels at 0.0342 s and the whole fit at 0.034 s)."""
     done = subprocess.run(
         [
             sys.executable,
@@ -158,9 +160,8 @@ def test_fit_floor_benchmark_quick_table():
     for row in rows:
         cells = row.strip("| ").split(" | ")
         floor, glas = float(cells[2]), float(cells[3])
-        assert 0 < floor < glas
         kernels = float(cells[9].split(" (")[0])
-        assert 0 < kernels < glas
+        assert all(0 < value < math.inf for value in (floor, glas, kernels)), row
         assert cells[9].count("loader") == 1 and cells[9].count("pass") == 1
 
 
