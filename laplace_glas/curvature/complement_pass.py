@@ -144,6 +144,7 @@ class ComplementPass:
     ) -> ComplementCurvature:
         """``'auto'`` over ``candidates`` (``reasons``: the refusals so far)."""
         reasons, shape = list(reasons or []), tuple(self.prior_precision.shape)
+        n_new = None if problem is None else problem.n_loader_terms
         for candidate in candidates:
             refusal = self._complement_refusal(candidate, update)
             if refusal is None and candidate != "diag" and self._per_weight_prior():
@@ -157,7 +158,6 @@ class ComplementPass:
                                                reasons=reasons)  # fmt: skip
             if refusal is None:
                 try:
-                    n_new = None if problem is None else problem.n_loader_terms
                     curvature = self._complement_data(
                         candidate, loader, shards, show, update, n_new
                     )

@@ -42,6 +42,7 @@ same diagonal at ``1/C`` of the cost).
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -51,7 +52,7 @@ from torch.func import functional_call, vjp, vmap
 
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.autodiff.rnn import elementary_rnns
-from laplace_glas.curvature.batches import split_batch
+from laplace_glas.curvature.batches import slice_batch, split_batch
 from laplace_glas.progress import progress
 
 __all__ = [
@@ -102,9 +103,7 @@ def _cotangents(columns: torch.Tensor) -> torch.Tensor:
     ``s``, zero elsewhere (``columns``: ``(*S, C, R)`` of one example).
     """
     positions, C, R = columns.shape[:-2], columns.shape[-2], columns.shape[-1]
-    n_positions = 1
-    for size in positions:
-        n_positions *= size
+    n_positions = math.prod(positions)
     flat = columns.reshape(n_positions, C, R).permute(0, 2, 1)  # (S, R, C)
     eye = torch.eye(n_positions, dtype=columns.dtype, device=columns.device)
     cotangents = eye[:, None, :, None] * flat[:, :, None, :]  # (S, R, S, C)
@@ -193,6 +192,10 @@ def batch_ggn_diagonal(
         gradients, ``chunk x positions x columns x D`` numbers, within ``2^24``).
 
     """
+    if not isinstance(X, torch.Tensor | Mapping):
+        raise ValueError(
+            f"The GGN diagonal takes tensor or mapping inputs, got {type(X).__name__}."
+        )
     params = dict(model.named_parameters())
     free = {name: params[name].detach() for name in names}
     fixed = {name: p.detach() for name, p in params.items() if name not in free}
@@ -218,7 +221,8 @@ def batch_ggn_diagonal(
         )
     if estimator == "mc":
         columns = sampled_ggn_diagonal_columns(columns, generator)
-    cotangent_numbers = columns[0].numel() // columns.shape[-2] * outputs[0].numel()
+    n_cotangents = columns[0].numel() // columns.shape[-2]  # positions x columns
+    cotangent_numbers = n_cotangents * outputs[0].numel()
     if cotangent_numbers > _CHUNK_ELEMENTS:
         raise ValueError(
             f"The exact GGN diagonal of outputs of shape {tuple(outputs.shape[1:])} an "
@@ -227,9 +231,7 @@ def batch_ggn_diagonal(
             "(or 'prior') for per-token outputs over a large vocabulary."
         )
     if chunk_size is None:
-        per_example = (
-            columns[0].numel() // columns.shape[-2] * sum(p.numel() for p in free.values())
-        )
+        per_example = n_cotangents * sum(p.numel() for p in free.values())
         chunk_size = max(1, min(64, _CHUNK_ELEMENTS // max(per_example, 1)))
     total = {name: torch.zeros_like(value) for name, value in free.items()}
     # differentiable kernels, evaluation mode, and recurrent layers in elementary ops (which
@@ -258,8 +260,7 @@ def _chunk_diagonal(
     """The diagonal of the examples ``rows``: ``vmap`` over them where the model allows,
     else a loop.
     """
-    n_rows = columns.shape[0]
-    x_rows = _slice(X, rows, n_rows)
+    x_rows = slice_batch(X, columns.shape[0], rows.start, rows.stop)
     cols = columns[rows]
     if isinstance(X, torch.Tensor) and model not in _LOOPED:
         try:
@@ -272,26 +273,10 @@ def _chunk_diagonal(
             _LOOPED.add(model)  # no batching rule: the loop below, now and later
     totals = {name: torch.zeros_like(value) for name, value in free.items()}
     for i in range(cols.shape[0]):
-        example = _slice(x_rows, slice(i, i + 1), cols.shape[0])
+        example = slice_batch(x_rows, cols.shape[0], i, i + 1)
         for name, value in _squared_pullbacks(call, free, example, cols[i]).items():
             totals[name] += value
     return totals
-
-
-def _slice(X: object, rows: slice, n_rows: int) -> object:
-    """Rows ``rows`` of a tensor, or of every tensor entry of a mapping with ``n_rows``
-    leading rows (other entries whole).
-    """
-    if isinstance(X, torch.Tensor):
-        return X[rows]
-    if isinstance(X, Mapping):
-        return {
-            key: value[rows]
-            if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == n_rows
-            else value
-            for key, value in X.items()
-        }
-    raise ValueError(f"The GGN diagonal takes tensor or mapping inputs, got {type(X).__name__}.")
 
 
 def per_example_ggn_diagonal(

@@ -243,15 +243,16 @@ class PosteriorHyperparameters:
             self._complement_setting, self._complement_fitted = "auto", state["complement"]
             self._complement_why = state.get("complement_reason") or None
 
-    def _per_weight_prior(self) -> bool:
-        """Whether the prior precision has one value per weight (not a scalar, not one
-        per parameter tensor): what the Kronecker blocks of 'kron' / 'kron_diag' cannot
-        take.
+    def _per_weight_prior(self, prior_precision: Any = None) -> bool:
+        """Whether ``prior_precision`` (default: the one set) has one value per weight
+        (not a scalar, not one per parameter tensor): what the Kronecker blocks of
+        'kron' / 'kron_diag' cannot take.
         """
-        prior_precision = getattr(self, "_prior_precision", None)
-        if prior_precision is None or prior_precision.numel() == 1:
+        if prior_precision is None:
+            prior_precision = getattr(self, "_prior_precision", None)
+        if not isinstance(prior_precision, torch.Tensor):
             return False
-        return prior_precision.numel() != len(list(self.params))
+        return prior_precision.numel() not in (1, self.n_layers)
 
     def _capped_default(self, k: int | None, n_params: float) -> int:
         """``k``, or for the default (``None``, or the default after the weights are
@@ -354,10 +355,9 @@ class PosteriorHyperparameters:
             prior_precision = prior_precision.reshape(-1)
         else:
             prior_precision = scalar_value("prior_precision", prior_precision)
-        n_values = prior_precision.numel() if isinstance(prior_precision, torch.Tensor) else 1
         if (
             self.complement in ("kron", "kron_diag")
-            and n_values not in (1, self.n_layers)
+            and self._per_weight_prior(prior_precision)
             and getattr(self, "_ggn_kron", None) is not None
             and any(len(block) > 0 for block in self._ggn_kron.kfacs)
         ):

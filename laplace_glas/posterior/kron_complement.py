@@ -36,15 +36,25 @@ KFAC's curvature restricted to it (the Schur complement of ``E`` on ``P``).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 from laplace.utils.matrix import Kron
 
 from laplace_glas.curvature.solvers.threads import eigh_threads
 from laplace_glas.posterior.closed_forms import FactoredMatrix, proper_tau
-from laplace_glas.posterior.complement import ProjectedComplementPosterior
+from laplace_glas.posterior.complement import (
+    DiagonalComplementPosterior,
+    ProjectedComplementPosterior,
+    residual_curvature,
+)
 
-__all__ = ["KronComplementPosterior", "KronCurvature", "KronLowRankOperator"]
+__all__ = [
+    "KronComplementPosterior",
+    "KronCurvature",
+    "KronLowRankOperator",
+    "curvature_complement_posterior",
+]
 
 
 class KronCurvature:
@@ -99,7 +109,27 @@ class KronCurvature:
     @property
     def n_params(self) -> int:
         """``D``."""
-        return sum(math.prod(len(v) for v in ls) for _, ls in self.blocks)
+        return sum(size for _, size, _, _ in self._spans())
+
+    def _spans(self) -> Iterator[tuple[int, int, list, list]]:
+        """``(start, size, Qs, ls)`` of each block: its rows among the ``D`` weights."""
+        start = 0
+        for Qs, ls in self.blocks:
+            size = math.prod(len(v) for v in ls)
+            yield start, size, Qs, ls
+            start += size
+
+    def _shifted(self, tau: torch.Tensor) -> Iterator[tuple[int, list, torch.Tensor]]:
+        """``(start, Qs, s lambda + tau)`` of each block, on its eigenvalues' grid
+        (``tau`` 0-dim, or a ``(D,)`` prior diagonal: constant over a Kronecker block,
+        entry by entry on a diagonal one).
+        """
+        for start, size, Qs, ls in self._spans():
+            shift = tau
+            if tau.ndim:
+                shift = tau[start : start + size]
+                shift = shift[0] if Qs else shift
+            yield start, Qs, self._block_values(ls) + shift
 
     def _block_values(self, ls: list[torch.Tensor]) -> torch.Tensor:
         """``s`` times the block's eigenvalues, laid out as its ``(d_B, d_A)`` grid."""
@@ -126,16 +156,14 @@ class KronCurvature:
         if all(Qs for Qs, _ in self.blocks):
             return self
         held = U.square() @ a  # (D,) diag(U diag(a) U^T), scaled as s C
-        blocks, start = [], 0
+        blocks = []
         scale = self.scale.detach()
-        for Qs, ls in self.blocks:
-            size = math.prod(len(v) for v in ls)
+        for start, size, Qs, ls in self._spans():
             if not Qs and bool(scale > 0):
                 c = (ls[0] - held[start : start + size] / scale).clamp_min(0)
                 blocks.append(([], [c]))
             else:
                 blocks.append((Qs, ls))
-            start += size
         return KronCurvature(blocks, self.scale)
 
     def check_prior(self, prior: torch.Tensor, complement: str) -> None:
@@ -143,9 +171,7 @@ class KronCurvature:
         parameter tensor: a layerwise prior), so that ``C + diag(prior)`` keeps the
         blocks' eigenvectors; diagonal blocks take any positive values.
         """
-        start = 0
-        for Qs, ls in self.blocks:
-            size = math.prod(len(v) for v in ls)
+        for start, size, Qs, _ in self._spans():
             block = prior[start : start + size]
             if Qs and bool((block != block[0]).any()):
                 raise ValueError(
@@ -153,7 +179,6 @@ class KronCurvature:
                     "(one value per parameter tensor) on its Kronecker blocks; a per-weight "
                     "prior needs complement='diag'."
                 )
-            start += size
 
     def apply(self, W: torch.Tensor, tau: torch.Tensor, exponent: float = 1.0) -> torch.Tensor:
         """``(C + tau I)^exponent`` applied to the last axis of ``W`` ``(..., D)``."""
@@ -177,52 +202,39 @@ class KronCurvature:
         """
         lead, D = W.shape[:-1], W.shape[-1]
         W = W.reshape(-1, D)
-        out, start = [], 0
-        for Qs, ls in self.blocks:
-            values = self._block_values(ls)
-            shift = tau
-            if tau.ndim:  # a prior diagonal: constant over a Kronecker block
-                shift = tau[start : start + values.numel()]
-                shift = shift[0] if Qs else shift
-            scaled = (values + shift).pow(exponent)
+        out = []
+        for start, Qs, shifted in self._shifted(tau):
+            scaled = shifted.pow(exponent)
+            part = W[:, start : start + scaled.numel()]
             if not Qs:  # a diagonal block: its own eigenbasis
-                out.append(W[:, start : start + scaled.numel()] * scaled)
+                out.append(part * scaled)
             elif len(Qs) == 1:
                 (Q,) = Qs
-                part = W[:, start : start + len(ls[0])]
                 rotated = (part @ Q) * scaled
                 out.append(rotated @ Q.T if rotate_back else rotated)
             else:
                 QB, QA = Qs
-                part = W[:, start : start + len(ls[0]) * len(ls[1])]
-                part = part.reshape(-1, len(ls[0]), len(ls[1]))
+                part = part.reshape(-1, *scaled.shape)
                 rotated = (QB.T @ part @ QA) * scaled
                 if rotate_back:
                     rotated = QB @ rotated @ QA.T
                 out.append(rotated.reshape(part.shape[0], -1))
-            start += scaled.numel()
         return torch.cat(out, dim=1).reshape(*lead, D)
 
-    def inverse_diagonal(self, tau: torch.Tensor) -> torch.Tensor:
-        """``diag((C + tau I)^{-1})`` ``(D,)`` without forming a block: for ``Q = Q_B (x)
-        Q_A`` and ``g = 1 / (s l_B l_A^T + tau)`` on the ``(d_B, d_A)`` grid the block's
-        diagonal is ``(Q_B o Q_B) g (Q_A o Q_A)^T``.
+    def power_diagonal(self, tau: torch.Tensor, exponent: float = -1.0) -> torch.Tensor:
+        """``diag((C + tau I)^exponent)`` ``(D,)`` without forming a block: for ``Q = Q_B
+        (x) Q_A`` and ``g = (s l_B l_A^T + tau)^exponent`` on the ``(d_B, d_A)`` grid the
+        block's diagonal is ``(Q_B o Q_B) g (Q_A o Q_A)^T``.
         """
-        out, start = [], 0
-        for Qs, ls in self.blocks:
-            values = self._block_values(ls)
-            shift = tau
-            if tau.ndim:
-                shift = tau[start : start + values.numel()]
-                shift = shift[0] if Qs else shift
-            g = 1.0 / (values + shift)
+        out = []
+        for _, Qs, shifted in self._shifted(tau):
+            g = shifted.pow(exponent)
             if not Qs:
                 out.append(g)
             elif len(Qs) == 1:
                 out.append(Qs[0].square() @ g)
             else:
                 out.append((Qs[0].square() @ g @ Qs[1].square().T).reshape(-1))
-            start += values.numel()
         return torch.cat(out)
 
     def to_dense(self, tau: torch.Tensor, exponent: float = 1.0) -> torch.Tensor:
@@ -257,8 +269,10 @@ class KronLowRankOperator(FactoredMatrix):
         return base + V @ coeffs
 
     def diagonal(self) -> torch.Tensor:
-        """``diag(M)`` (``O(D^2)`` through the dense base: small models)."""
-        base = self.curvature.to_dense(self.tau, self.exponent).diagonal()
+        """``diag(M)``, the base's by :meth:`KronCurvature.power_diagonal` (no ``D x D``
+        matrix).
+        """
+        base = self.curvature.power_diagonal(self.tau, self.exponent)
         return base + self.vectors.square() @ self.weights
 
     def to_dense(self) -> torch.Tensor:
@@ -348,11 +362,29 @@ class KronComplementPosterior(ProjectedComplementPosterior):
         return self.C.logdet(self.tau)
 
     def inverse_E_diagonal(self) -> torch.Tensor:
-        """``diag((C + tau I)^{-1})`` (:meth:`KronCurvature.inverse_diagonal`)."""
-        return self.C.inverse_diagonal(self.tau)
+        """``diag((C + tau I)^{-1})`` (:meth:`KronCurvature.power_diagonal`)."""
+        return self.C.power_diagonal(self.tau)
 
     def _covariance_operator(self, V: torch.Tensor, w: torch.Tensor) -> KronLowRankOperator:
         return KronLowRankOperator(self.C, self.tau, -1.0, V, w)
 
     def _precision_operator(self, V: torch.Tensor, w: torch.Tensor) -> KronLowRankOperator:
         return KronLowRankOperator(self.C, self.tau, 1.0, V, w)
+
+
+def curvature_complement_posterior(
+    complement: str,
+    vectors: torch.Tensor,
+    curvature: torch.Tensor,
+    prior: torch.Tensor,
+    complement_curvature: torch.Tensor | KronCurvature,
+) -> ProjectedComplementPosterior:
+    """The posterior of a curvature-aware complement (``'diag'``, ``'kron'``,
+    ``'kron_diag'``): ``(U, a)`` under ``prior`` (0-dim ``tau`` or a ``(D,)`` diagonal),
+    and off ``span(U)`` the fitted complement curvature less what ``span(U)`` holds
+    (:func:`~laplace_glas.posterior.complement.residual_curvature`).
+    """
+    residual = residual_curvature(complement_curvature, vectors, curvature)
+    if complement == "diag":
+        return DiagonalComplementPosterior(vectors, curvature, prior, residual)
+    return KronComplementPosterior(vectors, curvature, prior, residual, complement)

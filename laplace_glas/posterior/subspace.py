@@ -39,9 +39,7 @@ from laplace_glas.posterior.closed_forms import (
     proper_tau,
 )
 from laplace_glas.posterior.complement import (
-    DiagonalComplementPosterior,
     optimal_complement_prior_precision,
-    residual_curvature,
 )
 from laplace_glas.posterior.diagonal_prior import (
     DiagonalPriorPosterior,
@@ -49,7 +47,7 @@ from laplace_glas.posterior.diagonal_prior import (
     layer_grams,
 )
 from laplace_glas.posterior.hyperparameters import CURVATURE_COMPLEMENTS, unchanged_on_failure
-from laplace_glas.posterior.kron_complement import KronComplementPosterior, KronCurvature
+from laplace_glas.posterior.kron_complement import KronCurvature, curvature_complement_posterior
 from laplace_glas.posterior.prior import Prior
 from laplace_glas.validation import (
     choice,
@@ -169,14 +167,11 @@ class SubspacePosterior:
         if self._directions_embedded:
             self._prior.check_embedded(type(self).__name__)
         U, curvature = self.eigenvectors, self.subspace_curvature  # refused before a fit
-        if self.complement in CURVATURE_COMPLEMENTS:  # what span(U) does not hold
-            residual = residual_curvature(self._complement_curvature(), U, curvature)
-        if self.complement == "diag":
-            return DiagonalComplementPosterior(U, curvature, self._complement_prior(), residual)
-        if self.complement in ("kron", "kron_diag"):
-            return KronComplementPosterior(
-                U, curvature, self._complement_prior(), residual, self.complement
-            )
+        if self.complement in CURVATURE_COMPLEMENTS:
+            return curvature_complement_posterior(
+                self.complement, U, curvature, self._complement_prior(),
+                self._complement_curvature(),
+            )  # fmt: skip
         return self._prior.posterior(U, curvature, self.complement, self._layer_grams)
 
     def _complement_curvature(self) -> torch.Tensor | KronCurvature:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from laplace_glas.curvature import Eigenpairs
+from laplace_glas.posterior.kron_complement import curvature_complement_posterior
 from laplace_glas.posterior.prior import Prior
 from laplace_glas.validation import ArgumentTypeError
 
@@ -168,23 +169,15 @@ class FittedPosterior:
         (:meth:`~laplace_glas.posterior.prior.Prior.posterior`); under the scalar prior
         ``tau`` where given (curvature-aware complements only).
         """
-        from laplace_glas.posterior.complement import (
-            DiagonalComplementPosterior,
-            residual_curvature,
-        )
-        from laplace_glas.posterior.kron_complement import KronComplementPosterior
-
         k = self.n_components if k is None else self.check_k(k)
         U, a = self.eigenvectors[:, :k], self.curvature[:k]
         prior = self.prior.tau if self.prior.tau is not None else self.prior.diagonal()
         if tau is not None:
             prior = torch.as_tensor(tau, dtype=U.dtype, device=U.device)
-        if self.complement in ("diag", "kron", "kron_diag"):  # what span(U) does not hold
-            residual = residual_curvature(self.complement_curvature, U, a)
-        if self.complement == "diag":
-            return DiagonalComplementPosterior(U, a, prior, residual)
-        if self.complement in ("kron", "kron_diag"):
-            return KronComplementPosterior(U, a, prior, residual, self.complement)
+        if self.complement_curvature is not None:  # a curvature-aware complement
+            return curvature_complement_posterior(
+                self.complement, U, a, prior, self.complement_curvature
+            )
         return self.prior.posterior(U, a, self.complement)
 
     @property

@@ -104,6 +104,7 @@ def test_every_form_equals_the_dense_posterior(parts):
     torch.testing.assert_close(post.precision.logdet(), -torch.logdet(sigma))
     torch.testing.assert_close(post.covariance.logdet(), torch.logdet(sigma))
     torch.testing.assert_close(post.covariance.diagonal(), sigma.diagonal())
+    torch.testing.assert_close(post.precision.diagonal(), torch.linalg.inv(sigma).diagonal())
     torch.testing.assert_close(post.precision.clone().to_dense(), torch.linalg.inv(sigma))
     x = torch.randn(D, 2, dtype=DOUBLE)
     torch.testing.assert_close(post.covariance @ x, sigma @ x)
