@@ -341,10 +341,10 @@ def _check_ggn_kron(
             raise ValueError(f"state_dict['ggn_kron'] does not cover the D={n_params} weights.")
     checked = check_kron_factors(blocks, shapes, "state_dict['ggn_kron']", partial=partial)
     for i, block in enumerate(checked):  # sums of outer products: positive semi-definite
-        for F in block:
+        for F in (F for F in block if F.numel()):
             values = torch.linalg.eigvalsh(F.double())
             rounding = math.sqrt(torch.finfo(F.dtype).eps) * max(float(values.abs().max()), 1e-30)
-            if F.numel() and float(values.min()) < -rounding:
+            if float(values.min()) < -rounding:
                 raise ValueError(
                     f"state_dict['ggn_kron']: block {i} holds a factor with a negative "
                     f"eigenvalue ({float(values.min()):.3g}); KFAC's factors are positive "

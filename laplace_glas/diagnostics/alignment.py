@@ -38,7 +38,7 @@ variance is exactly
 
 .. math::
 
-    \\mathrm{variance} + \\mathrm{tr}\\,(J B J^\top),
+    \\mathrm{variance} + \\mathrm{tr}\\,(J B J^\\top),
 
 the second term (:attr:`Alignment.complement_variance`, from the Jacobian over all
 weights as the 'glm' predictive forms it) being the complement's share.

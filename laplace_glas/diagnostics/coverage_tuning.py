@@ -119,10 +119,7 @@ def evidence_k(posterior: Any, ks: Sequence[int], square_norm: float) -> tuple[i
     """
     best: tuple[float, int, float] | None = None
     for k in ks:
-        tau = optimal_complement_prior_precision(
-            posterior.eigenvectors[:, :k], posterior.curvature[:k],
-            posterior.complement_curvature, square_norm,
-        )  # fmt: skip
+        tau = evidence_optimum(posterior, posterior.curvature, k, square_norm)
         occam = float(posterior.posterior_in_use(k, tau).log_det_ratio)
         evidence = -0.5 * (occam + tau * square_norm)
         if best is None or evidence > best[0]:
@@ -239,7 +236,7 @@ def evidence_optimum(
     posterior: FittedPosterior, curvature: torch.Tensor, k: int, square_norm: float
 ) -> float:
     """The evidence-maximising ``tau`` at ``k``: over the subspace, or over every
-    direction for ``complement='diag'`` or ``'kron'`` (its evidence counts the complement
+    direction for a curvature-aware complement (its evidence counts the complement
     too).
     """
     if posterior.complement_curvature is not None:

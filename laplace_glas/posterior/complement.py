@@ -54,7 +54,7 @@ import torch
 from scipy.optimize import minimize_scalar
 
 from laplace_glas.posterior.closed_forms import posterior_variances, proper_tau
-from laplace_glas.posterior.diagonal_prior import LowRankDiagonalOperator
+from laplace_glas.posterior.diagonal_prior import LowRankDiagonalOperator, restricted_precision
 
 __all__ = [
     "DiagonalComplementPosterior",
@@ -149,8 +149,8 @@ class ProjectedComplementPosterior:
 
     .. math::
 
-        \\Sigma = U A^{-1} U^\top + P E^{-1} P, \\qquad
-        \\log\\det \\Sigma^{-1} = \\log\\det A + \\log\\det E - \\log\\det(U^\top E U),
+        \\Sigma = U A^{-1} U^\\top + P E^{-1} P, \\qquad
+        \\log\\det \\Sigma^{-1} = \\log\\det A + \\log\\det E - \\log\\det(U^\\top E U),
 
     and the Occam term subtracts ``log det P_0 = sum_i log p_i``. For ``p = tau 1`` this
     is the scalar posterior above.
@@ -186,7 +186,7 @@ class ProjectedComplementPosterior:
 
         .. math::
 
-            \\mathrm{diag}(U A^{-1} U^\top) + \\mathrm{diag}(E^{-1})
+            \\mathrm{diag}(U A^{-1} U^\\top) + \\mathrm{diag}(E^{-1})
             - 2\\,\\mathrm{rowsum}(U \\circ E^{-1} U) + \\mathrm{rowsum}((U M) \\circ U),
 
         ``M = U^T E^{-1} U`` (``diag(P E^{-1} P)`` expanded; ``O(k D)`` besides ``k``
@@ -219,7 +219,7 @@ class ProjectedComplementPosterior:
         """
         if self.scalar_prior:
             return torch.diag_embed(self.a + self.tau)
-        return torch.diag_embed(self.a) + (self.U.T * self.tau) @ self.U
+        return restricted_precision(self.U, self.a, self.tau)
 
     def _subspace_eigen(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mu_A, R)`` with ``A = R diag(mu_A) R^T`` (``R = I`` for a scalar prior)."""

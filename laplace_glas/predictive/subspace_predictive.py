@@ -9,7 +9,7 @@ arguments and return shapes as laplace-torch's ``ParametricLaplace.__call__``,
 
 .. math::
 
-    \\mathrm{Cov}[f(x)] \approx (J U) \\,\\mathrm{diag}(v - c)\\, (J U)^\top + c\\, J J^\top,
+    \\mathrm{Cov}[f(x)] \\approx (J U) \\,\\mathrm{diag}(v - c)\\, (J U)^\\top + c\\, J J^\\top,
 
 with ``J U`` from ``k`` forward-mode JVPs ('glm'; ``J J^T`` only when ``c > 0``), or
 network outputs at weight samples ('nn').
