@@ -23,6 +23,7 @@ from laplace_glas.curvature.eigenpairs import Eigenpairs
 from laplace_glas.curvature.fitting import loss_fn_name
 from laplace_glas.curvature.kron_blocks import check_kron_factors
 from laplace_glas.validation import (
+    flag,
     homoscedastic_noise,
     positive_scalar,
     prior_precision_values,
@@ -34,6 +35,7 @@ __all__ = [
     "GLAS_KEYS",
     "LAPLACE_KEYS",
     "check_state",
+    "check_state_kind",
     "check_subnetwork_indices",
     "eigenpair_record",
     "glas_state",
@@ -138,6 +140,25 @@ def _check_curvature(H: Any, n_params: int) -> int:
     return n_computed
 
 
+def check_state_kind(state: Any, cls_name: str) -> None:
+    """``state`` is a GLAS state dict (a mapping with every key of :data:`LAPLACE_KEYS`
+    and :data:`GLAS_KEYS`) saved by the class ``cls_name``; a ``ValueError`` naming what
+    it is instead otherwise (the first check of every load, before any entry is read).
+    """
+    if not isinstance(state, Mapping):
+        raise ValueError(f"A GLAS state dict is a mapping, got {type(state).__name__}.")
+    missing = [key for key in (*LAPLACE_KEYS, *GLAS_KEYS) if key not in state]
+    if missing:
+        raise ValueError(
+            f"Not a GLAS state dict: the key(s) {', '.join(map(repr, missing))} are missing."
+        )
+    if state["cls_name"] != cls_name:
+        raise ValueError(
+            f"The state dict is of a {state['cls_name']!r}, not of a {cls_name!r}: make sure "
+            "`subset_of_weights` and `hessian_structure` are correct."
+        )
+
+
 def check_state(
     state: Mapping[str, Any],
     *,
@@ -166,18 +187,7 @@ def check_state(
         or temperature that is not a finite positive number.
 
     """
-    if not isinstance(state, Mapping):
-        raise ValueError(f"A GLAS state dict is a mapping, got {type(state).__name__}.")
-    missing = [key for key in (*LAPLACE_KEYS, *GLAS_KEYS) if key not in state]
-    if missing:
-        raise ValueError(
-            f"Not a GLAS state dict: the key(s) {', '.join(map(repr, missing))} are missing."
-        )
-    if state["cls_name"] != cls_name:
-        raise ValueError(
-            f"The state dict is of a {state['cls_name']!r}, not of a {cls_name!r}: make sure "
-            "`subset_of_weights` and `hessian_structure` are correct."
-        )
+    check_state_kind(state, cls_name)
     if str(getattr(state["likelihood"], "value", state["likelihood"])) != likelihood:
         raise ValueError(
             f"Different likelihoods detected: the state dict's is {state['likelihood']!r}, "
@@ -229,6 +239,7 @@ def check_state(
     _hyperparameter(
         "temperature", lambda: positive_scalar("temperature", state["temperature"], dtype=dtype)
     )
+    _hyperparameter("enable_backprop", lambda: flag("enable_backprop", state["enable_backprop"]))
     prior_mean = state["prior_mean"]
     if isinstance(prior_mean, torch.Tensor):
         if prior_mean.numel() not in (1, n_params) or not torch.isfinite(prior_mean).all():

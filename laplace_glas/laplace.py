@@ -411,7 +411,8 @@ class ActiveSubspaceLaplace(
         all ranks' shards are averaged (:func:`laplace_glas.curvature.collectives.gridsearch`).
         """
         shards = data_parallel(getattr(self, "_process_group", None))
-        check = partial(grid_validation_data, val_loader, self.dict_key_y)
+        outputs = self.n_outputs if self.likelihood == "regression" else None
+        check = partial(grid_validation_data, val_loader, self.dict_key_y, outputs)
         if shards is None:
             check()
             return super()._gridsearch(

@@ -55,7 +55,7 @@ from laplace_glas.curvature.distributed import data_parallel
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES
 from laplace_glas.curvature.planner import Plan
 from laplace_glas.curvature.problem import CurvatureProblem
-from laplace_glas.io import check_subnetwork_indices
+from laplace_glas.io import check_state_kind, check_subnetwork_indices
 from laplace_glas.laplace import ActiveSubspaceLaplace
 from laplace_glas.posterior.hyperparameters import unchanged_on_failure
 from laplace_glas.predictive.jvp import jvp_directions, parameter_names
@@ -232,6 +232,7 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
     @unchanged_on_failure
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a fitted last-layer posterior (finding the layer from the saved batch)."""
+        check_state_kind(state_dict, type(self).__name__)  # before any entry is read
         if self._last_layer_name != state_dict.get("_last_layer_name"):
             raise ValueError("Different `last_layer_name` detected!")
         data = state_dict.get("data")
@@ -351,7 +352,7 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
             likelihood,
             sigma_noise=sigma_noise,
             prior_precision=prior_precision,
-            prior_mean=prior_mean,
+            prior_mean=0.0,  # set below, over the subnetwork
             temperature=temperature,
             enable_backprop=enable_backprop,
             dict_key_x=dict_key_x,
@@ -364,6 +365,16 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
         del self._pending_indices
         self.n_params_model = self.n_params
         self.n_params = self.n_params_subnet
+        # the prior mean is over the subnetwork's D_S weights (set now that n_params is
+        # D_S; the constructor above checked it against the whole network's D)
+        size = prior_mean.numel() if isinstance(prior_mean, torch.Tensor) else 1
+        if size not in (1, self.n_params) and size == self.n_params_model:
+            raise ValueError(
+                f"prior_mean has {size} entries (the whole network's D={size}); the "
+                f"subnetwork posterior's prior is over its D_S={self.n_params} weights: "
+                "pass prior_mean[subnetwork_indices] or a scalar."
+            )
+        self.prior_mean = prior_mean
         self._n_components = self._validate_n_components(
             self._capped_default(self._n_components, self.n_params), self.n_params
         )

@@ -360,12 +360,27 @@ def finite_targets(loader: Iterable, dict_key_y: str, what: str) -> None:
             )
 
 
-def grid_validation_data(loader: Iterable, dict_key_y: str) -> None:
+def grid_validation_data(
+    loader: Iterable, dict_key_y: str, regression_outputs: int | None = None
+) -> None:
     """The grid search's validation ``loader`` is not empty and its floating targets are
-    finite; a ``ValueError`` naming the problem otherwise.
+    finite; for regression (``regression_outputs``: the model's ``C``) its targets have
+    the outputs' ``C`` on their last axis; a ``ValueError`` naming the problem otherwise.
     """
-    if next(iter(loader), None) is None:
+    first = next(iter(loader), None)
+    if first is None:
         raise ValueError("val_loader is empty: there is nothing to score the grid on.")
+    targets = first[dict_key_y] if isinstance(first, Mapping) else first[1]
+    if (
+        regression_outputs is not None
+        and isinstance(targets, torch.Tensor)
+        and (targets.ndim < 2 or targets.shape[-1] != regression_outputs)
+    ):
+        raise ValueError(
+            f"The grid search's validation targets have shape {tuple(targets.shape)}, the "
+            f"model's outputs {regression_outputs} per row: give regression targets of shape "
+            f"(N, {regression_outputs}) (e.g. y.reshape(-1, {regression_outputs})), as for fit."
+        )
     finite_targets(loader, dict_key_y, "the grid search's validation")
 
 

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.func import functional_call
 from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_glas.applications.cli import DataNotFoundError
+from laplace_glas.autodiff.functional import module_call
 from laplace_glas.curvature.losses import TokenCrossEntropy
 from laplace_glas.validation import positive_int
 
@@ -541,7 +541,7 @@ def generate(
     def step(tokens: torch.Tensor, state):
         if weights is None:
             return model(tokens, state, return_state=True)
-        return functional_call(model, weights, (tokens, state), {"return_state": True})
+        return module_call(model, weights, (tokens, state), {"return_state": True})
 
     tokens = torch.full((n, 1), BOS, dtype=torch.long, device=device)
     state = None

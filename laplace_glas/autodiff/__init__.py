@@ -2,6 +2,8 @@
 
 * :mod:`~laplace_glas.autodiff.context`: the context that puts a model in evaluation
   mode and swaps in differentiable kernels.
+* :mod:`~laplace_glas.autodiff.functional`: ``functional_call`` that leaves a model
+  calling one module twice as it was.
 * :mod:`~laplace_glas.autodiff.cotangents`: backward graphs that keep only what their
   derivative in the cotangent reads (the linearised GGN's kept graphs).
 * :mod:`~laplace_glas.autodiff.frozen`: elementwise activations whose derivative is

@@ -2,8 +2,10 @@
 
 A data-parallel fit sums every rank's GGN products, so it is only the GGN of one model
 when every rank holds the same weights and solves the same problem (the same ``k``,
-solver, Lanczos settings, random start, ...). Before the first data pass the ranks
-exchange, in one ``all_gather`` of a short float64 vector each,
+solver, Lanczos settings, random start, ...) with the same curvature (the backend's
+matrix, the loss function) and the same collectives (the complement whose passes it runs,
+which ``'auto'`` decides from the model, the loss and the prior's shape). Before the
+first data pass the ranks exchange, in one ``all_gather`` of a short float64 vector each,
 
 * a status: this rank is ready, its shard is empty, or a local check failed (the
   rank still takes part in the exchange, so that no other rank waits for it);
@@ -39,6 +41,7 @@ __all__ = [
     "Setting",
     "agree_on_fit",
     "generator_checksum",
+    "loss_description",
     "shard_is_empty",
     "weights_checksum",
 ]
@@ -214,6 +217,25 @@ def agree_on_fit(
         )
 
 
+def loss_description(loss_fn: Any) -> str | None:
+    """``loss_fn`` as text that differs where the loss does: a module's class and its
+    public settings (``reduction``, ``ignore_index``, ...), a function's qualified name.
+    """
+    if loss_fn is None:
+        return None
+    if isinstance(loss_fn, torch.nn.Module):
+        simple = (bool, int, float, str, type(None))
+        fields = sorted(
+            (name, value)
+            for name, value in vars(loss_fn).items()
+            if not name.startswith("_") and name != "training" and isinstance(value, simple)
+        )
+        inner = ", ".join(f"{name}={value!r}" for name, value in fields)
+        return f"{type(loss_fn).__module__}.{type(loss_fn).__qualname__}({inner})"
+    name = getattr(loss_fn, "__qualname__", type(loss_fn).__qualname__)
+    return f"{getattr(loss_fn, '__module__', '')}.{name}"
+
+
 class FitAgreement:
     """The ranks' agreement of a data-parallel fit, as a mixin of
     :class:`~laplace_glas.curvature.fit.SubspaceFit` (its settings and weights).
@@ -248,6 +270,16 @@ class FitAgreement:
             error=error,
         )
 
+    def _passes_complement(self, update: bool) -> str:
+        """The complement whose passes this rank will run (see
+        :meth:`~laplace_glas.curvature.complement_pass.ComplementPass._complement_before_data`);
+        a rank whose own checks failed may not know it (its status says so first).
+        """
+        try:
+            return self._complement_before_data(update)
+        except Exception:  # the failed rank raises its own error
+            return "not known"
+
     def _shared_settings(
         self,
         k: int | None = None,
@@ -271,6 +303,10 @@ class FitAgreement:
             Setting("likelihood", self.likelihood),
             Setting("loss_scaling", self.loss_scaling),
             Setting("complement", self.complement),
+            Setting("complement's passes ('auto' before data)", self._passes_complement(update)),
+            Setting("loss_fn", loss_description(self.loss_fn)),
+            Setting("curvature (the backend's matrix)", self.curvature.kind),
+            Setting("prior precision's shape", tuple(torch.as_tensor(self.prior_precision).shape)),
             Setting("dtype", self._dtype),
             Setting("the number of parameters D", self.n_params),
             *(Setting(name, value) for name, value in pick.items()),

@@ -71,6 +71,13 @@ def split_batch_to(
     mapping input is passed whole, as it is, to the model).
     """
     X, y = split_batch(data, dict_key_y)
+    if not isinstance(y, torch.Tensor):
+        where = f" under dict_key_y={dict_key_y!r}" if isinstance(data, MutableMapping) else ""
+        raise TypeError(
+            f"The batch's targets{where} are a {type(y).__name__}, not a tensor: give "
+            "them as a torch.Tensor (e.g. torch.tensor(labels), as Hugging Face's data "
+            "collators return them)."
+        )
     return (X.to(device) if isinstance(X, torch.Tensor) else X), y.to(device)
 
 

@@ -143,15 +143,10 @@ class ComplementPass:
         reasons: list[str] | None = None,
     ) -> ComplementCurvature:
         """``'auto'`` over ``candidates`` (``reasons``: the refusals so far)."""
-        reasons, shape = list(reasons or []), tuple(self.prior_precision.shape)
+        reasons = list(reasons or [])
         n_new = None if problem is None else problem.n_loader_terms
         for candidate in candidates:
-            refusal = self._complement_refusal(candidate, update)
-            if refusal is None and candidate != "diag" and self._per_weight_prior():
-                refusal = (
-                    f"complement={candidate!r} takes a scalar or layerwise prior, got one "
-                    f"per weight (shape {shape})."
-                )
+            refusal = self._auto_candidate_refusal(candidate, update)
             if refusal is None and candidate == "kron":
                 if self._may_take_factors(problem, loader, shards, update):
                     return ComplementCurvature("kron", _kron_why(reasons), pending=True,
@@ -182,6 +177,32 @@ class ComplementPass:
             stacklevel=user_stacklevel(),
         )
         return ComplementCurvature("zero", why)
+
+    def _auto_candidate_refusal(self, candidate: str, update: bool) -> str | None:
+        """Why ``'auto'`` cannot take ``candidate`` before any data pass (None: it may):
+        :meth:`_complement_refusal`, and a per-weight prior for the KFAC complements.
+        """
+        refusal = self._complement_refusal(candidate, update)
+        if refusal is None and candidate != "diag" and self._per_weight_prior():
+            shape = tuple(self.prior_precision.shape)
+            refusal = (
+                f"complement={candidate!r} takes a scalar or layerwise prior, got one "
+                f"per weight (shape {shape})."
+            )
+        return refusal
+
+    def _complement_before_data(self, update: bool) -> str:
+        """The complement a fit starts its passes with: the setting, or for ``'auto'``
+        the first of ``'kron'``, ``'kron_diag'``, ``'diag'`` that nothing but a data pass
+        may still refuse (``'zero'`` when none). Ranks of a data-parallel fit must agree
+        on it, since it decides which collectives the complement's pass calls.
+        """
+        if self._complement_setting != "auto":
+            return self._complement_setting
+        for candidate in ("kron", "kron_diag", "diag"):
+            if self._auto_candidate_refusal(candidate, update) is None:
+                return candidate
+        return "zero"
 
     def _may_take_factors(
         self, problem: CurvatureProblem | None, loader: Any, shards: Shards | None, update: bool

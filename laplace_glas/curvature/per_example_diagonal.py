@@ -48,9 +48,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
-from torch.func import functional_call, vjp, vmap
+from torch.func import vjp, vmap
 
 from laplace_glas.autodiff.context import autodiff_friendly
+from laplace_glas.autodiff.functional import module_call
 from laplace_glas.autodiff.rnn import elementary_rnns
 from laplace_glas.curvature.batches import slice_batch, split_batch
 from laplace_glas.progress import progress
@@ -202,7 +203,7 @@ def batch_ggn_diagonal(
     buffers = dict(model.named_buffers())
 
     def call(free_params: dict[str, torch.Tensor], x: object) -> torch.Tensor:
-        return functional_call(model, ({**fixed, **free_params}, buffers), (x,))
+        return module_call(model, ({**fixed, **free_params}, buffers), (x,))
 
     with torch.no_grad(), autodiff_friendly(model):
         outputs = model(X)

@@ -66,9 +66,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.func import functional_call, vjp, vmap
+from torch.func import vjp, vmap
 
 from laplace_glas.autodiff.context import autodiff_friendly
+from laplace_glas.autodiff.functional import module_call
 from laplace_glas.autodiff.rnn import elementary_rnns
 from laplace_glas.posterior.view import FittedPosterior, fitted_posterior
 from laplace_glas.predictive.jvp import jacobian_gram, jvp_directions, row_chunks, unflatten
@@ -200,7 +201,7 @@ def _per_example_norms(
         """Squared gradient norms of one example (``batch`` holds it with a batch axis)."""
 
         def f(params: dict[str, torch.Tensor]) -> torch.Tensor:
-            return check_model_output(functional_call(model, params, (batch,))).reshape(-1)
+            return check_model_output(module_call(model, params, (batch,))).reshape(-1)
 
         out, pullback = vjp(f, primals)
         n_entries = out.shape[0]

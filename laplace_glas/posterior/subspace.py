@@ -58,6 +58,9 @@ from laplace_glas.validation import (
     scalar_prior_precision,
 )
 
+REPRESENTABLE_MARGIN = 1e-2
+"""The share of the dtype's largest number the scaled curvature may reach."""
+
 __all__ = ["SubspacePosterior"]
 
 _PRIOR_STRUCTURES = ("scalar", "layerwise", "diag")
@@ -167,12 +170,35 @@ class SubspacePosterior:
         if self._directions_embedded:
             self._prior.check_embedded(type(self).__name__)
         U, curvature = self.eigenvectors, self.subspace_curvature  # refused before a fit
+        self._check_representable_curvature()
         if self.complement in CURVATURE_COMPLEMENTS:
             return curvature_complement_posterior(
                 self.complement, U, curvature, self._complement_prior(),
                 self._complement_curvature(),
             )  # fmt: skip
         return self._prior.posterior(U, curvature, self.complement, self._layer_grams)
+
+    def _check_representable_curvature(self) -> None:
+        """Refuse a likelihood factor ``s / (N sigma^2 T)`` that makes the posterior's
+        curvature overflow the model's dtype.
+
+        The GGN's top eigenvalue ``lambda_1`` bounds every direction's curvature (KFAC's
+        within a small factor), so ``a_max = s lambda_1 / (N sigma^2 T)`` must stay
+        ``REPRESENTABLE_MARGIN`` below the dtype's largest number, which leaves room for
+        the sums and products of the closed forms (a float32 model with
+        ``sigma_noise=3e-19``, accepted by the constructor, gave a NaN evidence).
+        """
+        top = float(self.H[1].max()) if self.H[1].numel() else 0.0
+        largest = float(torch.as_tensor(self._H_factor).detach()) * top
+        limit = torch.finfo(self._dtype).max * REPRESENTABLE_MARGIN
+        if largest > limit:
+            raise ValueError(
+                f"The posterior's curvature overflows {str(self._dtype).replace('torch.', '')}: "
+                f"s * lambda_1 / (N sigma^2 T) = {largest:.3g} exceeds {limit:.1e} "
+                f"(sigma_noise={float(self.sigma_noise):.3g}, temperature="
+                f"{float(self.temperature):.3g}, GGN lambda_1 = {top:.3g}). Use a larger "
+                "sigma_noise or temperature, or a float64 model."
+            )
 
     def _complement_curvature(self) -> torch.Tensor | KronCurvature:
         """``c = s diag(G) / T`` ``(D,)`` ('diag'), or KFAC's ``C = s K / T`` ('kron'; with

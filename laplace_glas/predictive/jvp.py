@@ -2,7 +2,8 @@
 
 * :func:`jvp_directions` computes ``f(x; theta)`` and ``J(x) V`` for a ``(D, k)``
   matrix ``V`` by ``k`` forward-mode Jacobian-vector products under ``vmap``: the
-  ``C x D`` Jacobian is never formed.
+  ``C x D`` Jacobian is not formed, except where torch.func refuses the model (then
+  one backward pass per output element forms it, and ``J V`` is a product).
 * :func:`batched_outputs` evaluates ``f(x; theta_s)`` for a batch of weight vectors
   with ``torch.func.functional_call`` under ``vmap`` (a loop over
   ``functional_call`` where a module has no batching rule); the module's own
@@ -22,8 +23,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call, jacrev, jvp, vmap
+from torch.func import jacrev, jvp, vmap
 
+from laplace_glas.autodiff.functional import module_call
 from laplace_glas.curvature.batches import batch_input
 from laplace_glas.validation import check_model_output
 
@@ -64,7 +66,7 @@ def unflatten(
 def _call(
     model: nn.Module, params: Mapping[str, torch.Tensor], x: Any, kwargs: dict
 ) -> torch.Tensor:
-    return check_model_output(functional_call(model, dict(params), (x,), kwargs or None))
+    return check_model_output(module_call(model, dict(params), (x,), kwargs or None))
 
 
 # Models whose forward failed under vmap (e.g. nn.LSTM: no batching rule for aten::lstm),
@@ -120,7 +122,15 @@ def jvp_directions(
         return jvp(f, (primals,), (tangent,))[1]
 
     out = f(primals)
-    JV = vmap(push, chunk_size=chunk_size)(tangents)  # (k, batch, *out)
+    try:
+        JV = vmap(push, chunk_size=chunk_size)(tangents)  # (k, batch, *out)
+    except RuntimeError as err:  # what torch.func refuses, plain autograd may take
+        try:
+            J = _jacobian_by_backward(f, primals, names)  # (batch * ..., C, D)
+        except Exception:
+            raise err from None
+        JV = J.to(directions.dtype) @ directions  # (batch * ..., C, k)
+        return out, JV.reshape(*out.shape, directions.shape[1])
     return out, JV.movedim(0, -1)
 
 
@@ -193,10 +203,11 @@ def jacobian_gram(
 
         try:
             J = jacrev(f)(primals)  # {name: (b, ..., C, *shape)}
-        except RuntimeError as err:  # e.g. non-reentrant activation checkpointing
-            if "saved tensor hooks" not in str(err):
-                raise
-            return _jacobian_by_backward(f, primals, names)
+        except RuntimeError as err:  # what torch.func refuses, plain autograd may take
+            try:
+                return _jacobian_by_backward(f, primals, names)
+            except Exception:
+                raise err from None
         first = J[names[0]]
         n_out = first.shape[first.ndim - len(shapes[0]) - 1]
         flat = [J[n].reshape(-1, n_out, s.numel()) for n, s in zip(names, shapes)]
@@ -220,9 +231,11 @@ def _jacobian_by_backward(
     f: Callable[[dict], torch.Tensor], primals: Mapping[str, torch.Tensor], names: Sequence[str]
 ) -> torch.Tensor:
     """``(b * ..., C, D)`` Jacobian rows of ``f``'s outputs, one backward pass each: for
-    models torch.func's reverse mode refuses (non-reentrant activation checkpointing
-    saves its tensors through hooks, which ``jacrev`` does not support). Each output
-    element depends on its own example only, so its gradient is its Jacobian row.
+    models torch.func refuses (non-reentrant activation checkpointing saves its tensors
+    through hooks, which ``jacrev`` does not support; an ``autograd.Function`` without
+    ``setup_context``, such as a reentrant checkpoint around a frozen segment, is
+    refused by every transform). Each output element depends on its own example only,
+    so its gradient is its Jacobian row.
     """
     leaves = {n: p.detach().requires_grad_(True) for n, p in primals.items()}
     with torch.enable_grad():

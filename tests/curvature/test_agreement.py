@@ -6,10 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from laplace_glas.curvature.agreement import (
     Setting,
     generator_checksum,
+    loss_description,
     shard_is_empty,
     weights_checksum,
 )
@@ -71,3 +73,15 @@ def test_shard_is_empty_and_failed_ranks():
     assert shard_is_empty([]) and not shard_is_empty([1])
     assert shard_is_empty(iter(())) and not shard_is_empty(iter([1]))
     assert failed_ranks(torch.tensor([0.0, 1.0, 0.0, 1.0])) == [1, 3]
+
+
+def test_loss_description_differs_where_the_loss_does():
+    summed, mean = nn.MSELoss(reduction="sum"), nn.MSELoss()
+    assert loss_description(None) is None
+    assert loss_description(summed) != loss_description(mean)
+    assert "reduction='sum'" in loss_description(summed)
+    assert loss_description(nn.CrossEntropyLoss(label_smoothing=0.1)) != loss_description(
+        nn.CrossEntropyLoss()
+    )
+    assert loss_description(nn.functional.mse_loss).endswith("mse_loss")
+    assert loss_description(nn.MSELoss()) == loss_description(mean)

@@ -277,6 +277,24 @@ def test_the_predictive_of_a_non_reentrant_checkpointed_model_is_the_plain_model
         torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("complement", ["kron", "zero"])
+def test_the_predictive_of_a_frozen_reentrant_segment_is_the_plain_model_s(complement):
+    """A reentrant checkpoint around a frozen first layer is an ``autograd.Function``
+    without ``setup_context``, which every torch.func transform refuses: the 'glm'
+    predictive raised torch's functorch error (``J U`` by ``jvp`` and the complement's
+    Jacobians by ``jacrev``); one backward pass per output row stands in for both."""
+    data, X = _data(), torch.randn(5, 3, dtype=torch.float64)
+    fits = []
+    for reentrant in (True, None):
+        model = _network(reentrant, False)
+        model[0].requires_grad_(False)
+        fits.append(_fit(model, data, complement=complement))
+    la, plain = fits
+    assert la.complement == plain.complement == complement
+    for ours, theirs in zip(la(X, pred_type="glm"), plain(X, pred_type="glm"), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("scale", [False, True], ids=["factored", "linearised"])
 def test_a_subnetwork_outside_the_reentrant_segment_fits_exactly(scale):
     """The whole network's operator differentiates the segment's weights too, but the

@@ -518,6 +518,17 @@ def _fault_worker(rank: int, init_file: str, out_dir: str, fault: str, subset: s
         extra = {"complement": "kron"} if fault == "kron" else extra
         if fault == "block":
             solver = "block"
+        if rank == 1 and fault == "loss_fn":  # the summed squared error: 2x the GGN
+            extra["loss_fn"] = nn.MSELoss(reduction="sum")
+        if rank == 1 and fault == "backend":
+            from laplace.curvature import CurvlinopsEF
+
+            extra["backend"] = CurvlinopsEF
+        if fault == "auto_prior":  # rank 1's per-weight prior: 'auto' takes 'diag' there
+            extra = {"complement": "auto"}
+            if rank == 1:
+                n_params = sum(p.numel() for p in model.parameters())
+                extra["prior_precision"] = torch.ones(n_params, dtype=X.dtype)
         la = Laplace(
             model,
             "regression",
@@ -607,6 +618,32 @@ def test_a_different_solver_is_refused_on_every_rank():
     for outcome in _run_fault("solver"):
         assert outcome.startswith("fitted=False\nValueError: The ranks' settings differ")
         assert "solver (rank 0: 'lanczos', rank 1: 'block')" in outcome
+
+
+def test_a_different_loss_fn_is_refused_on_every_rank():
+    for outcome in _run_fault("loss_fn"):
+        assert outcome.startswith("fitted=False\nValueError: The ranks' settings differ")
+        assert "loss_fn (rank 0: None, rank 1: 'torch.nn.modules.l" in outcome
+
+
+def test_a_different_backend_is_refused_on_every_rank():
+    for outcome in _run_fault("backend"):
+        assert outcome.startswith("fitted=False\nValueError: The ranks' settings differ")
+        assert "curvature (the backend's matrix) (rank 0: 'ggn', rank 1: 'ef')" in outcome
+
+
+def test_auto_resolving_differently_is_refused_on_every_rank_within_seconds():
+    """A per-weight prior on one rank makes 'auto' run the diagonal's passes there and
+    KFAC's on the other: refused before either (it waited in mismatched collectives).
+    """
+    seconds = []
+    for outcome in _run_fault("auto_prior", timeout=60.0, seconds=seconds):
+        assert outcome.startswith("fitted=False\nValueError: The ranks' settings differ")
+        assert "complement's passes ('auto' before data) (rank 0: 'kron', rank 1: 'diag')" in (
+            outcome
+        )
+        assert "prior precision's shape" in outcome
+    assert max(seconds) < 30.0
 
 
 @pytest.mark.parametrize("subset", ["all", "last_layer"])

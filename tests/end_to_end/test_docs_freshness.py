@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -187,3 +188,39 @@ def test_getting_started_installs_what_the_readme_installs_and_lists_every_extra
     extras = re.findall(r"^(\w+) = \[", section, flags=re.MULTILINE)
     listed = page.split("Optional extras:")[1].split("\n\n")[0]
     assert extras and all(f"`{extra}`" in listed for extra in extras), (extras, listed)
+
+
+# ------------------------------------------------------- headline numbers tied to reports
+def _paper_f_coverage_rows() -> dict[tuple[str, str, str], list[str]]:
+    """The paper report's f-coverage table: ``(N, scaling, pred_type) -> cells``."""
+    text = (ROOT / "benchmarks" / "paper" / "report.md").read_text()
+    table = text.split("interval of f, WITHOUT observation noise", 1)[1].split("\n\n", 2)[1]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[tuple(cells[:3])] = cells[3:]
+    return rows
+
+
+HEADLINE = re.compile(
+    r"mean-loss scaling reaches 90%\s+coverage(?: of f)? at k = (\d+) for N = 100 and N = 2000"
+    r"[^.]*?standard\s+scaling\s+stays below (\d+)% \(N = 100\) and (\d+)% \(N = 2000\)",
+    re.DOTALL,
+)
+
+
+@pytest.mark.parametrize("path", [ROOT / "README.md", ROOT / "docs" / "benchmarks.md"],
+                         ids=lambda p: p.name)  # fmt: skip
+def test_the_paper_headline_states_what_the_report_prints(path):
+    """The README's and the benchmarks page's headline on the known-noise problem: the k
+    at which mean-loss scaling reaches 90% (every seed's selected k) and the bound on
+    the standard scaling's best coverage (the report's best over seeds, rounded up)."""
+    rows = _paper_f_coverage_rows()
+    match = HEADLINE.search(" ".join(path.read_text().split()))
+    assert match, f"{path.name} no longer states the paper headline in the form checked"
+    k, below_100, below_2000 = map(int, match.groups())
+    for n in ("100", "2000"):
+        assert rows[(n, "mean", "glm")][0] == ", ".join([str(k)] * 3)
+    for n, bound in (("100", below_100), ("2000", below_2000)):
+        best = [float(b) for b in re.findall(r"best ([\d.]+)%", rows[(n, "sum", "glm")][0])]
+        assert len(best) == 3 and math.ceil(max(best)) == bound, (n, best, bound)

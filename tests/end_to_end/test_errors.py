@@ -478,3 +478,22 @@ def test_the_default_works_on_a_tiny_classification_head_where_kron_does():
     assert la.n_components == 9
     assert torch.allclose(probs["glas"].sum(-1), torch.ones(5))
     assert torch.allclose(probs["glas"], probs["kron"], atol=0.05)
+
+
+@pytest.mark.parametrize("complement", ["kron", "kron_diag", "diag", "zero"])
+def test_a_sigma_noise_whose_curvature_overflows_float32_is_refused_by_name(complement):
+    """sigma_noise = 3e-19 passes the constructor's float32 range (1/sigma^2 is finite)
+    but s lambda_1 / sigma^2 is not: the evidence was NaN, the variances NaN or 0."""
+    X, y = regression_data(n=60, dtype=torch.float32, seed=0, d_in=3)
+    model = mlp([3, 8, 1])
+    la = Laplace(model, "regression", subset_of_weights="all", hessian_structure="glas",
+                 n_components=3, complement=complement, sigma_noise=1.0)  # fmt: skip
+    la.fit(loader(X, y, batch_size=20))
+    la.sigma_noise = 1e-3  # large curvature, still representable: finite values
+    assert torch.isfinite(la.log_marginal_likelihood())
+    assert torch.isfinite(la(X[:2], pred_type="glm")[1]).all()
+    la.sigma_noise = 3e-19
+    for call in (la.log_marginal_likelihood, lambda: la(X[:2], pred_type="glm"),
+                 lambda: la.sample(2)):  # fmt: skip
+        with pytest.raises(ValueError, match=r"curvature overflows float32.*float64 model"):
+            call()

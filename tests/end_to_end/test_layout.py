@@ -2,6 +2,7 @@
 
 The rules a reader relies on (ARCHITECTURE in the docs): ``import laplace_glas`` loads no
 application helper and nothing POSIX-only; the core never imports an application module.
+Long modules and functions are reported (``LayoutWarning``), not refused.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import laplace_glas
@@ -88,9 +90,17 @@ def test_at_most_eight_loose_modules_at_the_top():
     assert len(loose) <= 8, loose
 
 
-def test_no_core_module_over_500_lines():
+class LayoutWarning(UserWarning):
+    """A smell the layout report names without failing: a module or a function longer
+    than usual. A module is as long as its one concern needs; the report is a prompt to
+    look, not a limit to write towards.
+    """
+
+
+def test_modules_over_500_lines_are_reported():
     long = {relative(p): n for p in core_modules() if (n := len(p.read_text().splitlines())) > 500}
-    assert not long, long
+    if long:
+        warnings.warn(f"modules over 500 lines: {long}", LayoutWarning, stacklevel=1)
 
 
 def function_lengths(path: Path) -> dict[str, int]:
@@ -107,11 +117,12 @@ def function_lengths(path: Path) -> dict[str, int]:
     return lengths
 
 
-def test_no_function_body_over_80_lines():
+def test_function_bodies_over_80_lines_are_reported():
     long = {
         name: n for path in core_modules() for name, n in function_lengths(path).items() if n > 80
     }
-    assert not long, long
+    if long:
+        warnings.warn(f"function bodies over 80 lines: {long}", LayoutWarning, stacklevel=1)
 
 
 def private_reads_of_the_posterior(path: Path) -> list[str]:

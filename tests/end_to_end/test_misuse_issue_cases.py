@@ -226,3 +226,75 @@ def test_a_layer_frozen_after_construction_is_named_at_the_refit():
     with pytest.raises(ValueError, match=r"0\.weight, 0\.bias no longer require grad"):
         la.fit(DataLoader(TensorDataset(X, y), batch_size=16))
     torch.testing.assert_close(la.eigenvalues, before)  # the refused fit changed nothing
+
+
+# ---------------------------------------------------------------- the second round's last
+def _fitted_all(train, **options):
+    la = ActiveSubspaceLaplace(_mlp(), "regression", n_components=3, **options)
+    la.fit(train)
+    return la
+
+
+def test_a_subnetwork_prior_mean_of_the_whole_network_s_length_is_refused_by_name():
+    """It passed the constructor (checked against the whole D) and broke the evidence
+    with a shape error."""
+    D = sum(p.numel() for p in _mlp().parameters())
+    with pytest.raises(ValueError, match=r"prior_mean has 25 entries .* D_S=20 weights"):
+        SubnetActiveSubspaceLaplace(_mlp(), "regression", subnetwork_indices=torch.arange(20),
+                                    n_components=3, prior_mean=torch.zeros(D))  # fmt: skip
+    la = SubnetActiveSubspaceLaplace(_mlp(), "regression", subnetwork_indices=torch.arange(20),
+                                     n_components=3, prior_mean=torch.zeros(20))  # fmt: skip
+    assert la.prior_mean.shape == (20,)
+
+
+def test_grid_search_targets_of_shape_n_against_outputs_n_1_are_refused_by_name(train):
+    la = _fitted_all(train)
+    X = torch.cat([x for x, _ in train])
+    flat = DataLoader(TensorDataset(X, torch.sin(X)[:, 0]), batch_size=10)
+    before = la.prior_precision.clone()
+    with pytest.raises(ValueError, match=r"targets have shape \(10,\).*shape \(N, 1\)"):
+        la.optimize_prior_precision(method="gridsearch", val_loader=flat, grid_size=3)
+    assert torch.equal(la.prior_precision, before)
+
+
+def test_targets_given_as_a_python_list_are_refused_by_name():
+    class OnIds(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(10, 4), nn.Linear(4, 3)
+
+        def forward(self, batch):
+            return self.head(self.emb(batch["input_ids"]).mean(1))
+
+    ids, labels = torch.randint(0, 10, (20, 5)), torch.randint(0, 3, (20,))
+    batches = [{"input_ids": ids[i : i + 10], "labels": labels[i : i + 10].tolist()}
+               for i in (0, 10)]  # fmt: skip
+    la = ActiveSubspaceLaplace(OnIds(), "classification", n_components=2)
+    with pytest.raises(TypeError, match="targets under dict_key_y='labels' are a list"):
+        la.fit(batches)
+
+
+def test_a_loaded_enable_backprop_that_is_not_a_bool_is_refused_at_load(train):
+    state = _fitted_all(train).state_dict()
+    state["enable_backprop"] = "yes"
+    other = ActiveSubspaceLaplace(_mlp(), "regression", n_components=3)
+    with pytest.raises(ValueError, match=r"state_dict\['enable_backprop'\].*True or False"):
+        other.load_state_dict(state)
+    assert not hasattr(other, "_eigenpairs") or other._eigenpairs is None
+
+
+def test_last_layer_loads_of_a_list_or_of_a_whole_network_state_name_the_state():
+    from laplace import Laplace
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(40, 1, generator=g)
+    data = DataLoader(TensorDataset(X, torch.sin(X)), batch_size=10)
+    whole = Laplace(_mlp(), "regression", subset_of_weights="all", hessian_structure="glas",
+                    n_components=3)  # fmt: skip
+    whole.fit(data)
+    last = Laplace(_mlp(), "regression", subset_of_weights="last_layer",
+                   hessian_structure="glas", n_components=3)  # fmt: skip
+    with pytest.raises(ValueError, match="A GLAS state dict is a mapping, got list"):
+        last.load_state_dict([1, 2])
+    with pytest.raises(ValueError, match="of a 'ActiveSubspaceLaplace', not of a 'LastLayer"):
+        last.load_state_dict(whole.state_dict())

@@ -129,6 +129,21 @@ def test_a_per_weight_prior_resolves_to_diag_and_kron_refuses_it_by_name(data):
     with pytest.raises(ValueError, match="per-weight prior needs complement='diag'"):
         kron.prior_precision = torch.ones(D, dtype=DOUBLE)
     assert kron.prior_precision.numel() == 1  # the refused call changed nothing
+    # nor does any other call that refuses a per-weight prior on 'kron'
+    kron.prior_precision = 0.7
+    held_out = loader(X, y, batch_size=20)
+    refused = [
+        lambda: kron.log_marginal_likelihood(prior_precision=torch.ones(D, dtype=DOUBLE)),
+        lambda: kron.optimize_prior_precision(prior_structure="diag", n_steps=3),
+        lambda: kron.optimize_prior_precision(
+            method="gridsearch", prior_structure="diag", val_loader=held_out, grid_size=3
+        ),
+    ]
+    for call in refused:
+        with pytest.raises(ValueError, match="complement='kron' takes a scalar or layerwise"):
+            call()
+        assert kron.prior_precision.tolist() == [0.7]
+    kron(X[:2], pred_type="glm")  # and every predictive still takes the prior it has
 
 
 def test_marglik_training_with_its_layerwise_prior_keeps_kfacs_complement():

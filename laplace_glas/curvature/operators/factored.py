@@ -55,8 +55,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.func import functional_call, jvp
+from torch.func import jvp
 
+from laplace_glas.autodiff.functional import module_call
 from laplace_glas.curvature.batches import batch_copy, batch_size, split_batch_to
 from laplace_glas.curvature.budget import OverBudget, format_bytes, return_freed_memory
 from laplace_glas.curvature.operators.factor_join import (
@@ -288,7 +289,7 @@ def _check_first_batch(model, params, names, X, out, rows, factors, n_params, dt
     base = {n: p.detach() for n, p in model.named_parameters()}
 
     def f(*ps):
-        return functional_call(model, {**base, **dict(zip(names, ps))}, (X,))
+        return module_call(model, {**base, **dict(zip(names, ps))}, (X,))
 
     try:  # an autograd.Function that torch.func cannot transform: refused
         with torch.no_grad():

@@ -47,8 +47,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call, jacrev, vmap
+from torch.func import jacrev, vmap
 
+from laplace_glas.autodiff.functional import module_call
 from laplace_glas.curvature.batch_sizes import survey_batch_sizes
 from laplace_glas.curvature.batches import batch_size, split_batch_to
 from laplace_glas.curvature.budget import format_bytes
@@ -231,7 +232,7 @@ def _func_batches(model, params, loader, likelihood, n_terms, options):
 
     def single(ps: tuple, x):
         x = {k: v.unsqueeze(0) for k, v in x.items()} if isinstance(x, Mapping) else x[None]
-        out = functional_call(model, {**base, **dict(zip(keys, ps))}, (x,))
+        out = module_call(model, {**base, **dict(zip(keys, ps))}, (x,))
         return check_model_output(out)[0]
 
     jacobian = vmap(jacrev(single), in_dims=(None, 0))
