@@ -35,6 +35,7 @@ from laplace_glas.curvature.distributed import data_parallel
 from laplace_glas.curvature.eigenpairs import Eigenpairs
 from laplace_glas.curvature.fit import SubspaceFit
 from laplace_glas.curvature.fitting import validate_loss_fn
+from laplace_glas.curvature.per_example_diagonal import DIAGONAL_ESTIMATORS
 from laplace_glas.curvature.planner import SOLVERS
 from laplace_glas.curvature.problem import curvature_likelihood
 from laplace_glas.diagnostics.calibration import DimensionSelection, select_dimension
@@ -114,15 +115,17 @@ class ActiveSubspaceLaplace(
     loss_scaling : {'sum', 'mean'}, default='sum'
         Standard Bayesian (``s = N``, as laplace-torch) or generalized (``s = 1``, GLAS's
         route to calibrated intervals with :meth:`calibrate`) scaling of the loss.
-    complement : {'auto', 'zero', 'prior', 'diag', 'kron'}, default='auto'
+    complement : {'auto', 'zero', 'prior', 'diag', 'kron', 'kron_diag'}, default='auto'
         Variance outside ``span(U)``: none, the prior's ``1/tau`` (laplace-torch's
         ``LowRankLaplace``), or that of the GGN diagonal's (``'diag'``,
-        :mod:`~laplace_glas.posterior.complement`) or KFAC's (``'kron'``,
-        :mod:`~laplace_glas.posterior.kron_complement`) curvature plus ``tau``, projected
-        off ``span(U)`` (one extra data pass in ``fit``; scalar prior, all weights; their
-        evidence counts every direction). ``'auto'``: ``fit`` takes ``'kron'`` where it
-        is served, else ``'diag'``, else ``'zero'`` (``la.complement`` and
-        ``la.complement_reason`` record the choice).
+        :mod:`~laplace_glas.posterior.complement`), KFAC's (``'kron'``,
+        :mod:`~laplace_glas.posterior.kron_complement`) or KFAC's where it covers a layer
+        and the GGN diagonal's elsewhere (``'kron_diag'``) curvature plus the prior,
+        projected off ``span(U)`` (extra data passes in ``fit``; their evidence counts
+        every direction). ``'auto'``: ``fit`` takes the first of ``'kron'``,
+        ``'kron_diag'``, ``'diag'`` it can compute, else ``'zero'`` with a
+        ``ZeroComplementWarning`` (``la.complement`` and ``la.complement_reason`` record
+        the choice).
     solver : {'auto', 'dual', 'factored', 'lanczos', 'block'}, default='auto'
         Eigen-solver. ``'auto'``: the fastest exact strategy within ``memory_budget``
         (:mod:`laplace_glas.curvature.planner`): where every trainable parameter sits in
@@ -195,6 +198,13 @@ class ActiveSubspaceLaplace(
         budget below every estimate raises ``MemoryBudgetError`` naming the smallest
         that works. ``lanczos_info.plan`` records the budget, the strategy, its
         estimate and the measured peak.
+    diagonal_estimator : {'exact', 'mc'}, default='exact'
+        The GGN diagonal of ``'diag'`` and ``'kron_diag'``: exact (BackPACK where it
+        covers the model, else one reverse pass per output column and example), or the
+        opt-in Monte Carlo estimate ``sum_n (J_n^T Lambda_n^{1/2} xi_n)^2`` with
+        Rademacher ``xi_n`` drawn from a generator seeded with ``seed`` (unbiased, one
+        reverse pass per example: ``C`` times cheaper than the exact per-example pass,
+        and the way to a diagonal for outputs too wide for it, e.g. a vocabulary).
 
     """
 
@@ -240,6 +250,7 @@ class ActiveSubspaceLaplace(
         loss_fn: nn.Module | None = None,
         progress_bar: bool = False,
         memory_budget: int | str | None = None,
+        diagonal_estimator: str = "exact",
     ) -> None:
         n_params, dtype = trainable_size_and_dtype(model)
         likelihood, enable_backprop = laplace_arguments(
@@ -283,6 +294,10 @@ class ActiveSubspaceLaplace(
         for name, value in settings.items():  # solver, tol, seed, ... (checked above)
             setattr(self, name, value)
         self.loss_fn = loss_fn
+        self.diagonal_estimator = choice(
+            "diagonal_estimator", diagonal_estimator, DIAGONAL_ESTIMATORS,
+            " (the GGN diagonal of the complement: exact, or one sampled column per output)",
+        )  # fmt: skip
         self._eigenpairs: Eigenpairs | None = None
         self._out_shape: torch.Size | None = None
         self._param_names = parameter_names(model, self.params)

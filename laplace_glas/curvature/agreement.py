@@ -305,6 +305,7 @@ class FitAgreement:
             Setting("complement", self.complement),
             Setting("complement's passes ('auto' before data)", self._passes_complement(update)),
             Setting("loss_fn", loss_description(self.loss_fn)),
+            Setting("diagonal_estimator", getattr(self, "diagonal_estimator", "exact")),
             Setting("curvature (the backend's matrix)", self.curvature.kind),
             Setting("prior precision's shape", tuple(torch.as_tensor(self.prior_precision).shape)),
             Setting("dtype", self._dtype),

@@ -293,13 +293,24 @@ class ComplementPass:
                 return kron, torch.zeros(0, dtype=self._dtype, device=self._device)
             diagonal = ggn_diagonal(
                 self.model, loader, self._curvature_likelihood, device=self._device,
-                shards=shards, progress_bar=show, names=names, **common,
+                shards=shards, progress_bar=show, names=names, **common, **self._diagonal_options(),
             ).to(self._dtype)  # fmt: skip
             return kron, diagonal + self._ggn_diagonal if update else diagonal
         if complement != "diag":
             return None
         diagonal = ggn_diagonal(
             self.model, loader, self._curvature_likelihood, device=self._device,
-            shards=shards, progress_bar=show, **common,
+            shards=shards, progress_bar=show, **common, **self._diagonal_options(),
         ).to(self._dtype)  # fmt: skip
         return diagonal + self._ggn_diagonal if update else diagonal
+
+    def _diagonal_options(self) -> dict[str, Any]:
+        """The GGN diagonal's estimator (``diagonal_estimator``) and, for ``'mc'``, its
+        generator: seeded with ``seed`` on the model's device (the same signs on every
+        rank of a data-parallel fit, each over its own examples).
+        """
+        estimator = getattr(self, "diagonal_estimator", "exact")
+        if estimator != "mc":
+            return {"estimator": estimator}
+        generator = torch.Generator(device=self._device).manual_seed(self.seed)
+        return {"estimator": estimator, "generator": generator}

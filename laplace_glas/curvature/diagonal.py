@@ -57,6 +57,8 @@ def ggn_diagonal(
     shards: Shards | None = None,
     progress_bar: bool = False,
     names: list[str] | None = None,
+    estimator: str = "exact",
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """``(D,)`` diagonal of the summed unit-noise GGN over the trainable parameters (or
     over the parameters ``names``, in their order: the per-example pass).
@@ -82,6 +84,11 @@ def ggn_diagonal(
     names : list of str, optional
         A subset of ``model.named_parameters()`` (``complement='kron_diag'``: those KFAC
         does not cover); BackPACK, which takes every parameter, is then not used.
+    estimator : {'exact', 'mc'}, default='exact'
+        ``'mc'``: the per-example pass's unbiased Monte Carlo estimate (one Rademacher
+        column of ``Lambda^{1/2}`` per output position; BackPACK is then not used).
+    generator : torch.Generator, optional
+        The Rademacher draws of ``'mc'`` (on ``device``).
 
     Raises
     ------
@@ -95,6 +102,8 @@ def ggn_diagonal(
     """
     total, error = None, None
     backpack_refusal = "a subset of the parameters" if names is not None else None
+    if estimator == "mc":
+        backpack_refusal = "diagonal_estimator='mc', which the per-example pass samples"
     backpack_refusal = backpack_refusal or shared_parameters(model)
     if backpack_refusal is None:
         with _extended_copy(model) as network:
@@ -108,7 +117,7 @@ def ggn_diagonal(
     if backpack_refusal is not None:
         total, error = _per_example_diagonal(
             model, loader, likelihood, ignore_index, dict_key_y, device, shards, progress_bar,
-            backpack_refusal, names,
+            backpack_refusal, names, estimator, generator,
         )  # fmt: skip
     if total is None:
         wanted = None if names is None else set(names)
@@ -154,6 +163,8 @@ def _per_example_diagonal(
     progress_bar: bool,
     backpack_refusal: str,
     names: list[str] | None,
+    estimator: str = "exact",
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor | None, Exception | None]:
     """:func:`per_example_ggn_diagonal` over this process's batches, and the error a rank
     of a data-parallel fit met (raised at once in one process).
@@ -162,6 +173,7 @@ def _per_example_diagonal(
         total = per_example_ggn_diagonal(
             model, loader, likelihood, names, ignore_index=ignore_index,
             dict_key_y=dict_key_y, device=device, progress_bar=progress_bar,
+            estimator=estimator, generator=generator,
         )  # fmt: skip
     except Exception as err:
         if shards is not None:

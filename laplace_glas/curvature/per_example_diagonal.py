@@ -226,10 +226,11 @@ def batch_ggn_diagonal(
     cotangent_numbers = n_cotangents * outputs[0].numel()
     if cotangent_numbers > _CHUNK_ELEMENTS:
         raise ValueError(
-            f"The exact GGN diagonal of outputs of shape {tuple(outputs.shape[1:])} an "
+            f"The GGN diagonal ({estimator}) of outputs of shape {tuple(outputs.shape[1:])} an "
             f"example needs {cotangent_numbers:,} cotangent numbers per example (one per "
-            "output position and class), beyond the 2^24 it holds: use complement='zero' "
-            "(or 'prior') for per-token outputs over a large vocabulary."
+            "output position and class), beyond the 2^24 it holds: use "
+            "diagonal_estimator='mc' (one sampled column per position), or "
+            "complement='zero' (or 'prior'), for per-token outputs over a large vocabulary."
         )
     if chunk_size is None:
         per_example = n_cotangents * sum(p.numel() for p in free.values())
