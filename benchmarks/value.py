@@ -611,6 +611,7 @@ def main(argv: list[str] | None = None) -> None:
                     if resolved is not None:
                         row.notes.append(f"'auto' -> '{resolved}'")
                     row.results.append(result)
+                    status = f"ok, test NLL {result['nll']:.4f}"
                 except Exception as err:  # a failed method must not stop the benchmark
                     row.n_failed += 1
                     status = f"failed: {short(err)}"

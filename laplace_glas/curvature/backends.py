@@ -75,7 +75,13 @@ from torch import nn
 from laplace_glas.curvature.losses import TokenCrossEntropy
 from laplace_glas.validation import ArgumentTypeError
 
-__all__ = ["CURVATURES", "CurvatureChoice", "resolve_backend"]
+__all__ = [
+    "CURVATURES",
+    "MATRIX_NAMES",
+    "CurvatureChoice",
+    "ef_loss",
+    "resolve_backend",
+]
 
 CURVATURES = ("ggn", "ef", "hessian")
 """The matrices a backend can stand for."""
@@ -90,7 +96,7 @@ _MAPPED = {
 }
 _GENERIC = {GGNInterface: "ggn", EFInterface: "ef"}
 _EF_LOSSES = (nn.MSELoss, nn.CrossEntropyLoss, nn.BCEWithLogitsLoss)
-_NAMES = {"ggn": "GGN", "ef": "empirical Fisher", "hessian": "Hessian"}
+MATRIX_NAMES = {"ggn": "GGN", "ef": "empirical Fisher", "hessian": "Hessian"}
 _OPERATOR_NAMES = {
     "ggn": "GGNLinearOperator",
     "ef": "EFLinearOperator",
@@ -170,7 +176,7 @@ def resolve_backend(backend: Any, backend_kwargs: dict[str, Any] | None = None) 
             else (f"the methods of {name} are not called")
         )
         warnings.warn(
-            f"backend {name}: GLAS computes the same {_NAMES[kind]} matrix-free with "
+            f"backend {name}: GLAS computes the same {MATRIX_NAMES[kind]} matrix-free with "
             f"curvlinops' {_OPERATOR_NAMES[kind]}; {skipped}.",
             UserWarning,
             stacklevel=3,
@@ -178,7 +184,7 @@ def resolve_backend(backend: Any, backend_kwargs: dict[str, Any] | None = None) 
     return CurvatureChoice(kind, name)
 
 
-def _ef_loss(loss_func: nn.Module, out_ndim: int) -> nn.Module:
+def ef_loss(loss_func: nn.Module, out_ndim: int) -> nn.Module:
     """The loss curvlinops' ``EFLinearOperator`` takes in place of ``loss_func``.
 
     Its per-example gradients are those of ``MSELoss``, ``CrossEntropyLoss`` or

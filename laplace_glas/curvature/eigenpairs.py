@@ -19,7 +19,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["Eigenpairs", "LanczosConvergenceWarning", "NumericalRankWarning"]
+__all__ = [
+    "ZERO_GGN",
+    "Eigenpairs",
+    "LanczosConvergenceWarning",
+    "NumericalRankWarning",
+]
 
 
 class LanczosConvergenceWarning(UserWarning):
@@ -28,7 +33,7 @@ class LanczosConvergenceWarning(UserWarning):
     """
 
 
-_ZERO_GGN = (
+ZERO_GGN = (
     "The GGN is zero at these weights: the model's outputs do not depend on the "
     "parameters under inference (or all their gradients vanish, e.g. saturated or dead "
     "units). There is no curvature to build a posterior from."

@@ -27,7 +27,7 @@ from scipy.sparse.linalg import LinearOperator
 from tqdm.auto import tqdm
 
 from laplace_glas.curvature.eigenpairs import (
-    _ZERO_GGN,
+    ZERO_GGN,
     Eigenpairs,
     LanczosConvergenceWarning,
     NumericalRankWarning,
@@ -372,7 +372,7 @@ def compute_eigenpairs(
         # Lanczos results arrive on the host (ARPACK); the block solver's stay on ``device``
         raw, U, GU = (t.to(device) for t in (raw, U, GU))
     if not raw[0] > 0:
-        raise ValueError(_ZERO_GGN)
+        raise ValueError(ZERO_GGN)
     if solver != "dual":
         residual_norms = torch.linalg.vector_norm(GU - U * raw, dim=0)
     residuals, below, cleaned, top = _thresholded(raw, residual_norms, rank_threshold)

@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from laplace_glas.curvature.backends import _NAMES, CurvatureChoice, _ef_loss
+from laplace_glas.curvature.backends import MATRIX_NAMES, CurvatureChoice, ef_loss
 from laplace_glas.curvature.batch_sizes import survey_batch_sizes
 from laplace_glas.curvature.batches import SubBatches
 from laplace_glas.curvature.budget import (
@@ -70,7 +70,7 @@ from laplace_glas.curvature.budget import (
 )
 from laplace_glas.curvature.operators.curvlinops import curvlinops_operator
 from laplace_glas.curvature.operators.factored import (
-    _CHUNK_ELEMENTS,
+    CHUNK_ELEMENTS,
     FactorSizes,
     build_factored_ggn,
 )
@@ -433,7 +433,7 @@ def _factored(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
     # solver may take of them (Lanczos' record of products takes the allowance, the
     # dual solve's products of k columns at most one column chunk)
     spare = (budget.total - budget.estimates[strategy]) // (2 * s)
-    chunk = int(min(_CHUNK_ELEMENTS, widest + max(0, spare)))
+    chunk = int(min(CHUNK_ELEMENTS, widest + max(0, spare)))
     built.chunk_elements = max(chunk, widest)
     used = built.chunk_elements
     if strategy == "dual":
@@ -477,14 +477,14 @@ def _curvlinops_plan(
     """
     if solver in ("dual", "factored"):
         warnings.warn(
-            f"solver={solver!r} needs the factored GGN; the {_NAMES[curvature.kind]} "
+            f"solver={solver!r} needs the factored GGN; the {MATRIX_NAMES[curvature.kind]} "
             f"({curvature.backend}) uses curvlinops + Lanczos.",
             UserWarning,
             stacklevel=3,
         )
     loss_func = problem.loss_func
     if curvature.kind == "ef":
-        loss_func = _ef_loss(loss_func, len(problem.out_shape))
+        loss_func = ef_loss(loss_func, len(problem.out_shape))
     operator = curvlinops_operator(
         curvature.kind,
         problem.model,

@@ -106,7 +106,7 @@ def test_in_place_product_may_overwrite_its_own_leading_columns(monkeypatch):
     A = torch.randn(50, 6, generator=g, dtype=torch.float64)
     S = torch.randn(6, 4, generator=g, dtype=torch.float64)
     expected = A @ S
-    krylov_basis._times(A, S, torch.float64, out=A[:, :4])
+    krylov_basis.upcast_product(A, S, torch.float64, out=A[:, :4])
     torch.testing.assert_close(A[:, :4], expected)
     B = torch.randn(50, 3, generator=g).float()
     C = torch.randn(50, 2, generator=g, dtype=torch.float64)
@@ -210,13 +210,13 @@ def test_one_column_passes_are_lanczos_on_arpacks_basis_with_their_own_pass_limi
     assert float(residual.norm(dim=0).max()) <= 1e-8 * float(values[0])
     # ARPACK's default basis max(2k + 1, 20): a restart beyond 61 columns
     basis = []
-    original = block_krylov._KrylovBasis.__init__
+    original = block_krylov.KrylovBasis.__init__
 
     def spy(self, dim, max_basis, *args):
         basis.append(max_basis)
         original(self, dim, max_basis, *args)
 
-    monkeypatch.setattr(block_krylov._KrylovBasis, "__init__", spy)
+    monkeypatch.setattr(block_krylov.KrylovBasis, "__init__", spy)
     for ncv in (45, None):
         compute_eigenpairs(
             Counting(), k, dtype=torch.float64, solver="block", block_size=1, ncv=ncv,
@@ -240,13 +240,13 @@ def test_a_basis_as_large_as_the_space_never_overflows(monkeypatch):
         return (K32 @ V.float()).double()
 
     filled = []  # basis sizes after each append: the cut fills it to exactly dim
-    append = block_krylov._KrylovBasis.append
+    append = block_krylov.KrylovBasis.append
 
     def recording_append(self, Q, GQ):
         append(self, Q, GQ)
         filled.append(self.m)
 
-    monkeypatch.setattr(block_krylov._KrylovBasis, "append", recording_append)
+    monkeypatch.setattr(block_krylov.KrylovBasis, "append", recording_append)
     res = block_krylov_eigenpairs(
         matmat,
         dim,
@@ -301,14 +301,14 @@ def test_residual_estimates_are_the_exact_residuals_of_a_krylov_run(
     values = 10 * torch.arange(1, 301, dtype=torch.float64) ** -1.0
     A = psd(values, seed=6)
     spaces, compared = [], []
-    ritz = block_krylov._KrylovBasis.ritz
+    ritz = block_krylov.KrylovBasis.ritz
 
     def spy_ritz(self):
         spaces.append(self)
         self.last = ritz(self)
         return self.last
 
-    estimate = block_krylov._estimated_residuals
+    estimate = block_krylov.estimated_residuals
 
     def spy_estimate(W, S_newest):
         space = spaces[-1]
@@ -319,8 +319,8 @@ def test_residual_estimates_are_the_exact_residuals_of_a_krylov_run(
         compared.append(float((got - exact).abs().max() / theta[0]))
         return got
 
-    monkeypatch.setattr(block_krylov._KrylovBasis, "ritz", spy_ritz)
-    monkeypatch.setattr(block_krylov, "_estimated_residuals", spy_estimate)
+    monkeypatch.setattr(block_krylov.KrylovBasis, "ritz", spy_ritz)
+    monkeypatch.setattr(block_krylov, "estimated_residuals", spy_estimate)
     res = block_krylov_eigenpairs(
         lambda V: A @ V, 300, 6, block_size=block_size, max_basis=max_basis, tol=1e-10,
         max_passes=400, generator=torch.Generator().manual_seed(2),
@@ -339,13 +339,13 @@ def one_column_solve_counting(monkeypatch, method: str) -> tuple:
     columns)."""
     A = psd(SLOW_DECAY, seed=8)
     calls = []
-    original = getattr(block_krylov._KrylovBasis, method)
+    original = getattr(block_krylov.KrylovBasis, method)
 
     def counting(self, *args):
         calls.append((self.m, args[-1].shape[-1]))
         return original(self, *args)
 
-    monkeypatch.setattr(block_krylov._KrylovBasis, method, counting)
+    monkeypatch.setattr(block_krylov.KrylovBasis, method, counting)
     res = block_krylov_eigenpairs(
         lambda V: A @ V, 400, 10, block_size=1, max_basis=21, tol=1e-9, max_passes=1000,
         rank_threshold=1e-14, generator=torch.Generator().manual_seed(3),

@@ -432,13 +432,13 @@ def test_subsample_uses_factored_operator():
 
 
 def test_join_frees_each_layers_batches_before_releasing_memory():
-    """``_concatenate`` joins layer by layer and calls ``release`` (the fit's
+    """``concatenate_batches`` joins layer by layer and calls ``release`` (the fit's
     ``malloc_trim``) only once that layer's batch pieces are gone, so that the heap
     pages it hands back are the freed pieces; the joined factors equal the batches'.
     """
     import weakref
 
-    from laplace_glas.curvature.operators.factor_join import _concatenate
+    from laplace_glas.curvature.operators.factor_join import concatenate_batches
 
     gen = torch.Generator().manual_seed(0)
     modules = [nn.Linear(3, 4), nn.Linear(4, 2)]
@@ -464,7 +464,7 @@ def test_join_frees_each_layers_batches_before_releasing_memory():
     refs = {m: [weakref.ref(b[0][2]) for b in bs] for m, bs in batches.items()}
     seen = []
     release = lambda: seen.append([all(r() is None for r in refs[m]) for m in modules])  # noqa: E731
-    factors = _concatenate(batches, [], release)
+    factors = concatenate_batches(batches, [], release)
     assert seen == [[True, False], [True, True]]
     for f, m in zip(factors, modules):
         torch.testing.assert_close(f.a, expected[m][0])

@@ -14,7 +14,7 @@ from torch import nn
 from laplace_glas.curvature.budget import Estimates
 from laplace_glas.curvature.eigensolve import compute_eigenpairs
 from laplace_glas.curvature.operators.factored import FactoredGGN
-from laplace_glas.curvature.operators.factors import _row_vectors
+from laplace_glas.curvature.operators.factors import row_vectors
 from laplace_glas.curvature.operators.jacobian import (
     JacobianGGN,
     build_jacobian_ggn,
@@ -114,7 +114,7 @@ def test_rows_square_to_the_softmax_hessian(C):
     out = 3 * torch.randn(4, 3, C, generator=g, dtype=F64)  # 4 examples, 3 positions
     y = torch.randint(0, C, (4, 3), generator=g)
     y[1, 2] = -100
-    rows = _row_vectors(out, y, "classification", -100, 0.5)
+    rows = row_vectors(out, y, "classification", -100, 0.5)
     assert rows.shape == (3 * (C - 1), 4, 3, C)
     p = torch.softmax(out, -1)
     Lam = torch.diag_embed(p) - p[..., :, None] * p[..., None, :]
@@ -131,7 +131,7 @@ def test_rows_of_a_single_class_are_one_zero_row_per_position():
     """One class: ``Lambda = 0``, one (zero) row per position, as before the rows were
     reduced to ``C - 1``."""
     out = torch.randn(4, 3, 1, dtype=F64)
-    rows = _row_vectors(out, torch.zeros(4, 3, dtype=torch.long), "classification", -100, 0.5)
+    rows = row_vectors(out, torch.zeros(4, 3, dtype=torch.long), "classification", -100, 0.5)
     assert rows.shape == (3, 4, 3, 1) and not rows.any()
 
 

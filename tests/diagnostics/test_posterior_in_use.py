@@ -81,3 +81,21 @@ def test_plot_alignment_draws_any_complement(fits, tmp_path):
     assert (tmp_path / "alignment.png").stat().st_size > 0
     with pytest.raises(ValueError, match="complement must be"):
         plot_alignment(results, complement="kron")
+
+
+@pytest.mark.parametrize("complement", ["zero", "prior", "diag", "kron", "kron_diag"])
+def test_a_classifier_s_alignment_total_is_the_trace_of_its_glm_logit_variance(complement):
+    """For a classifier the 'glm' call returns probabilities: the total is the trace of
+    the logits' linearised covariance, which the probit link reads."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 6), nn.Tanh(), nn.Linear(6, 3)).to(DOUBLE)
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(50, 2, generator=g, dtype=DOUBLE)
+    y = torch.randint(0, 3, (50,), generator=g)
+    la = Laplace(model, "classification", subset_of_weights="all", hessian_structure="glas",
+                 n_components=3, prior_precision=0.7, complement=complement)  # fmt: skip
+    la.fit(loader(X, y, batch_size=25))
+    x = torch.cat([X[:5], 4 * X[:3]])
+    _, f_var = la._glm_predictive_distribution(x)
+    trace = torch.diagonal(f_var, dim1=-2, dim2=-1).sum(-1)
+    torch.testing.assert_close(alignment(la, x).total_variance, trace, rtol=1e-6, atol=1e-10)

@@ -224,3 +224,46 @@ def test_the_paper_headline_states_what_the_report_prints(path):
     for n, bound in (("100", below_100), ("2000", below_2000)):
         best = [float(b) for b in re.findall(r"best ([\d.]+)%", rows[(n, "sum", "glm")][0])]
         assert len(best) == 3 and math.ceil(max(best)) == bound, (n, best, bound)
+
+
+def _value_rerun_tables() -> dict[str, dict[str, dict[str, str]]]:
+    """``benchmarks/value_results.md``'s re-run with the new defaults: task -> method ->
+    column -> the mean (the text before ' ± ')."""
+    text = (ROOT / "benchmarks" / "value_results.md").read_text()
+    rerun = text.split("## Re-run with the new defaults", 1)[1]
+    tables = {}
+    for section in rerun.split("\n### ")[1:]:
+        task, body = section.split("\n", 1)
+        lines = [line for line in body.splitlines() if line.startswith("|")]
+        header = [c.strip() for c in lines[0].strip("|").split("|")]
+        rows = {}
+        for line in lines[2:]:
+            cells = [c.strip().split(" ± ")[0] for c in line.strip("|").split("|")]
+            rows[cells[0]] = dict(zip(header, cells, strict=False))
+        tables[task.strip()] = rows
+    return tables
+
+
+def test_the_swap_faq_table_states_what_the_value_benchmark_printed():
+    """The FAQ's KronLaplace / default / old-default table is the value benchmark's
+    re-run, cell by cell (gap NLL and ratio, Concrete NLL, blobs NLL, ECE, AUROC)."""
+    tables = _value_rerun_tables()
+    rows_of = {
+        "`KronLaplace`": "kron",
+        "new default (`'sum'`, `'kron'`)": "GLAS (default)",
+        "old default (`'mean'`, `'zero'`)": "GLAS loss_scaling=mean, complement=zero",
+    }
+    text = (ROOT / "docs" / "faq.md").read_text()
+    checked = 0
+    for line in text.splitlines():
+        cells = [c.strip().strip("*") for c in line.strip().strip("|").split("|")]
+        if cells[0] not in rows_of:
+            continue
+        method = rows_of[cells[0]]
+        gap, concrete, blobs = (tables[t][method] for t in ("gap", "concrete", "blobs"))
+        expected = [gap["test NLL"], gap["gap ratio"], concrete["test NLL"], blobs["test NLL"],
+                    blobs["ECE"], blobs["OOD AUROC"]]  # fmt: skip
+        numbers = [float(c) for c in cells[1:]]
+        assert numbers == pytest.approx([float(e) for e in expected], abs=0.051), (method, cells)
+        checked += 1
+    assert checked == 3

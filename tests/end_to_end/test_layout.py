@@ -222,3 +222,29 @@ def test_the_first_forward_mode_product_prints_no_deprecation_warning():
         "torch.func.jvp(torch.sin, (torch.ones(2),), (torch.ones(2),))\n"
     )
     subprocess.run([sys.executable, "-W", "error::FutureWarning", "-c", code], check=True)
+
+
+def private_imports(path: Path) -> list[str]:
+    """``from laplace_glas.x import _name`` in ``path``: a helper another module needs is
+    part of its owner's interface, public there."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("laplace_glas"):
+            found.extend(
+                f"{relative(path)}:{node.lineno}: {node.module}.{alias.name}"
+                for alias in node.names
+                if alias.name.startswith("_") and not alias.name.startswith("__")
+            )
+    return found
+
+
+def test_no_module_imports_another_modules_private_names():
+    found = [line for path in sorted(PACKAGE.rglob("*.py")) for line in private_imports(path)]
+    assert not found, found
+
+
+def test_the_private_import_check_catches_one(tmp_path, monkeypatch):
+    module = tmp_path / "m.py"
+    module.write_text("from laplace_glas.curvature.eigenpairs import _hidden, ZERO_GGN\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path)
+    assert private_imports(module) == ["m.py:1: laplace_glas.curvature.eigenpairs._hidden"]

@@ -7,7 +7,7 @@ concatenated along the example axis (positions zero-padded to the longest), and 
 result is assembled into :class:`~laplace_glas.curvature.operators.factors.OuterFactor`,
 :class:`~laplace_glas.curvature.operators.factors.EmbeddingFactor` and
 :class:`~laplace_glas.curvature.operators.factors.ExplicitFactor`. The sizes helpers
-(``_nbytes``, ``_layer_nbytes``, ``_widest``) feed the memory budget.
+(``factor_bytes``, ``layer_factor_bytes``, ``widest_product_columns``) feed the memory budget.
 """
 
 from __future__ import annotations
@@ -20,7 +20,13 @@ from laplace_glas.curvature.operators.factors import (
     OuterFactor,
 )
 
-__all__: list[str] = []
+__all__ = [
+    "assemble_factors",
+    "concatenate_batches",
+    "factor_bytes",
+    "layer_factor_bytes",
+    "widest_product_columns",
+]
 
 
 def _merge_calls(calls: list) -> tuple:
@@ -46,7 +52,7 @@ def _call_positions(calls: list) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
-def _assemble(layers: dict, explicit: list, positions: dict | None = None) -> list:
+def assemble_factors(layers: dict, explicit: list, positions: dict | None = None) -> list:
     """Factor objects of one batch (or of the concatenated batches, whose calls'
     ``positions`` per module the caller gives).
     """
@@ -71,19 +77,22 @@ def _assemble(layers: dict, explicit: list, positions: dict | None = None) -> li
     return factors
 
 
-def _nbytes(layers: dict, explicit: list) -> int:
+def factor_bytes(layers: dict, explicit: list) -> int:
+    """Bytes of one batch's factors: every layer's (:func:`layer_factor_bytes`) and the
+    explicit Jacobian blocks.
+    """
     total = sum(J.numel() * J.element_size() for _, J in explicit)
-    return total + sum(_layer_nbytes(calls) for calls in layers.values())
+    return total + sum(layer_factor_bytes(calls) for calls in layers.values())
 
 
-def _layer_nbytes(calls: list) -> int:
+def layer_factor_bytes(calls: list) -> int:
     """Bytes of one layer's factors (all its calls)."""
     return sum(
         t.numel() * t.element_size() for c in calls for t in c if isinstance(t, torch.Tensor)
     )
 
 
-def _widest(layers: dict) -> int:
+def widest_product_columns(layers: dict) -> int:
     """Largest ``B T d_out`` of a weight layer: numbers per column of a product's GEMM."""
     widest = 1
     for calls in layers.values():
@@ -106,7 +115,7 @@ def _pad_positions(tensors: list[torch.Tensor], axis: int) -> list[torch.Tensor]
     return out
 
 
-def _concatenate(all_layers: dict, all_explicit: list, release=lambda: None) -> list:
+def concatenate_batches(all_layers: dict, all_explicit: list, release=lambda: None) -> list:
     """Join the batches' factors along the example axis (emptying ``all_layers``, so
     that the peak is the factors plus one layer's, not twice the factors; ``release()``
     runs after each layer, once its batches are freed).
@@ -128,8 +137,8 @@ def _concatenate(all_layers: dict, all_explicit: list, release=lambda: None) -> 
             layers[module] = [(kind, off, merged[0][2], idx, g)]
         del merged, per_batch
         release()
-    factors = _assemble(layers, [], positions)
+    factors = assemble_factors(layers, [], positions)
     if all_explicit and all_explicit[0]:
-        per_batch = [_assemble({}, e)[0] for e in all_explicit]
+        per_batch = [assemble_factors({}, e)[0] for e in all_explicit]
         factors.append(ExplicitFactor(per_batch[0].index, torch.cat([f.J for f in per_batch])))
     return factors

@@ -43,7 +43,7 @@ while below ``budget_bytes`` (the planner's, from ``memory_budget``, checked aga
 first batch's projection; a direct call: :func:`default_factor_budget`). A product
 with ``m`` columns needs ``m N T d_out`` more per layer, in column chunks of at most
 ``FactoredGGN.chunk_elements`` numbers (the planner sets it from the budget;
-``_CHUNK_ELEMENTS`` by default) and, for speed, of at most ``2^22`` numbers where one
+``CHUNK_ELEMENTS`` by default) and, for speed, of at most ``2^22`` numbers where one
 column takes fewer. Joining the batches' factors holds one layer's twice, not all.
 """
 
@@ -61,40 +61,42 @@ from laplace_glas.autodiff.functional import module_call
 from laplace_glas.curvature.batches import batch_copy, batch_size, split_batch_to
 from laplace_glas.curvature.budget import OverBudget, format_bytes, return_freed_memory
 from laplace_glas.curvature.operators.factor_join import (
-    _assemble,
-    _concatenate,
-    _layer_nbytes,
-    _nbytes,
-    _widest,
+    assemble_factors,
+    concatenate_batches,
+    factor_bytes,
+    layer_factor_bytes,
+    widest_product_columns,
 )
 from laplace_glas.curvature.operators.factors import (
-    _CONV,
-    _SUPPORTED,
+    CONV_LAYERS,
+    FACTORED_LAYERS,
     EmbeddingFactor,
     ExplicitFactor,
+    ForwardRecorder,
+    NotFactorable,
     OuterFactor,
-    _batch_factors,
-    _owners,
-    _parameter_offsets,
-    _Recorder,
-    _Unsupported,
+    batch_factors,
+    owning_modules,
+    parameter_offsets,
 )
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES, TorchOperator
 from laplace_glas.progress import progress
 
 __all__ = [
+    "CHUNK_ELEMENTS",
     "EmbeddingFactor",
     "ExplicitFactor",
     "FactorSizes",
     "FactoredGGN",
     "OuterFactor",
     "build_factored_ggn",
+    "check_first_batch",
     "default_factor_budget",
     "factored_jacobian_directions",
     "unsupported_reason",
 ]
 
-_CHUNK_ELEMENTS = 2**25  # temporaries a product may take by default: 128 MiB in float32
+CHUNK_ELEMENTS = 2**25  # temporaries a product may take by default: 128 MiB in float32
 _FAST_CHUNK_ELEMENTS = 2**22  # a column chunk's temporaries at most (larger ones were slower)
 _PREDICTIVE_BUDGET = 2**29  # factors of one prediction batch: 512 MiB
 
@@ -167,7 +169,7 @@ class FactoredGGN(TorchOperator):
         self.torch_dtype = ref.dtype
         self.device = ref.device
         self.n_products = 0
-        self.chunk_elements = _CHUNK_ELEMENTS  # temporaries of one product chunk
+        self.chunk_elements = CHUNK_ELEMENTS  # temporaries of one product chunk
 
     @property
     def column_cost(self) -> int:
@@ -226,9 +228,9 @@ class FactoredGGN(TorchOperator):
 
 # ---------------------------------------------------------------------- support
 def _module_issue(module: nn.Module) -> str | None:
-    if not isinstance(module, _SUPPORTED):
+    if not isinstance(module, FACTORED_LAYERS):
         return f"{type(module).__name__} parameters"
-    if isinstance(module, _CONV):
+    if isinstance(module, CONV_LAYERS):
         if module.groups != 1:
             return f"{type(module).__name__} with groups={module.groups}"
         if module.padding_mode != "zeros":
@@ -259,7 +261,7 @@ def unsupported_reason(
         return "a custom loss_fn"
     if likelihood not in ("regression", "classification"):
         return f"likelihood {likelihood!r}"
-    owners = _owners(model)
+    owners = owning_modules(model)
     for p in params:
         if id(p) not in owners:
             return "a parameter that is not one of the model's"
@@ -272,11 +274,11 @@ def unsupported_reason(
     return None
 
 
-def _check_first_batch(model, params, names, X, out, rows, factors, n_params, dtype) -> None:
+def check_first_batch(model, params, names, X, out, rows, factors, n_params, dtype) -> None:
     """``S v`` from the factors against ``Lambda^{1/2} J v`` by forward mode."""
     gen = torch.Generator().manual_seed(1234)
     v = torch.randn(n_params, generator=gen, dtype=torch.float64).to(dtype=dtype, device=out.device)
-    owners = _owners(model)
+    owners = owning_modules(model)
     tangents, start = [], 0
     for p in params:
         t = v[start : start + p.numel()].view_as(p).clone()
@@ -295,7 +297,7 @@ def _check_first_batch(model, params, names, X, out, rows, factors, n_params, dt
         with torch.no_grad():
             _, Jv = jvp(f, tuple(p.detach() for p in params), tuple(tangents))
     except RuntimeError as err:
-        raise _Unsupported(f"forward mode fails on the first batch ({err!s:.100})") from err
+        raise NotFactorable(f"forward mode fails on the first batch ({err!s:.100})") from err
     reference = torch.einsum("rb...,b...->br", rows, Jv)
     op = FactoredGGN(factors, n_params, rows.shape[0])
     ours = op.apply_S(v.unsqueeze(0))[0]
@@ -303,7 +305,7 @@ def _check_first_batch(model, params, names, X, out, rows, factors, n_params, dt
         reference
     ).clamp_min(torch.finfo(dtype).tiny)
     if not err <= 10 * torch.finfo(dtype).eps ** 0.5:
-        raise _Unsupported(
+        raise NotFactorable(
             f"the factored Jacobian of the first batch differs from forward mode (rel. {err:.1e}):"
             " a weight used outside its layer, or a batch axis that is not the first"
         )
@@ -367,10 +369,10 @@ def build_factored_ggn(
     if reason is not None:
         return reason
     params = list(params)
-    offsets, names, n_params = _parameter_offsets(model, params)
+    offsets, names, n_params = parameter_offsets(model, params)
     budget = default_factor_budget(1, n_params, 4) if budget_bytes is None else budget_bytes
     scale = float(n_terms) ** -0.5
-    recorder = _Recorder(offsets)
+    recorder = ForwardRecorder(offsets)
     all_layers: dict[nn.Module, list] = {}
     all_explicit: list = []
     used, R = 0, None
@@ -379,26 +381,26 @@ def build_factored_ggn(
         for i, data in enumerate(batches):
             X, y = split_batch_to(data, device, dict_key_y)
             X = batch_copy(X)  # the first layer's factor is X: not the loader's own tensor
-            out, rows, layers, explicit, R = _batch_factors(
+            out, rows, layers, explicit, R = batch_factors(
                 model, recorder, X, y, likelihood, ignore_index, scale, offsets, dict_key_x
             )
             if i == 0:
                 recorder.remove()
                 try:
-                    _check_first_batch(
+                    check_first_batch(
                         model,
                         params,
                         names,
                         X,
                         out,
                         rows,
-                        _assemble(layers, explicit),
+                        assemble_factors(layers, explicit),
                         n_params,
                         out.dtype,
                     )
                 finally:
-                    recorder = _Recorder(offsets)
-            used += _nbytes(layers, explicit)
+                    recorder = ForwardRecorder(offsets)
+            used += factor_bytes(layers, explicit)
             if i == 0 and first_batch_check is not None:
                 reason = first_batch_check(_sizes(loader, layers, explicit, out, R))
                 if reason is not None:
@@ -411,14 +413,16 @@ def build_factored_ggn(
             for module, calls in layers.items():
                 all_layers.setdefault(module, []).append(calls)
             all_explicit.append(explicit)
-    except _Unsupported as err:
+    except NotFactorable as err:
         return str(err)
     finally:
         recorder.remove()
     if R is None:
         return "an empty loader"
     return_freed_memory()  # the batches' temporaries, before the join
-    return FactoredGGN(_concatenate(all_layers, all_explicit, return_freed_memory), n_params, R)
+    return FactoredGGN(
+        concatenate_batches(all_layers, all_explicit, return_freed_memory), n_params, R
+    )
 
 
 def _sizes(loader: Iterable, layers: dict, explicit: list, out: torch.Tensor, R: int):
@@ -427,10 +431,17 @@ def _sizes(loader: Iterable, layers: dict, explicit: list, out: torch.Tensor, R:
         n_batches = len(loader)
     except TypeError:
         n_batches = None
-    largest = max([_layer_nbytes(calls) for calls in layers.values()], default=0)
+    largest = max([layer_factor_bytes(calls) for calls in layers.values()], default=0)
     largest = max([largest, *(J.numel() * J.element_size() for _, J in explicit)])
     rows = out.shape[0] * R
-    sizes = (_nbytes(layers, explicit), largest, _widest(layers), rows, n_batches, R)
+    sizes = (
+        factor_bytes(layers, explicit),
+        largest,
+        widest_product_columns(layers),
+        rows,
+        n_batches,
+        R,
+    )
     return FactorSizes(*sizes)
 
 
@@ -478,20 +489,20 @@ def factored_jacobian_directions(
     if reason is not None:
         return reason
     params = list(params)
-    offsets, names, start = _parameter_offsets(model, params)
-    recorder = _Recorder(offsets)
+    offsets, names, start = parameter_offsets(model, params)
+    recorder = ForwardRecorder(offsets)
     try:
         B = batch_size(x, dict_key_x)
         y = torch.zeros(B, device=directions.device)  # unused by the regression rows
-        out, rows, layers, explicit, R = _batch_factors(
+        out, rows, layers, explicit, R = batch_factors(
             model, recorder, x, y, "regression", -100, 1.0, offsets, dict_key_x
         )
         recorder.remove()
-        if _nbytes(layers, explicit) > budget_bytes:
+        if factor_bytes(layers, explicit) > budget_bytes:
             return f"factors above the predictive's budget ({format_bytes(budget_bytes)})"
-        factors = _assemble(layers, explicit)
-        _check_first_batch(model, params, names, x, out, rows, factors, start, out.dtype)
-    except _Unsupported as err:
+        factors = assemble_factors(layers, explicit)
+        check_first_batch(model, params, names, x, out, rows, factors, start, out.dtype)
+    except NotFactorable as err:
         return str(err)
     finally:
         recorder.remove()

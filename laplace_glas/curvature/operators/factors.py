@@ -25,13 +25,25 @@ from laplace_glas.autodiff.checkpoints import watch_reentrant_checkpoints
 from laplace_glas.curvature.batches import batch_size
 from laplace_glas.validation import check_model_output
 
-__all__ = ["EmbeddingFactor", "ExplicitFactor", "OuterFactor"]
+__all__ = [
+    "CONV_LAYERS",
+    "FACTORED_LAYERS",
+    "EmbeddingFactor",
+    "ExplicitFactor",
+    "ForwardRecorder",
+    "NotFactorable",
+    "OuterFactor",
+    "batch_factors",
+    "owning_modules",
+    "parameter_offsets",
+    "row_vectors",
+]
 
 _MAX_ROWS = 1024  # R = output rows per example above which the factors are not built
 _CACHE_ELEMENTS = 2**19  # numbers of a product's per-chunk temporaries kept in cache
-_CONV = (nn.Conv1d, nn.Conv2d)
+CONV_LAYERS = (nn.Conv1d, nn.Conv2d)
 _NORM = (nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d)
-_SUPPORTED = (nn.Linear, *_CONV, *_NORM, nn.Embedding)
+FACTORED_LAYERS = (nn.Linear, *CONV_LAYERS, *_NORM, nn.Embedding)
 
 
 # ---------------------------------------------------------------------- factors
@@ -207,7 +219,7 @@ class ExplicitFactor:
         return 4 * self.J.numel()
 
 
-def _owners(model: nn.Module) -> dict[int, tuple[str, nn.Module, str]]:
+def owning_modules(model: nn.Module) -> dict[int, tuple[str, nn.Module, str]]:
     """``id(parameter) -> (qualified name, owning module, attribute)``."""
     owners = {}
     for mod_name, module in model.named_modules():
@@ -217,7 +229,7 @@ def _owners(model: nn.Module) -> dict[int, tuple[str, nn.Module, str]]:
 
 
 # ---------------------------------------------------------------------- build
-def _row_vectors(
+def row_vectors(
     out: torch.Tensor, y: torch.Tensor, likelihood: str, ignore_index: int, scale: float
 ) -> torch.Tensor:
     """``(R, B, *out.shape[1:])``: the rows of ``Lambda_n^{1/2} / sqrt(N)`` per example.
@@ -290,9 +302,9 @@ def _layer_factors(module, x, z, grad, offsets, R, B):
         a = x.detach().reshape(B, -1, d_in)
         g = grad.reshape(R, B, -1, d_out).transpose(0, 1)
         return _weight_and_bias(w_off, b_off, a, g, explicit)
-    if isinstance(module, _CONV):
+    if isinstance(module, CONV_LAYERS):
         if x.dim() != len(module.kernel_size) + 2:
-            raise _Unsupported("an unbatched convolution input")
+            raise NotFactorable("an unbatched convolution input")
         x, padding = _same_padding(module, x.detach())
         if isinstance(module, nn.Conv1d):
             x = x.unsqueeze(2)
@@ -340,11 +352,11 @@ def _layer_factors(module, x, z, grad, offsets, R, B):
     return None, explicit
 
 
-class _Unsupported(Exception):
+class NotFactorable(Exception):
     """The model cannot be factored; the message says why."""
 
 
-class _Recorder:
+class ForwardRecorder:
     """Forward hooks keeping each hooked module's input and output, per call."""
 
     def __init__(self, modules: Iterable[nn.Module]):
@@ -359,10 +371,12 @@ class _Recorder:
         return output.clone()  # in-place ops downstream must not touch ``output``
 
     def reset(self) -> None:
+        """Forget the recorded calls (the hooks stay)."""
         for calls in self.calls.values():
             calls.clear()
 
     def remove(self) -> None:
+        """Remove the forward hooks."""
         for handle in self.handles:
             handle.remove()
 
@@ -379,9 +393,9 @@ def _without_graph(recorder, offsets) -> list[torch.Tensor]:
     return missing
 
 
-def _batch_factors(model, recorder, X, y, likelihood, ignore_index, scale, offsets, dict_key_x):
+def batch_factors(model, recorder, X, y, likelihood, ignore_index, scale, offsets, dict_key_x):
     """Forward pass, batched backward over the rows of ``Lambda^{1/2}``
-    (:func:`_row_vectors`), per-layer factors of one batch.
+    (:func:`row_vectors`), per-layer factors of one batch.
     """
     B = batch_size(X, dict_key_x)
     recorder.reset()
@@ -390,22 +404,22 @@ def _batch_factors(model, recorder, X, y, likelihood, ignore_index, scale, offse
             out = check_model_output(model(X))
         watch.check(model, _without_graph(recorder, offsets))
         if any(not z.requires_grad for calls in recorder.calls.values() for _, z in calls):
-            raise _Unsupported("a layer called without gradients (under torch.no_grad)")
+            raise NotFactorable("a layer called without gradients (under torch.no_grad)")
         if out.shape[0] != B:
-            raise _Unsupported(
+            raise NotFactorable(
                 f"model outputs whose first axis ({out.shape[0]}) is not the batch ({B})"
             )
         if out[0].numel() > _MAX_ROWS:
-            raise _Unsupported(
+            raise NotFactorable(
                 f"{out[0].numel()} output rows per example (more than {_MAX_ROWS}) for "
                 "the factored operator"
             )
-        rows = _row_vectors(out, y, likelihood, ignore_index, scale)
+        rows = row_vectors(out, y, likelihood, ignore_index, scale)
         R = rows.shape[0]
         calls = [(m, x, z) for m, cs in recorder.calls.items() for x, z in cs]
         for _, x, _ in calls:
             if x.shape[0] != B:
-                raise _Unsupported("a layer input whose first axis is not the batch")
+                raise NotFactorable("a layer input whose first axis is not the batch")
         zs = [z for _, _, z in calls]
         try:
             grads = torch.autograd.grad(out, zs, rows, is_grads_batched=True, allow_unused=True)
@@ -430,13 +444,13 @@ def _batch_factors(model, recorder, X, y, likelihood, ignore_index, scale, offse
     return out.detach(), rows, layers, explicit, R
 
 
-def _parameter_offsets(
+def parameter_offsets(
     model: nn.Module, params: list[torch.Tensor]
 ) -> tuple[dict[nn.Module, dict[str, int]], list[str], int]:
     """Where each layer's weight and bias start in the ``D``-vector, the parameters'
     qualified names, and ``D``.
     """
-    owners = _owners(model)
+    owners = owning_modules(model)
     offsets: dict[nn.Module, dict[str, int]] = {}
     start = 0
     for p in params:

@@ -54,22 +54,22 @@ from laplace_glas.curvature.batch_sizes import survey_batch_sizes
 from laplace_glas.curvature.batches import batch_size, split_batch_to
 from laplace_glas.curvature.budget import format_bytes
 from laplace_glas.curvature.operators.factor_join import (
-    _assemble,
+    assemble_factors,
 )
 from laplace_glas.curvature.operators.factored import (
     FactoredGGN,
-    _check_first_batch,
+    check_first_batch,
     unsupported_reason,
 )
 from laplace_glas.curvature.operators.factors import (
     EmbeddingFactor,
     ExplicitFactor,
+    ForwardRecorder,
+    NotFactorable,
     OuterFactor,
-    _batch_factors,
-    _parameter_offsets,
-    _Recorder,
-    _row_vectors,
-    _Unsupported,
+    batch_factors,
+    parameter_offsets,
+    row_vectors,
 )
 from laplace_glas.progress import progress
 from laplace_glas.validation import check_model_output
@@ -172,9 +172,9 @@ def _larger_than_factors(model, recorder, X, likelihood: str, n_params: int) -> 
 
 def _factored_batches(model, params, loader, likelihood, n_terms, options):
     """Per-batch ``(B, R, D)`` Jacobian rows from the factors; yields strings to stop."""
-    offsets, names, n_params = _parameter_offsets(model, list(params))
+    offsets, names, n_params = parameter_offsets(model, list(params))
     scale = float(n_terms) ** -0.5
-    recorder = _Recorder(offsets)
+    recorder = ForwardRecorder(offsets)
     first = options["first"]  # the loader's first item where known: checked before a pass
     try:
         if first is not None:
@@ -190,7 +190,7 @@ def _factored_batches(model, params, loader, likelihood, n_terms, options):
                 if reason is not None:
                     yield reason
                     return
-            out, rows, layers, explicit, R = _batch_factors(
+            out, rows, layers, explicit, R = batch_factors(
                 model,
                 recorder,
                 X,
@@ -201,16 +201,16 @@ def _factored_batches(model, params, loader, likelihood, n_terms, options):
                 offsets,
                 options["dict_key_x"],
             )
-            factors = _assemble(layers, explicit)
+            factors = assemble_factors(layers, explicit)
             B = out.shape[0]
             if i == 0:
                 recorder.remove()
                 try:
-                    _check_first_batch(
+                    check_first_batch(
                         model, params, names, X, out, rows, factors, n_params, out.dtype
                     )
                 finally:
-                    recorder = _Recorder(offsets)
+                    recorder = ForwardRecorder(offsets)
             del layers, explicit
             yield _factor_jacobian(factors, B, R, n_params, out.dtype, out.device)
             del factors, out, rows  # not held beside the next batch's build
@@ -257,12 +257,12 @@ def _func_batches(model, params, loader, likelihood, n_terms, options):
             yield f"torch.func.vmap over the examples failed ({type(err).__name__})"
             return
         jac = torch.cat([j.reshape(B, out[0].numel(), -1) for j in jac], -1)  # (B, O, D)
-        rows = _row_vectors(out, y, likelihood, options["ignore_index"], scale)
+        rows = row_vectors(out, y, likelihood, options["ignore_index"], scale)
         J = torch.einsum("rbo,bod->brd", rows.reshape(rows.shape[0], B, -1), jac)
         del jac
         if i == 0:  # examples that interact (a batch statistic) break the per-example vmap
             factor = DenseFactor(torch.arange(J.shape[-1], device=J.device), J)
-            _check_first_batch(model, params, keys, X, out, rows, [factor], J.shape[-1], J.dtype)
+            check_first_batch(model, params, keys, X, out, rows, [factor], J.shape[-1], J.dtype)
             del factor
         yield J
         del J, out, rows  # not held beside the next batch's build
@@ -353,7 +353,7 @@ def build_jacobian_ggn(
         if n_examples is None:
             n_examples = _examples(loader, dict_key_x, dict_key_y)
         return _collect(route, n_examples, budget_bytes)
-    except _Unsupported as err:
+    except NotFactorable as err:
         return str(err)
     finally:
         route.close()

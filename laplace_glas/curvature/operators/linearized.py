@@ -106,14 +106,20 @@ from laplace_glas.curvature.operators.graph_bytes import SavedBytes
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES, TorchOperator
 from laplace_glas.progress import progress
 
-__all__ = ["LinearizedGGN", "build_linearized_ggn"]
+__all__ = [
+    "COLUMN_BYTES",
+    "Linearization",
+    "LinearizedGGN",
+    "adjoint_check",
+    "build_linearized_ggn",
+]
 
-_COLUMN_BYTES = 2**29  # batched backward passes: temporaries of about 512 MiB per batch
+COLUMN_BYTES = 2**29  # batched backward passes: temporaries of about 512 MiB per batch
 _TRIM_BATCH_BYTES = 8 * 2**20  # kept bytes a batch from which products trim the heap
 
 
 @dataclass
-class _Linearization:
+class Linearization:
     """One batch's kept graphs.
 
     ``outputs`` are the network outputs ``f_b`` (graph to the parameters), ``dummy`` the
@@ -148,10 +154,10 @@ class LinearizedGGN(TorchOperator):
 
     def __init__(
         self,
-        linearizations: Sequence[_Linearization],
+        linearizations: Sequence[Linearization],
         params: Sequence[torch.Tensor],
         saved_bytes: int,
-        column_bytes: int = _COLUMN_BYTES,
+        column_bytes: int = COLUMN_BYTES,
         heap_bytes: int = 0,
     ):
         ref = params[0]
@@ -170,7 +176,7 @@ class LinearizedGGN(TorchOperator):
         self.batched = True  # is_grads_batched until vmap refuses the backward pass
         # a batched backward pass needs about one batch's kept bytes per column
         per_batch = max(1, self.saved_bytes // max(1, len(self.linearizations)))
-        self.column_chunk = max(1, min(column_bytes, _COLUMN_BYTES) // per_batch)
+        self.column_chunk = max(1, min(column_bytes, COLUMN_BYTES) // per_batch)
         self._trims = self.device.type == "cpu" and per_batch >= _TRIM_BATCH_BYTES
 
     @property
@@ -179,14 +185,14 @@ class LinearizedGGN(TorchOperator):
         return self.saved_bytes + self.heap_bytes
 
     # -- torch
-    def _product(self, lin: _Linearization, V: torch.Tensor, batched: bool) -> torch.Tensor:
+    def _product(self, lin: Linearization, V: torch.Tensor, batched: bool) -> torch.Tensor:
         """``c J_b^T Lambda_b J_b V`` for ``V (D, m)``, as ``(m, D)``."""
         m = V.shape[1]
         tangents = self.parameter_tangents(lin, V)
         if not batched:
             tangents = [t[0] for t in tangents]
         used = [self.params[i] for i in lin.used]
-        with switched_forwards(lin.frozen):  # as recorded (see _Linearization)
+        with switched_forwards(lin.frozen):  # as recorded (see Linearization)
             (Jv,) = torch.autograd.grad(
                 lin.pullback, lin.dummy, tangents, retain_graph=True, is_grads_batched=batched
             )
@@ -201,12 +207,12 @@ class LinearizedGGN(TorchOperator):
             out[:, self.offsets[i] : self.offsets[i + 1]] = grad.reshape(m, -1)
         return out
 
-    def parameter_tangents(self, lin: _Linearization, V: torch.Tensor) -> list[torch.Tensor]:
+    def parameter_tangents(self, lin: Linearization, V: torch.Tensor) -> list[torch.Tensor]:
         """The columns of ``V (D, m)`` as ``(m, *shape)`` tensors of the used parameters."""
         columns = V.T.split(self.sizes, dim=1)
         return [columns[i].reshape(V.shape[1], *self.shapes[i]) for i in lin.used]
 
-    def batches(self) -> Iterable[_Linearization]:
+    def batches(self) -> Iterable[Linearization]:
         """The batches' linearisations a product passes over (the kept ones)."""
         return self.linearizations
 
@@ -244,7 +250,7 @@ class LinearizedGGN(TorchOperator):
         if self._trims:
             return_freed_memory()
 
-    def _accumulate(self, lin: _Linearization, V: torch.Tensor, result: torch.Tensor) -> bool:
+    def _accumulate(self, lin: Linearization, V: torch.Tensor, result: torch.Tensor) -> bool:
         """Add batch ``lin``'s ``c J_b^T Lambda_b J_b V`` to ``result (m, D)``, in column
         chunks; False where the device ran out of memory and the chunk was halved.
         """
@@ -286,7 +292,7 @@ def linearize_batch(
     device: torch.device | str = "cpu",
     counter: SavedBytes | None = None,
     drop_zeros: bool = True,
-) -> _Linearization | str:
+) -> Linearization | str:
     """One batch's kept graphs: its outputs ``f_b`` (a forward pass with the elementwise
     activations' and the layer / RMS norms' first derivatives frozen), ``J_b^T u`` built
     with ``create_graph=True`` and the loss gradient ``c nabla_f l_b``; or why the batch
@@ -336,7 +342,7 @@ def linearize_batch(
             scale = n / num_data
         (loss_gradient,) = torch.autograd.grad(scale * loss_func(leaf, y), leaf, create_graph=True)
     pulled = tuple(pullback[i] for i in used)
-    kept = _Linearization(outputs, dummy, pulled, used, leaf, loss_gradient, frozen)
+    kept = Linearization(outputs, dummy, pulled, used, leaf, loss_gradient, frozen)
     for tensor in (outputs, leaf, loss_gradient, *kept.pullback):  # held, not saved
         counter.count(tensor)
     return kept
@@ -352,7 +358,7 @@ def build_linearized_ggn(
     batch_size_fn: Callable | None = None,
     device: torch.device | str = "cpu",
     budget_bytes: int,
-    column_bytes: int = _COLUMN_BYTES,
+    column_bytes: int = COLUMN_BYTES,
     progress_bar: bool = False,
     batch_sizes: BatchSizes | None = None,
 ) -> LinearizedGGN | str:
@@ -451,13 +457,13 @@ def build_linearized_ggn(
     operator = LinearizedGGN(
         linearizations, params, counter.bytes, column_bytes, heap_bytes=counter.heap_bytes(page)
     )
-    reason = _adjoint_check(operator, linearizations[0])
+    reason = adjoint_check(operator, linearizations[0])
     if reason is not None:
         return reason
     return operator
 
 
-def _adjoint_check(operator: LinearizedGGN, lin: _Linearization) -> str | None:
+def adjoint_check(operator: LinearizedGGN, lin: Linearization) -> str | None:
     """Why the double-backward ``J v`` of the first batch cannot be trusted, or None.
 
     For random ``u`` and ``v``, ``<u, J v>`` (double backward) must equal
@@ -477,7 +483,7 @@ def _adjoint_check(operator: LinearizedGGN, lin: _Linearization) -> str | None:
     tangents = [t[0] for t in operator.parameter_tangents(lin, v)]
     used = [operator.params[i] for i in lin.used]
     try:
-        with switched_forwards(lin.frozen):  # as the products run (_Linearization)
+        with switched_forwards(lin.frozen):  # as the products run (Linearization)
             (Jv,) = torch.autograd.grad(lin.pullback, lin.dummy, tangents, retain_graph=True)
             JTu = torch.autograd.grad(lin.outputs, used, u, retain_graph=True)
     except RuntimeError as err:

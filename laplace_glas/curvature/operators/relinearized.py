@@ -34,10 +34,10 @@ from torch import nn
 from laplace_glas.curvature.budget import format_bytes, return_freed_memory
 from laplace_glas.curvature.operators.graph_bytes import SavedBytes
 from laplace_glas.curvature.operators.linearized import (
-    _COLUMN_BYTES,
+    COLUMN_BYTES,
+    Linearization,
     LinearizedGGN,
-    _adjoint_check,
-    _Linearization,
+    adjoint_check,
     linearize_batch,
 )
 
@@ -97,7 +97,7 @@ class RelinearizedGGN(LinearizedGGN):
         batch_size_fn: Callable | None = None,
         device: torch.device | str = "cpu",
         batch_bytes: int,
-        column_bytes: int = _COLUMN_BYTES,
+        column_bytes: int = COLUMN_BYTES,
     ):
         super().__init__([], list(params), batch_bytes, column_bytes)
         self.model = model
@@ -107,7 +107,7 @@ class RelinearizedGGN(LinearizedGGN):
         self.batch_size_fn = batch_size_fn
         self.largest_batch_bytes = 0  # the largest batch's graphs linearised so far
 
-    def batches(self) -> Iterator[_Linearization]:
+    def batches(self) -> Iterator[Linearization]:
         """Each batch's linearisation, built when the product reaches it.
 
         Raises
@@ -120,7 +120,7 @@ class RelinearizedGGN(LinearizedGGN):
             # yielded without a name here, so that the caller's release frees it
             yield self._linearized(X, y, i)
 
-    def _linearized(self, X: torch.Tensor | dict, y: torch.Tensor, index: int) -> _Linearization:
+    def _linearized(self, X: torch.Tensor | dict, y: torch.Tensor, index: int) -> Linearization:
         counter = SavedBytes.beside(self.model)
         lin = linearize_batch(
             self.model, self.loss_func, self.params, X, y, num_data=self.num_data,
@@ -148,10 +148,10 @@ class RelinearizedGGN(LinearizedGGN):
     def check(self) -> str | None:
         """Why this model's rebuilt products cannot be trusted, or None: the kept
         operator's check of the double-backward ``J v`` against ``J^T u`` on the first
-        batch (the kept build's ``_adjoint_check``).
+        batch (the kept build's ``adjoint_check``).
         """
         for lin in self.batches():
-            return _adjoint_check(self, lin)
+            return adjoint_check(self, lin)
         return "the loader is empty"
 
     def matmat_torch(self, V: torch.Tensor) -> torch.Tensor:

@@ -34,13 +34,17 @@ from torch import nn
 
 from laplace_glas.curvature.batches import split_batch_to
 from laplace_glas.curvature.budget import return_freed_memory
-from laplace_glas.curvature.operators.factor_join import _assemble, _nbytes, _widest
-from laplace_glas.curvature.operators.factored import _CHUNK_ELEMENTS, FactoredGGN
+from laplace_glas.curvature.operators.factor_join import (
+    assemble_factors,
+    factor_bytes,
+    widest_product_columns,
+)
+from laplace_glas.curvature.operators.factored import CHUNK_ELEMENTS, FactoredGGN
 from laplace_glas.curvature.operators.factors import (
-    _batch_factors,
-    _parameter_offsets,
-    _Recorder,
-    _Unsupported,
+    ForwardRecorder,
+    NotFactorable,
+    batch_factors,
+    parameter_offsets,
 )
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES, TorchOperator
 
@@ -119,22 +123,22 @@ class StreamedFactoredGGN(TorchOperator):
         dict_key_y: str = "labels",
         device: torch.device | str = "cpu",
     ):
-        self._offsets, _, n_params = _parameter_offsets(model, list(params))
+        self._offsets, _, n_params = parameter_offsets(model, list(params))
         super().__init__(dtype=NUMPY_DTYPES[dtype], shape=(n_params, n_params))
         self.model, self.loader, self.likelihood = model, loader, likelihood
         self.scale = float(n_terms) ** -0.5
         self.torch_dtype, self.device = dtype, torch.device(device)
         self.ignore_index, self.dict_key_x, self.dict_key_y = ignore_index, dict_key_x, dict_key_y
-        self.chunk_elements = _CHUNK_ELEMENTS  # a batch product's temporaries (numbers)
+        self.chunk_elements = CHUNK_ELEMENTS  # a batch product's temporaries (numbers)
         self.n_passes = 0
 
     def _batches(self) -> Iterator[tuple[dict, list, int]]:
         """Each batch's ``(layers, explicit, R)`` factors, the hooks on for the pass only."""
-        recorder = _Recorder(self._offsets)
+        recorder = ForwardRecorder(self._offsets)
         try:
             for data in self.loader:
                 inputs, y = split_batch_to(data, self.device, self.dict_key_y)
-                _, _, layers, explicit, R = _batch_factors(
+                _, _, layers, explicit, R = batch_factors(
                     self.model,
                     recorder,
                     inputs,
@@ -155,16 +159,16 @@ class StreamedFactoredGGN(TorchOperator):
         cannot be factored (the planner's check of every batch; the factored build
         stops after the first when its projection exceeds the budget).
         """
-        factor_bytes, widest, rows = 0, 1, 1
+        largest, widest, rows = 0, 1, 1
         try:
             for layers, explicit, R in self._batches():
-                factor_bytes = max(factor_bytes, _nbytes(layers, explicit))
-                widest, rows = max(widest, _widest(layers)), R
-        except _Unsupported as err:
+                largest = max(largest, factor_bytes(layers, explicit))
+                widest, rows = max(widest, widest_product_columns(layers)), R
+        except NotFactorable as err:
             return str(err)
         finally:
             return_freed_memory()
-        return BatchFactorSizes(factor_bytes, widest, rows)
+        return BatchFactorSizes(largest, widest, rows)
 
     def matmat_torch(self, V: torch.Tensor) -> torch.Tensor:
         """``G_1 V`` for ``V (D, m)``: one pass over the loader for all ``m`` columns."""
@@ -174,7 +178,7 @@ class StreamedFactoredGGN(TorchOperator):
         X = V.to(device=self.device, dtype=self.torch_dtype).T.contiguous()
         out = torch.zeros_like(X)
         for layers, explicit, R in self._batches():
-            batch = FactoredGGN(_assemble(layers, explicit), self.shape[0], R)
+            batch = FactoredGGN(assemble_factors(layers, explicit), self.shape[0], R)
             batch.chunk_elements = self.chunk_elements
             out += batch.apply_transpose(batch.apply_S(X))
             del batch

@@ -43,10 +43,10 @@ from dataclasses import dataclass
 import torch
 
 from laplace_glas.curvature.solvers.krylov_basis import (
-    _estimated_residuals,
-    _KrylovBasis,
-    _times,
-    _unit_strides,
+    KrylovBasis,
+    estimated_residuals,
+    unit_strides,
+    upcast_product,
 )
 from laplace_glas.curvature.solvers.threads import single_threaded_torch
 from laplace_glas.validation import positive_int
@@ -92,7 +92,7 @@ def _orthonormalize(
     quotients exceed the operator's norm (a float32 GRU on 4 examples, whose Krylov
     space ends after 4 directions, gave 338 for an eigenvalue of 9.6 after 400
     products). ``block`` is overwritten. ``norms`` given: ``block`` has had its first
-    round already (see :meth:`_KrylovBasis.project_newest`), ``norms`` are its column
+    round already (see :meth:`KrylovBasis.project_newest`), ``norms`` are its column
     norms before it.
     """
     if block.shape[1] == 0:
@@ -104,7 +104,7 @@ def _orthonormalize(
     scale = norms.max().clamp(min=torch.finfo(block.dtype).tiny)
     # MKL's threaded geqrf is no faster on blocks of up to 250 columns (see threads)
     with single_threaded_torch():
-        Q, R = torch.linalg.qr(_unit_strides(block))
+        Q, R = torch.linalg.qr(unit_strides(block))
     del block
     left = R.diagonal().abs()
     keep = left > drop * scale
@@ -116,8 +116,8 @@ def _orthonormalize(
         Q.addmm_(basis, basis.T @ Q, alpha=-1)
         Q = Q[:, torch.linalg.vector_norm(Q, dim=0) > 0.5]  # unit before the round
         with single_threaded_torch():
-            Q, _ = torch.linalg.qr(_unit_strides(Q))
-    return _unit_strides(Q)
+            Q, _ = torch.linalg.qr(unit_strides(Q))
+    return unit_strides(Q)
 
 
 def _restart_size(available: int, k: int, p: int, most: int) -> int:
@@ -236,7 +236,7 @@ def block_krylov_eigenpairs(
     p, max_basis, max_passes = _block_sizes(dim, k, block_size, max_basis, max_passes)
     drop = 100 * torch.finfo(dtype).eps
     # the basis and its images live in two preallocated buffers (no copies as they grow)
-    space = _KrylovBasis(dim, max_basis, dtype, image_dtype or dtype, device)
+    space = KrylovBasis(dim, max_basis, dtype, image_dtype or dtype, device)
 
     def random_block() -> torch.Tensor:
         block = torch.randn(dim, p, generator=generator, dtype=torch.float64)
@@ -250,7 +250,7 @@ def block_krylov_eigenpairs(
     verified: torch.Tensor | None = None  # top-k Ritz values when a fresh block was added
     fresh_at: int | None = None  # the pass that added it
     test = _ResidualTest(k, tol, rank_threshold, image_dtype or dtype, max_basis, p)
-    relation = True  # the Krylov relation holds (see _estimated_residuals)
+    relation = True  # the Krylov relation holds (see estimated_residuals)
     while True:
         theta, S = space.ritz()
         kk = min(k, theta.numel())
@@ -303,8 +303,8 @@ def block_krylov_eigenpairs(
         converged = test.exact(space, theta, S, kk, floor)[1]
     return BlockKrylovResult(
         values=theta[:kk],
-        vectors=_times(space.Q, S[:, :kk], dtype),
-        images=_times(space.GQ, S[:, :kk], dtype),
+        vectors=upcast_product(space.Q, S[:, :kk], dtype),
+        images=upcast_product(space.GQ, S[:, :kk], dtype),
         n_products=n_products,
         n_passes=n_passes,
         converged=converged,
@@ -337,7 +337,7 @@ class _ResidualTest:
         Krylov relation holds, so the residuals are estimated first and computed exactly
         only where the estimates come within ``_CHECK_MARGIN`` of the test (they differ
         by round-off; the exact ones decide); ``seed`` and ``norms`` are then the next
-        block's first round (:meth:`_KrylovBasis.project_newest`), else None.
+        block's first round (:meth:`KrylovBasis.project_newest`), else None.
         """
         kk, top = min(self.k, theta.numel()), theta[0].clamp(min=0)
         floor = self.rank_threshold * top
@@ -349,7 +349,7 @@ class _ResidualTest:
             )
             limit = torch.maximum(self.tol * theta[:kk].abs(), loose)
             seed, norms = space.project_newest(newest)
-            residual = _estimated_residuals(seed, S[space.m - newest : space.m, :kk])
+            residual = estimated_residuals(seed, S[space.m - newest : space.m, :kk])
             exact = kk == self.k and bool((residual <= _CHECK_MARGIN * limit).all())
         if exact:
             residual = space.residual_norms(S[:, :kk], theta[:kk])

@@ -64,7 +64,7 @@ __all__ = [
 
 GRAM_MIN_BUDGET = 768 * 2**20
 """Bytes the Gram matrix may always take (see :func:`gram_fits`)."""
-_CHUNK_ELEMENTS = 2**25
+CHUNK_ELEMENTS = 2**25
 _ARPACK_MAX_K = 16  # above, block Krylov on K (k columns per read of K) is faster
 
 GramTerm = tuple[torch.Tensor, "torch.Tensor | None"]
@@ -291,7 +291,7 @@ def _positions_update(K: SymmetricGram, f: OuterFactor, N: int, R: int) -> None:
     a = f.a
     if f.bias_offset is not None:  # the bias: a constant input 1
         a = torch.cat([a, a.new_ones(*a.shape[:2], 1)], -1)
-    chunk = max(1, _CHUNK_ELEMENTS // max(1, M * (d_in + 1)))
+    chunk = max(1, CHUNK_ELEMENTS // max(1, M * (d_in + 1)))
     for o in range(0, d_out, chunk):
         K.rank_update(torch.einsum("nrto,nti->nroi", f.g[..., o : o + chunk], a).reshape(M, -1))
 
@@ -301,7 +301,7 @@ def _product_block(op: FactoredGGN, f: EmbeddingFactor) -> torch.Tensor:
     N, R = op.n_examples, op.n_rows
     M = N * R
     K = torch.empty(M, M, dtype=op.torch_dtype, device=op.device)
-    block = max(1, min(M, _CHUNK_ELEMENTS // max(1, op.shape[0])))
+    block = max(1, min(M, CHUNK_ELEMENTS // max(1, op.shape[0])))
     for start in range(0, M, block):
         stop = min(M, start + block)
         E = torch.zeros(stop - start, M, dtype=op.torch_dtype, device=op.device)

@@ -1,11 +1,11 @@
 """The Krylov basis of the block solver: its vectors and their images in preallocated,
 column-major buffers, and the tall-skinny products on them.
 
-``_KrylovBasis`` keeps ``Q`` (orthonormal columns), ``G Q`` and the projected
+``KrylovBasis`` keeps ``Q`` (orthonormal columns), ``G Q`` and the projected
 operator ``T = Q^T G Q``; the products with small matrices (Rayleigh-Ritz, the
 residuals, a thick restart) run over row chunks of the buffers (in ``dtype``, upcast
 chunk by chunk where the images are stored in a lower precision), so that their
-temporaries are a few MB. ``_estimated_residuals`` gives the residuals of the Ritz
+temporaries are a few MB. ``estimated_residuals`` gives the residuals of the Ritz
 pairs from the newest block alone, through the Krylov relation
 (:mod:`~laplace_glas.curvature.solvers.block_krylov` uses it between its exact checks).
 """
@@ -16,7 +16,7 @@ import torch
 
 from laplace_glas.curvature.solvers.threads import eigh_threads
 
-__all__: list[str] = []
+__all__ = ["KrylovBasis", "estimated_residuals", "unit_strides", "upcast_product"]
 
 _ROWS = 1 << 15  # rows per chunk of the tall-skinny products: temporaries of ~MBs
 
@@ -33,7 +33,7 @@ def _cross(A: torch.Tensor, B: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return out
 
 
-def _times(
+def upcast_product(
     A: torch.Tensor, S: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``A @ S`` with ``A`` upcast to ``dtype`` row chunk by row chunk.
@@ -70,7 +70,7 @@ def _residual_norms(
     return squares.sqrt()
 
 
-def _estimated_residuals(W: torch.Tensor, S_newest: torch.Tensor) -> torch.Tensor:
+def estimated_residuals(W: torch.Tensor, S_newest: torch.Tensor) -> torch.Tensor:
     """``||W s_j||`` for ``W = (I - Q Q^T) G Q_new``, the newest block's images less
     their components in the basis, and ``s_j`` the Ritz coefficients of that block
     (``S_newest``, its rows of ``S``).
@@ -87,7 +87,7 @@ def _estimated_residuals(W: torch.Tensor, S_newest: torch.Tensor) -> torch.Tenso
     return (S_newest * (gram @ S_newest)).sum(0).clamp(min=0).sqrt().to(W.dtype)
 
 
-def _unit_strides(block: torch.Tensor) -> torch.Tensor:
+def unit_strides(block: torch.Tensor) -> torch.Tensor:
     """``block``; a single column ``(D, 1)`` as a view strided as a contiguous one (torch's
     copy and QR take a slow path on a column strided as in a column-major matrix, as
     LAPACK's ``Q`` is: 96,610 x 1 float32, a copy 417 against 13 us, a QR 463 against 35).
@@ -95,7 +95,7 @@ def _unit_strides(block: torch.Tensor) -> torch.Tensor:
     return block.reshape(-1).unsqueeze(1) if block.shape[1] == 1 else block
 
 
-class _KrylovBasis:
+class KrylovBasis:
     """The basis ``Q``, its images ``G Q`` and ``T = Q^T G Q`` in preallocated buffers
     of ``max_basis`` columns; ``m`` columns are in use.
     """
@@ -119,17 +119,19 @@ class _KrylovBasis:
 
     @property
     def Q(self) -> torch.Tensor:
+        """``(D, m)``: the basis vectors so far (a view of the buffer)."""
         return self.basis[:, : self.m]
 
     @property
     def GQ(self) -> torch.Tensor:
+        """``(D, m)``: their images ``G Q`` (a view of the buffer)."""
         return self.images[:, : self.m]
 
     def append(self, Q: torch.Tensor, GQ: torch.Tensor) -> None:
         """Add the block and its image at column ``m``; extend ``T = basis^T images``."""
         m, q, T, dtype = self.m, Q.shape[1], self.T, self.dtype
         self.basis[:, m : m + q] = Q
-        self.images[:, m : m + q] = _unit_strides(GQ.to(self.image_dtype))
+        self.images[:, m : m + q] = unit_strides(GQ.to(self.image_dtype))
         column = _cross(self.basis[:, : m + q], self.images[:, m : m + q], dtype)  # (m + q, q)
         self.newest_column = column  # the basis' components of the new images
         row = _cross(self.images[:, :m], Q, dtype)  # (m, q): the transposed product
@@ -145,6 +147,7 @@ class _KrylovBasis:
         return theta.flip(0), S.flip(1)
 
     def residual_norms(self, S: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+        """``||G Q s_j - theta_j Q s_j||`` of the Ritz pairs ``(theta_j, Q s_j)``."""
         return _residual_norms(self.Q, self.GQ, S, theta)
 
     def project_newest(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,13 +163,13 @@ class _KrylovBasis:
     def newest_images(self, q: int) -> torch.Tensor:
         """A copy of the images of the last ``q`` columns, in the basis' dtype."""
         rows = self.images.T[self.m - q : self.m]  # contiguous: the buffer is column-major
-        return _unit_strides(rows.to(self.dtype, copy=True).T)
+        return unit_strides(rows.to(self.dtype, copy=True).T)
 
     def restart(self, S: torch.Tensor) -> None:
         """Thick restart: the basis becomes the Ritz vectors ``Q S``."""
         keep, dtype = S.shape[1], self.dtype
-        _times(self.Q, S, dtype, out=self.basis[:, :keep])
-        _times(self.GQ, S, dtype, out=self.images[:, :keep])
+        upcast_product(self.Q, S, dtype, out=self.basis[:, :keep])
+        upcast_product(self.GQ, S, dtype, out=self.images[:, :keep])
         self.m = keep
         T = self.T
         T[:keep, :keep] = _cross(self.Q, self.GQ, dtype)

@@ -38,7 +38,7 @@ import torch
 from scipy.sparse.linalg import ArpackError, ArpackNoConvergence, LinearOperator, eigsh
 from tqdm.auto import tqdm
 
-from laplace_glas.curvature.eigenpairs import _ZERO_GGN, LanczosConvergenceWarning
+from laplace_glas.curvature.eigenpairs import ZERO_GGN, LanczosConvergenceWarning
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES
 from laplace_glas.curvature.solvers.threads import single_threaded_openblas
 
@@ -234,7 +234,7 @@ def solve_lanczos(
         )
     except ArpackError as err:
         if counting.all_zero:
-            raise ValueError(_ZERO_GGN) from None
+            raise ValueError(ZERO_GGN) from None
         raise RuntimeError(f"ARPACK failed on the GGN operator: {err}") from err
     order = np.argsort(values)[::-1]
     values = np.ascontiguousarray(values[order])
