@@ -44,7 +44,7 @@ def _gru_problem():
 def test_dropped_zeros_change_no_product_and_keep_less(name, monkeypatch):
     model, batches, loss_func, num_data = _gru_problem() if name == "gru" else problem(name)
     # peft's own LoRA graph, whose backward saves cotangents (a frozen LoRA layer's
-    # saves none: tests/curvature/test_frozen_lora.py)
+    # saves none: tests/autodiff/test_frozen_lora.py)
     monkeypatch.setattr(frozen, "is_frozen_lora", lambda module: False)
     size = (lambda X: X["x"].shape[0]) if name == "attention-dict" else None
     V = torch.randn(
