@@ -389,8 +389,11 @@ class ActiveSubspaceLaplace(
         return self.H[1][:k] / (self.n_data * self.sigma_noise.square())
 
     def _curvature_up_to(self, k: int) -> torch.Tensor:
-        """``a_j = s * lambda_j / T`` for ``j <= k``, any ``k`` up to the computed number."""
+        """``a_j = s * lambda_j / T`` for ``j <= k``, any ``k`` up to the computed number
+        (refused where it overflows the dtype: :meth:`_check_representable_curvature`).
+        """
         self._check_H_init()
+        self._check_representable_curvature()
         return self._H_factor * self.H[1][:k]
 
     @property

@@ -222,6 +222,33 @@ def _per_example_norms(
             norms = torch.stack([sq_norm(row) for row in eye])
         return norms.reshape(-1, n_outputs).sum(dim=-1)
 
+    def by_backward(batch: Any) -> torch.Tensor:
+        """:func:`one` by plain autograd, one backward pass per output entry: for models
+        torch.func refuses (activation checkpointing, reentrant or not).
+        """
+        leaves = {name: p.detach().requires_grad_(True) for name, p in primals.items()}
+        with torch.enable_grad():
+            out = check_model_output(module_call(model, leaves, (batch,))).reshape(-1)
+            norms = []
+            for entry in out:
+                grads = torch.autograd.grad(
+                    entry, list(leaves.values()), retain_graph=True, allow_unused=True
+                )
+                grads = [torch.zeros_like(p) if g is None else g
+                         for p, g in zip(leaves.values(), grads, strict=True)]  # fmt: skip
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                norms.append((flat if indices is None else flat[indices]).square().sum())
+        return torch.stack(norms).detach().reshape(-1, n_outputs).sum(dim=-1)
+
+    def one_or_by_backward(batch: Any) -> torch.Tensor:
+        try:
+            return one(batch)
+        except RuntimeError as err:  # what torch.func refuses, plain autograd may take
+            try:
+                return by_backward(batch)
+            except Exception:
+                raise err from None
+
     if not isinstance(x, Mapping):
         try:
             return vmap(lambda x_i: one(x_i.unsqueeze(0)), randomness="same")(x).reshape(-1)
@@ -229,7 +256,7 @@ def _per_example_norms(
             # a module without a batching rule: one example at a time (the loop raises
             # the caller's own errors, e.g. a wrong input shape)
             n_parallel = 1
-    return torch.cat([one(row) for row in row_chunks(x, 1, dict_key_x)])
+    return torch.cat([one_or_by_backward(row) for row in row_chunks(x, 1, dict_key_x)])
 
 
 def alignment(

@@ -42,9 +42,13 @@ def posterior_variances(curvature: torch.Tensor, prior_precision: torch.Tensor) 
 def log_det_ratio(curvature: torch.Tensor, prior_precision: torch.Tensor) -> torch.Tensor:
     """``sum_j log(1 + a_j / tau)``: the evidence's Occam term in the subspace.
 
-    Differentiable in ``tau`` and in ``a`` (hence in the observation noise).
+    Differentiable in ``tau`` and in ``a`` (hence in the observation noise). The ratio
+    ``a_j / tau`` is taken in float64: in float32 it overflows where ``a_j`` is large and
+    ``tau`` small (``a = 1e30``, ``tau = 1e-10``) although its logarithm is about 90.
     """
-    return torch.log1p(curvature / prior_precision).sum()
+    wide = torch.promote_types(curvature.dtype, torch.float64)
+    ratio = curvature.to(wide) / torch.as_tensor(prior_precision).to(wide)
+    return torch.log1p(ratio).sum().to(curvature.dtype)
 
 
 def optimal_prior_precision(curvature: torch.Tensor | np.ndarray, square_norm: float) -> float:

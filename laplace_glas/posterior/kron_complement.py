@@ -54,6 +54,7 @@ __all__ = [
     "KronCurvature",
     "KronLowRankOperator",
     "curvature_complement_posterior",
+    "projected_residual",
 ]
 
 
@@ -378,13 +379,42 @@ def curvature_complement_posterior(
     curvature: torch.Tensor,
     prior: torch.Tensor,
     complement_curvature: torch.Tensor | KronCurvature,
+    projected: tuple[torch.Tensor, ...] | None = None,
 ) -> ProjectedComplementPosterior:
     """The posterior of a curvature-aware complement (``'diag'``, ``'kron'``,
     ``'kron_diag'``): ``(U, a)`` under ``prior`` (0-dim ``tau`` or a ``(D,)`` diagonal),
     and off ``span(U)`` the fitted complement curvature less what ``span(U)`` holds
-    (:func:`~laplace_glas.posterior.complement.residual_curvature`).
+    (:func:`~laplace_glas.posterior.complement.residual_curvature`); ``projected``:
+    :func:`projected_residual`'s four at the curvature's scale where the caller has them.
     """
     residual = residual_curvature(complement_curvature, vectors, curvature)
     if complement == "diag":
-        return DiagonalComplementPosterior(vectors, curvature, prior, residual)
-    return KronComplementPosterior(vectors, curvature, prior, residual, complement)
+        posterior = DiagonalComplementPosterior(vectors, curvature, prior, residual)
+    else:
+        posterior = KronComplementPosterior(vectors, curvature, prior, residual, complement)
+    posterior.projected = projected
+    return posterior
+
+
+def projected_residual(
+    complement_curvature: torch.Tensor | KronCurvature, U: torch.Tensor, a: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(U^T C_r U, G, m, log det G)`` for the residual ``C_r`` of
+    ``complement_curvature`` (:func:`~laplace_glas.posterior.complement.residual_curvature`),
+    detached, with ``G = U^T U`` and ``m`` the eigenvalues of ``G^{-1/2} U^T C_r U
+    G^{-1/2}``. At unit scale (``C`` and ``a`` given with ``s = 1``) ``C_r`` scales with
+    ``s``: ``s U^T C_r U + tau G`` is ``U^T E U`` and ``sum log(s m + tau) + log det G``
+    its log-determinant, for every ``s`` and ``tau``.
+    """
+    with torch.no_grad():
+        residual = residual_curvature(complement_curvature, U, a)
+        if isinstance(residual, torch.Tensor):
+            UCU = U.T @ (residual[:, None] * U)
+        else:
+            zero = torch.zeros((), dtype=U.dtype, device=U.device)
+            UCU = U.T @ residual.apply(U.T, zero, 1.0).T
+        UCU, G = (UCU + UCU.T) / 2, U.T @ U
+        g, V = torch.linalg.eigh(G)
+        root = V @ torch.diag(g.rsqrt()) @ V.T  # G^{-1/2}
+        m = torch.linalg.eigvalsh(root @ UCU @ root).clamp_min(0)
+        return UCU, G, m, torch.log(g).sum()

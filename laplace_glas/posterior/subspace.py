@@ -47,7 +47,11 @@ from laplace_glas.posterior.diagonal_prior import (
     layer_grams,
 )
 from laplace_glas.posterior.hyperparameters import CURVATURE_COMPLEMENTS, unchanged_on_failure
-from laplace_glas.posterior.kron_complement import KronCurvature, curvature_complement_posterior
+from laplace_glas.posterior.kron_complement import (
+    KronCurvature,
+    curvature_complement_posterior,
+    projected_residual,
+)
 from laplace_glas.posterior.prior import Prior
 from laplace_glas.validation import (
     choice,
@@ -170,11 +174,12 @@ class SubspacePosterior:
         if self._directions_embedded:
             self._prior.check_embedded(type(self).__name__)
         U, curvature = self.eigenvectors, self.subspace_curvature  # refused before a fit
-        self._check_representable_curvature()
         if self.complement in CURVATURE_COMPLEMENTS:
+            factor = self._H_factor
+            UCU, UU, m, log_det_UU = self._unit_projected_residual(U)
             return curvature_complement_posterior(
                 self.complement, U, curvature, self._complement_prior(),
-                self._complement_curvature(),
+                self._complement_curvature(), (factor * UCU, UU, factor * m, log_det_UU),
             )  # fmt: skip
         return self._prior.posterior(U, curvature, self.complement, self._layer_grams)
 
@@ -200,19 +205,41 @@ class SubspacePosterior:
                 "sigma_noise or temperature, or a float64 model."
             )
 
-    def _complement_curvature(self) -> torch.Tensor | KronCurvature:
-        """``c = s diag(G) / T`` ``(D,)`` ('diag'), or KFAC's ``C = s K / T`` ('kron'; with
-        diagonal blocks for 'kron_diag'), scaled as the subspace curvature ``a``.
+    def _unit_projected_residual(self, U: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(U^T C_r U, U^T U, m, log det U^T U)`` of the residual complement curvature
+        at unit scale
+        (:func:`~laplace_glas.posterior.kron_complement.projected_residual`), cached for
+        the fitted eigenvectors, ``k`` and the complement's stored curvature: the
+        curvature scales with ``s / (N sigma^2 T)``, so that an evidence step of a
+        hyperparameter loop reuses it for every prior, noise and temperature.
         """
+        stored = (getattr(self, "_ggn_kron", None), getattr(self, "_ggn_diagonal", None))
+        key = (self.H[0], U.shape[1], self.complement, *stored)
+        cached = getattr(self, "_projection_cache", None)
+        if cached is not None and all(a is b for a, b in zip(cached[0], key, strict=True)):
+            return cached[1]
+        unit = self._complement_curvature(torch.ones((), dtype=U.dtype, device=U.device))
+        projected = projected_residual(unit, U, self.H[1][: U.shape[1]])
+        self._projection_cache = (key, projected)
+        return projected
+
+    def _complement_curvature(
+        self, scale: torch.Tensor | None = None
+    ) -> torch.Tensor | KronCurvature:
+        """``c = s diag(G) / T`` ``(D,)`` ('diag'), or KFAC's ``C = s K / T`` ('kron'; with
+        diagonal blocks for 'kron_diag'), scaled as the subspace curvature ``a`` (or by
+        ``scale`` instead of ``s / (N sigma^2 T)``).
+        """
+        scale = self._H_factor if scale is None else scale
         if self.complement in ("kron", "kron_diag"):
-            return KronCurvature(self._kron_blocks(), self._H_factor)
+            return KronCurvature(self._kron_blocks(), scale)
         diagonal = getattr(self, "_ggn_diagonal", None)
         if diagonal is None:
             raise ValueError(
                 "complement='diag' needs the GGN diagonal, computed by fit: this posterior "
                 "was fitted with another complement. Refit with complement='diag'."
             )
-        return self._H_factor * diagonal
+        return scale * diagonal
 
     def _kron_blocks(self) -> list:
         """The eigen-decomposed Kronecker factors of the fit (cached per factor set); for

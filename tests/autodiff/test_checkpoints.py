@@ -315,3 +315,22 @@ def test_a_subnetwork_outside_the_reentrant_segment_fits_exactly(scale):
         p.requires_grad_(False)
     reference = _explicit_top(plain, data, 4)
     torch.testing.assert_close(la.eigenvalues * 64, reference, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_alignment_of_a_checkpointed_frozen_segment_is_the_plain_model_s(reentrant):
+    """alignment's per-example reverse mode (``torch.func.vjp``) is refused for both
+    checkpoint kinds (no ``setup_context``; saved tensor hooks): one backward pass per
+    output entry stands in, and the result is the plain model's."""
+    from laplace_glas import alignment
+
+    data, X = _data(), torch.randn(5, 3, dtype=torch.float64)
+    results = []
+    for kind in (reentrant, None):
+        model = _network(kind, False)
+        model[0].requires_grad_(False)
+        la = _fit(model, data, complement="zero")
+        results.append(alignment(la, X))
+    ours, plain = results
+    torch.testing.assert_close(ours.captured, plain.captured, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ours.total_variance, plain.total_variance, rtol=1e-10, atol=1e-12)

@@ -182,3 +182,21 @@ def test_calibration_coverage_benchmark_quick_table():
         cell = row.split("|")[3].strip()  # "0.903 k=1"
         held_out = float(cell.split()[0])
         assert 0.8 <= held_out <= 1.0, row  # 300 test points: sampling error of ~2 points
+
+
+def test_hyperparameter_loop_benchmark_quick_table():
+    """benchmarks/hyperparameter_loop.py --quick: a row per problem size with both loop
+    times positive and finite (their ratio is the benchmark's to report)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "hyperparameter_loop.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith(("| 151 ", "| 2,701 "))]
+    assert len(rows) == 2, done.stdout
+    for row in rows:
+        kron, glas = (float(c) for c in row.strip("| ").split(" | ")[1:3])
+        assert 0 < kron < math.inf and 0 < glas < math.inf, row

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -497,3 +499,28 @@ def test_a_sigma_noise_whose_curvature_overflows_float32_is_refused_by_name(comp
                  lambda: la.sample(2)):  # fmt: skip
         with pytest.raises(ValueError, match=r"curvature overflows float32.*float64 model"):
             call()
+
+
+def test_float32_occam_term_of_a_large_curvature_over_a_small_prior_is_finite():
+    """``log(1 + a / tau)`` with ``a / tau`` beyond float32 (``a`` ~ 1e35, ``tau`` 1e-4):
+    the evidence was -inf for 'zero' / 'prior'; it now equals the float64 model's."""
+    X, y = regression_data(n=20, dtype=torch.float64, seed=0, d_in=3)
+    values = []
+    for dtype in (torch.float32, torch.float64):
+        model = mlp([3, 6, 1], dtype=dtype)
+        la = Laplace(model, "regression", subset_of_weights="all", hessian_structure="glas",
+                     n_components=3, complement="zero", sigma_noise=1e-17,
+                     prior_precision=1e-4)  # fmt: skip
+        la.fit(loader(X.to(dtype), y.to(dtype), batch_size=10))
+        values.append(float(la.log_det_ratio))
+    assert math.isfinite(values[0])
+    assert values[0] == pytest.approx(values[1], rel=1e-5)
+
+
+def test_a_temperature_whose_curvature_overflows_is_refused_by_the_prior_tuning():
+    X, y = regression_data(n=20, dtype=torch.float32, seed=0, d_in=3)
+    la = Laplace(mlp([3, 6, 1]), "regression", subset_of_weights="all",
+                 hessian_structure="glas", n_components=3, temperature=1e-36)  # fmt: skip
+    la.fit(loader(X, y, batch_size=10))
+    with pytest.raises(ValueError, match="curvature overflows float32"):
+        la.optimize_prior_precision()

@@ -458,3 +458,33 @@ def test_float32_variances_stay_nonnegative_under_a_huge_prior(parts):
     torch.testing.assert_close(
         variances[torch.float32].double(), variances[DOUBLE], rtol=1e-4, atol=1e-12
     )
+
+
+@pytest.mark.parametrize("complement", ["kron", "diag"])
+def test_the_cached_projection_is_the_products_with_e_and_follows_the_fit(complement):
+    """The evidence reuses ``U^T C_r U`` at unit scale across priors and noises; it
+    equals ``U^T E U`` from ``k`` products with ``E`` at every ``(tau, sigma)``, and is
+    rebuilt for another ``k`` and after a refit."""
+    X, y = regression_data(40, d_out=2)
+    X, y = X.double(), y.double()
+    model = train(mlp([1, 5, 2], dtype=DOUBLE), X, y, steps=100)
+    la = fit_glas(model, X, y, n_components=4, complement=complement, prior_precision=0.5)
+
+    def products_with_E(post):
+        return post.U.T @ post.power_of_E(post.U.T, 1.0).T
+
+    for tau, sigma in ((0.5, 1.0), (3.0, 0.2), (1e-3, 7.0)):
+        la.prior_precision, la.sigma_noise = tau, sigma
+        post = la._posterior()
+        assert post.projected is not None
+        torch.testing.assert_close(post._projected_precision(), products_with_E(post))
+    first = la._projection_cache[1]
+    la.n_components = 3
+    post = la._posterior()
+    assert la._projection_cache[1][0].shape == (3, 3)
+    torch.testing.assert_close(post._projected_precision(), products_with_E(post))
+    la.n_components = 4
+    la.fit(loader(X[:30], y[:30], 10))  # another fit: other eigenvectors
+    post = la._posterior()
+    assert la._projection_cache[1][0] is not first[0]
+    torch.testing.assert_close(post._projected_precision(), products_with_E(post))
