@@ -71,11 +71,11 @@ def per_batch(name: str) -> dict:
     from torch import nn
 
     from laplace_glas.autodiff.context import autodiff_friendly
-    from laplace_glas.curvature.budget import HOST_PAGE_BYTES, return_freed_memory
-    from laplace_glas.curvature.losses import TokenCrossEntropy
+    from laplace_glas.curvature.data.losses import TokenCrossEntropy
+    from laplace_glas.curvature.memory.budget import HOST_PAGE_BYTES, return_freed_memory
+    from laplace_glas.curvature.memory.peak import status_bytes
     from laplace_glas.curvature.operators.graph_bytes import SavedBytes
     from laplace_glas.curvature.operators.linearized import linearize_batch
-    from laplace_glas.curvature.peak_memory import status_bytes
 
     model, likelihood, loader = problem(name)
     loss = nn.MSELoss() if likelihood == "regression" else TokenCrossEntropy()

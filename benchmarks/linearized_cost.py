@@ -39,9 +39,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_glas.applications.compare import PeakMemory
 from laplace_glas.autodiff.context import autodiff_friendly
-from laplace_glas.curvature.eigensolve import mean_ggn_operator
-from laplace_glas.curvature.losses import TokenCrossEntropy
+from laplace_glas.curvature.data.losses import TokenCrossEntropy
 from laplace_glas.curvature.operators.linearized import build_linearized_ggn
+from laplace_glas.curvature.solvers.solve import mean_ggn_operator
 
 VOCAB, LENGTH = 30, 40
 

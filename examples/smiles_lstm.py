@@ -214,7 +214,7 @@ from laplace_glas.applications.smiles import (
     train_lm,
     validity,
 )
-from laplace_glas.curvature.losses import TokenCrossEntropy
+from laplace_glas.curvature.data.losses import TokenCrossEntropy
 
 
 def peak_rss_mb() -> float:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from laplace_glas.curvature.batches import MissingKeyError
+from laplace_glas.curvature.data.batches import MissingKeyError
 
 __all__ = ["LogitsModel", "causal_lm_batch"]
 
@@ -57,7 +57,7 @@ class LogitsModel(nn.Module):
     input_keys : sequence of str, default=('input_ids', 'attention_mask')
         Entries of a mapping batch passed to ``model`` (when present; the first is
         required, a batch without it raises
-        :class:`~laplace_glas.curvature.batches.MissingKeyError`); others, such as the
+        :class:`~laplace_glas.curvature.data.batches.MissingKeyError`); others, such as the
         ``labels``, are not (the model would compute its own loss).
 
     """

@@ -30,14 +30,14 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from laplace_glas.curvature.backends import resolve_backend
-from laplace_glas.curvature.collectives import gridsearch
-from laplace_glas.curvature.distributed import data_parallel
-from laplace_glas.curvature.eigenpairs import Eigenpairs
+from laplace_glas.curvature.complement.per_example_diagonal import DIAGONAL_ESTIMATORS
+from laplace_glas.curvature.data.map_loss import validate_loss_fn
+from laplace_glas.curvature.data.problem import curvature_likelihood
 from laplace_glas.curvature.fit import SubspaceFit
-from laplace_glas.curvature.fitting import validate_loss_fn
-from laplace_glas.curvature.per_example_diagonal import DIAGONAL_ESTIMATORS
-from laplace_glas.curvature.planner import SOLVERS
-from laplace_glas.curvature.problem import curvature_likelihood
+from laplace_glas.curvature.memory.planner import SOLVERS
+from laplace_glas.curvature.parallel.collectives import gridsearch
+from laplace_glas.curvature.parallel.distributed import data_parallel
+from laplace_glas.curvature.solvers.eigenpairs import Eigenpairs
 from laplace_glas.diagnostics.calibration import DimensionSelection, select_dimension
 from laplace_glas.io import glas_state, restore_glas_state, restored_complement
 from laplace_glas.posterior.hyperparameters import (
@@ -128,7 +128,7 @@ class ActiveSubspaceLaplace(
         the choice).
     solver : {'auto', 'dual', 'factored', 'lanczos', 'block'}, default='auto'
         Eigen-solver. ``'auto'``: the fastest exact strategy within ``memory_budget``
-        (:mod:`laplace_glas.curvature.planner`): where every trainable parameter sits in
+        (:mod:`laplace_glas.curvature.memory.planner`): where every trainable parameter sits in
         an ``nn.Linear``, ``nn.Conv1d/2d``, ``nn.LayerNorm``, ``nn.BatchNorm1d/2d``
         (eval) or ``nn.Embedding`` and there is no ``loss_fn``, the GGN factored from
         one forward and one batched backward pass
@@ -193,7 +193,7 @@ class ActiveSubspaceLaplace(
         Bytes the eigen-solve may take (operator, products and the solver's ``O(k D)``
         basis): an int, or a string such as ``'512MB'``, ``'1.5GiB'``, ``'64 MiB'``.
         ``None``: half of the free memory of the model's device at ``fit``. The planner
-        (:mod:`laplace_glas.curvature.planner`) takes the fastest exact strategy whose
+        (:mod:`laplace_glas.curvature.memory.planner`) takes the fastest exact strategy whose
         estimated peak fits, down to streaming (one batch's graph per product); a
         budget below every estimate raises ``MemoryBudgetError`` naming the smallest
         that works. ``lanczos_info.plan`` records the budget, the strategy, its
@@ -426,7 +426,8 @@ class ActiveSubspaceLaplace(
         progress_bar: bool = False,
     ) -> torch.Tensor:
         """laplace-torch's grid search; after a data-parallel fit the validation losses of
-        all ranks' shards are averaged (:func:`laplace_glas.curvature.collectives.gridsearch`).
+        all ranks' shards are averaged
+        (:func:`laplace_glas.curvature.parallel.collectives.gridsearch`).
         """
         shards = data_parallel(getattr(self, "_process_group", None))
         outputs = self.n_outputs if self.likelihood == "regression" else None

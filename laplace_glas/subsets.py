@@ -50,11 +50,11 @@ from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader
 
 from laplace_glas.autodiff.checkpoints import outside_posterior
-from laplace_glas.curvature.batches import check_input_dtype, split_batch
-from laplace_glas.curvature.distributed import data_parallel
+from laplace_glas.curvature.data.batches import check_input_dtype, split_batch
+from laplace_glas.curvature.data.problem import CurvatureProblem
+from laplace_glas.curvature.memory.planner import Plan
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES
-from laplace_glas.curvature.planner import Plan
-from laplace_glas.curvature.problem import CurvatureProblem
+from laplace_glas.curvature.parallel.distributed import data_parallel
 from laplace_glas.io import check_state_kind, check_subnetwork_indices
 from laplace_glas.laplace import ActiveSubspaceLaplace
 from laplace_glas.posterior.hyperparameters import unchanged_on_failure

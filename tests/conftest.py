@@ -79,7 +79,7 @@ def loader(X, y, batch_size=32, shuffle=False):
 def mlp_problem(n=48, batch=16):
     """A float64 3-16-16-2 MLP, ``n`` regression points in batches of ``batch`` and their
     ``CurvatureProblem`` (the planner's input)."""
-    from laplace_glas.curvature.problem import CurvatureProblem
+    from laplace_glas.curvature.data.problem import CurvatureProblem
 
     g = torch.Generator().manual_seed(0)
     model = mlp([3, 16, 16, 2], dtype=torch.float64).eval()
@@ -133,7 +133,7 @@ torch.set_num_threads(1)
 def without_jacobian(monkeypatch):
     """The planner without the explicit-Jacobian candidate, for the tests of the
     operators it falls back to (the Jacobians would serve their small models)."""
-    from laplace_glas.curvature import planner
+    from laplace_glas.curvature.memory import planner
 
     monkeypatch.setattr(planner, "_jacobian", lambda *args: "not tried in this test")
 
@@ -232,8 +232,8 @@ def softmax_ggn(
 def curvlinops_token_ggn(model: nn.Module, x, y, pad: int, batch_size: int):
     """curvlinops' GGN operator of the summed token cross-entropy (``pad`` targets left
     out) on ``(x, y)`` in batches, and the number of tokens it sums over."""
-    from laplace_glas.curvature.eigensolve import mean_ggn_operator
-    from laplace_glas.curvature.losses import TokenCrossEntropy
+    from laplace_glas.curvature.data.losses import TokenCrossEntropy
+    from laplace_glas.curvature.solvers.solve import mean_ggn_operator
 
     n_tokens = int((y != pad).sum())
     loader = DataLoader(TensorDataset(x, y), batch_size=batch_size)

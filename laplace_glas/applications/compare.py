@@ -68,10 +68,10 @@ import torch
 from laplace import Laplace
 from torch import nn
 
-from laplace_glas.curvature.batches import split_batch
-from laplace_glas.curvature.budget import return_freed_memory
-from laplace_glas.curvature.eigenpairs import NumericalRankWarning
-from laplace_glas.curvature.peak_memory import reset_high_water_mark, status_bytes
+from laplace_glas.curvature.data.batches import split_batch
+from laplace_glas.curvature.memory.budget import return_freed_memory
+from laplace_glas.curvature.memory.peak import reset_high_water_mark, status_bytes
+from laplace_glas.curvature.solvers.eigenpairs import NumericalRankWarning
 from laplace_glas.diagnostics.calibration import CoverageNotReachedWarning
 
 __all__ = [

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_glas.applications.cli import DataNotFoundError
 from laplace_glas.autodiff.functional import module_call
-from laplace_glas.curvature.losses import TokenCrossEntropy
+from laplace_glas.curvature.data.losses import TokenCrossEntropy
 from laplace_glas.validation import positive_int
 
 __all__ = [

@@ -1,48 +1,36 @@
-"""The curvature GLAS is built from: the data pass at the MAP and the eigen-solve.
+"""The curvature GLAS is built from, grouped by the steps of a fit's way through the data.
 
-* :mod:`~laplace_glas.curvature.batches`: ``(X, y)`` and dict batches, subsamples.
-* :mod:`~laplace_glas.curvature.losses`: per-token cross-entropy for sequence outputs.
-* :mod:`~laplace_glas.curvature.fitting`: loss at the MAP, the count ``N`` of
-  likelihood terms, and the loss whose GGN is taken.
-* :mod:`~laplace_glas.curvature.problem`: one curvature problem (model, data, loss,
-  ``N``), built once per fit.
-* :mod:`~laplace_glas.curvature.eigensolve`: the top-k eigenpairs of an operator
-  (Lanczos, block Krylov or the dual solve).
-* :mod:`~laplace_glas.curvature.eigenpairs`: the record of a solve and its warnings.
-* :mod:`~laplace_glas.curvature.solvers.lanczos`: ARPACK's Lanczos.
-* :mod:`~laplace_glas.curvature.solvers.block_krylov`: the block Krylov solver.
-* :mod:`~laplace_glas.curvature.operators.curvlinops`: curvlinops' GGN (the reference),
-  empirical Fisher and Hessian operators.
-* :mod:`~laplace_glas.curvature.operators.factored`: the GGN from per-layer Jacobian factors
-  (one forward and one batched backward pass), products without network passes; the
-  factors themselves in :mod:`~laplace_glas.curvature.operators.factors`.
-* :mod:`~laplace_glas.curvature.solvers.gram`: the dual eigen-solve through ``K = S S^T``.
-* :mod:`~laplace_glas.curvature.operators.linearized`: GGN products from kept forward graphs
-  (no forward pass per product), for the models the factored operator does not cover.
-* :mod:`~laplace_glas.curvature.operators.torch_operator`: the SciPy / torch operator base of the
-  factored, linearised and all-reduced operators.
-* :mod:`~laplace_glas.curvature.planner`: which operator and solver a fit uses (a
-  ``Plan`` for a ``CurvatureProblem``), within the memory budget.
-* :mod:`~laplace_glas.curvature.streaming`: the planner's streaming strategy (the
-  factors rebuilt per product, or curvlinops' products) and slices of batches.
-* :mod:`~laplace_glas.curvature.budget`: the memory budget's default, the solvers'
-  storage and the strategies' estimated peaks.
-* :mod:`~laplace_glas.curvature.peak_memory`: the measured peak of a fit, and the
-  warning where it passes the budget.
+* :mod:`~laplace_glas.curvature.fit`: the fit itself (``SubspaceFit``, a mixin of the
+  posterior classes): checks, the pass at the MAP, the plan, the complement's passes,
+  the solve.
 * :mod:`~laplace_glas.curvature.backends`: laplace-torch's ``backend`` as curvlinops'
   GGN, empirical Fisher or Hessian operator.
-* :mod:`~laplace_glas.curvature.distributed`: data-parallel fits on ``torch.distributed``
-  (products, loss and ``N`` summed with ``all_reduce``).
+* :mod:`~laplace_glas.curvature.data`: the batches, the pass at the MAP (loss, ``N``)
+  and the curvature problem it describes.
+* :mod:`~laplace_glas.curvature.memory`: the memory budget, the planner that picks the
+  operator and solver within it, streaming, and the measured peak.
+* :mod:`~laplace_glas.curvature.operators`: the matrix-free GGN operators (factored,
+  stored Jacobians, linearised, streamed, curvlinops' reference).
+* :mod:`~laplace_glas.curvature.solvers`: the eigen-solve (Lanczos, block Krylov, the
+  dual Gram solve) and its record.
+* :mod:`~laplace_glas.curvature.complement`: the complement's curvature (the GGN
+  diagonal, KFAC's factors) computed beside the solve.
+* :mod:`~laplace_glas.curvature.parallel`: data-parallel fits (sums over ranks, the
+  ranks' agreement, collectives after the fit).
+
+The layers point down: ``fit`` uses all of them; ``complement`` and ``memory`` use
+``data``, ``operators`` and ``parallel``; ``solvers`` use ``operators`` and ``parallel``;
+nothing here imports the posterior, the predictive or the diagnostics.
 """
 
-from laplace_glas.curvature.budget import MemoryBudgetError
-from laplace_glas.curvature.eigenpairs import (
+from laplace_glas.curvature.memory.budget import MemoryBudgetError
+from laplace_glas.curvature.operators.curvlinops import mean_ggn_operator
+from laplace_glas.curvature.solvers.eigenpairs import (
     Eigenpairs,
     LanczosConvergenceWarning,
     NumericalRankWarning,
 )
-from laplace_glas.curvature.eigensolve import compute_eigenpairs
-from laplace_glas.curvature.operators.curvlinops import mean_ggn_operator
+from laplace_glas.curvature.solvers.solve import compute_eigenpairs
 
 __all__ = [
     "Eigenpairs",

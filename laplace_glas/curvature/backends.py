@@ -41,7 +41,7 @@ change between Lanczos products) and any class that is none of the above (e.g. a
 user's own direct ``CurvatureInterface`` subclass), which has no matrix-free operator here.
 
 The operators themselves are built by the planner
-(:func:`~laplace_glas.curvature.planner.plan_solve`).
+(:func:`~laplace_glas.curvature.memory.planner.plan_solve`).
 
 Only the GGN has the fast paths (:mod:`~laplace_glas.curvature.operators.factored`,
 :mod:`~laplace_glas.curvature.solvers.gram`,
@@ -72,7 +72,7 @@ from laplace.curvature import (
 )
 from torch import nn
 
-from laplace_glas.curvature.losses import TokenCrossEntropy
+from laplace_glas.curvature.data.losses import TokenCrossEntropy
 from laplace_glas.validation import ArgumentTypeError
 
 __all__ = [

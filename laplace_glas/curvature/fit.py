@@ -1,11 +1,11 @@
 """The fit half of laplace-torch's contract for a subspace Laplace posterior (a mixin).
 
 ``fit`` runs the data's way through the curvature package: the loss at the MAP and
-``N`` (:func:`~laplace_glas.curvature.fitting.loss_at_map`), one
-:class:`~laplace_glas.curvature.problem.CurvatureProblem`, one
-:class:`~laplace_glas.curvature.planner.Plan` (operator and solver), the data-parallel
+``N`` (:func:`~laplace_glas.curvature.data.map_loss.loss_at_map`), one
+:class:`~laplace_glas.curvature.data.problem.CurvatureProblem`, one
+:class:`~laplace_glas.curvature.memory.planner.Plan` (operator and solver), the data-parallel
 wrapper where a process group is given, and the eigen-solve
-(:func:`~laplace_glas.curvature.eigensolve.compute_eigenpairs`). The result is stored
+(:func:`~laplace_glas.curvature.solvers.solve.compute_eigenpairs`). The result is stored
 in laplace-torch's form: ``H = (U, h)`` with ``h = N * eig(G_1)``, ``G_1`` the
 unit-noise GGN of the mean loss
 
@@ -28,24 +28,24 @@ from torch.nn.utils import parameters_to_vector
 from torch.utils.data import DataLoader, RandomSampler
 
 from laplace_glas.autodiff.context import autodiff_friendly, evaluation_mode
-from laplace_glas.curvature.agreement import FitAgreement
-from laplace_glas.curvature.budget import return_freed_memory
-from laplace_glas.curvature.complement_pass import ComplementCurvature, ComplementPass
-from laplace_glas.curvature.distributed import (
+from laplace_glas.curvature.complement.passes import ComplementCurvature, ComplementPass
+from laplace_glas.curvature.data.map_loss import MapLoss, loss_at_map
+from laplace_glas.curvature.data.problem import CurvatureProblem
+from laplace_glas.curvature.data.replay import KEPT_BYTES, ReplayedBatches
+from laplace_glas.curvature.memory.budget import return_freed_memory
+from laplace_glas.curvature.memory.peak import PeakMemory, with_measured_peak
+from laplace_glas.curvature.memory.planner import Plan, plan_solve
+from laplace_glas.curvature.operators.updated import StoredCurvature, add_stored_curvature
+from laplace_glas.curvature.parallel.agreement import FitAgreement
+from laplace_glas.curvature.parallel.distributed import (
     Shards,
     broadcast_eigenpairs,
     data_parallel,
     distribute_operator,
     reduce_map_loss,
 )
-from laplace_glas.curvature.eigenpairs import Eigenpairs, NumericalRankWarning
-from laplace_glas.curvature.eigensolve import compute_eigenpairs
-from laplace_glas.curvature.fitting import MapLoss, loss_at_map
-from laplace_glas.curvature.kept_batches import KEPT_BYTES, ReplayedBatches
-from laplace_glas.curvature.operators.updated import StoredCurvature, add_stored_curvature
-from laplace_glas.curvature.peak_memory import PeakMemory, with_measured_peak
-from laplace_glas.curvature.planner import Plan, plan_solve
-from laplace_glas.curvature.problem import CurvatureProblem
+from laplace_glas.curvature.solvers.eigenpairs import Eigenpairs, NumericalRankWarning
+from laplace_glas.curvature.solvers.solve import compute_eigenpairs
 from laplace_glas.settings import parse_memory_budget
 from laplace_glas.validation import (
     flag,
@@ -75,7 +75,7 @@ class SubspaceFit(ComplementPass, FitAgreement):
         """Compute the top-k eigenpairs of the mean-loss GGN and the loss at the MAP.
 
         The fit's peak memory, measured by
-        :class:`~laplace_glas.curvature.peak_memory.PeakMemory`, is recorded in
+        :class:`~laplace_glas.curvature.memory.peak.PeakMemory`, is recorded in
         ``lanczos_info.plan['measured_peak_bytes']`` (``-1``: not measurable here), which
         ``lanczos_info.measured_peak_bytes`` reads as None.
 
@@ -99,7 +99,7 @@ class SubspaceFit(ComplementPass, FitAgreement):
         process_group : torch.distributed process group, optional
             Data-parallel fit: each rank passes its own shard of the data; the loss,
             ``N`` and every GGN product are summed with ``all_reduce`` and all ranks end
-            with rank 0's eigenpairs (:mod:`laplace_glas.curvature.distributed`).
+            with rank 0's eigenpairs (:mod:`laplace_glas.curvature.parallel.distributed`).
             Default: ``torch.distributed``'s default group when it is initialised; a
             group of one rank fits on the local data alone.
 
@@ -224,7 +224,7 @@ class SubspaceFit(ComplementPass, FitAgreement):
 
     def _keep_bytes(self, loader: Any, shards: Shards | None) -> int:
         """Bytes of the training batches the pass at the MAP may keep for the fit's
-        later passes (:mod:`~laplace_glas.curvature.kept_batches`): ``KEPT_BYTES``;
+        later passes (:mod:`~laplace_glas.curvature.data.replay`): ``KEPT_BYTES``;
         none for a data-parallel fit, a solve on a subsample or a loader that is a list
         or tuple already.
         """
@@ -235,7 +235,7 @@ class SubspaceFit(ComplementPass, FitAgreement):
     def _loss_at_map(
         self, loader: Any, show: bool, shards: Shards | None = None, keep_bytes: int = 0
     ) -> MapLoss:
-        """:func:`laplace_glas.curvature.fitting.loss_at_map` with this posterior's
+        """:func:`laplace_glas.curvature.data.map_loss.loss_at_map` with this posterior's
         settings, summed over the ranks of ``shards`` (``keep_bytes``: see
         :meth:`_keep_bytes`).
         """
@@ -362,7 +362,7 @@ class SubspaceFit(ComplementPass, FitAgreement):
         kept: ReplayedBatches | None = None,
     ) -> CurvatureProblem:
         """The curvature of ``loader`` with this posterior's settings
-        (:meth:`~laplace_glas.curvature.problem.CurvatureProblem.build`; ``n_terms=None``
+        (:meth:`~laplace_glas.curvature.data.problem.CurvatureProblem.build`; ``n_terms=None``
         counts ``N``; ``first_batch``, the loader's first item, and ``kept``, all its
         items, where the pass at the MAP kept them).
         """
@@ -466,7 +466,8 @@ class SubspaceFit(ComplementPass, FitAgreement):
 
     def _plan(self, problem: CurvatureProblem, k: int, ncv: int | None = None) -> Plan:
         """The operator and solver for ``problem`` with this posterior's ``solver``,
-        ``curvature`` and ``memory_budget`` (:func:`laplace_glas.curvature.planner.plan_solve`).
+        ``curvature`` and ``memory_budget``
+        (:func:`laplace_glas.curvature.memory.planner.plan_solve`).
         """
         return plan_solve(
             problem,

@@ -42,7 +42,7 @@ Regression scores like with like: by default (``include_noise=True``) intervals 
 (``include_noise=False``) are to be scored against values of ``f`` (a known function),
 not against noisy observations: they cannot cover the noise.
 
-After a data-parallel fit (:mod:`laplace_glas.curvature.distributed`) each rank passes
+After a data-parallel fit (:mod:`laplace_glas.curvature.parallel.distributed`) each rank passes
 its shard of the calibration data; coverage, width and NLL of every candidate are
 combined as means weighted by the shards' numbers of scored targets (one all-reduce),
 so every rank selects the same ``(k, tau)``.
@@ -58,10 +58,10 @@ from typing import Any
 
 import torch
 
-from laplace_glas.curvature.batches import batch_size as batch_rows
-from laplace_glas.curvature.batches import check_input_dtype, concatenate_inputs, split_batch
-from laplace_glas.curvature.collectives import reduce_coverage_rows
-from laplace_glas.curvature.distributed import data_parallel
+from laplace_glas.curvature.data.batches import batch_size as batch_rows
+from laplace_glas.curvature.data.batches import check_input_dtype, concatenate_inputs, split_batch
+from laplace_glas.curvature.parallel.collectives import reduce_coverage_rows
+from laplace_glas.curvature.parallel.distributed import data_parallel
 from laplace_glas.diagnostics.coverage import CoverageRow, check_sweep_arguments, coverage_table
 from laplace_glas.diagnostics.coverage_tuning import grid_candidates, sharpest, tuned_table
 from laplace_glas.posterior.view import fitted_posterior
@@ -385,7 +385,7 @@ def _all_ranks(la: Any, loader: Iterable, pairs: list, *args: Any) -> list[Cover
     """The coverage rows of ``pairs`` on ``loader``; over every rank's calibration shard
     when the fit was data-parallel (weighted means, one all-reduce with a failure flag
     per rank: a rank whose scoring fails raises on every rank; see
-    :func:`laplace_glas.curvature.collectives.reduce_coverage_rows`).
+    :func:`laplace_glas.curvature.parallel.collectives.reduce_coverage_rows`).
     """
     posterior = la.posterior
     shards = data_parallel(posterior.process_group)

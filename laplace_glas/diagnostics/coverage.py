@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from laplace_glas.autodiff.context import autodiff_friendly
-from laplace_glas.curvature.fitting import check_labels
+from laplace_glas.curvature.data.map_loss import check_labels
 from laplace_glas.posterior.hyperparameters import CURVATURE_COMPLEMENTS
 from laplace_glas.predictive.jvp import batched_outputs, jvp_directions, row_chunks
 from laplace_glas.predictive.links import gaussian_samples

@@ -3,7 +3,7 @@
 With ``complement='kron'`` the posterior keeps the exact curvature ``a_j`` along the
 top-``k`` eigenvectors ``U`` and, on the complement ``P = I - U U^T``, the curvature of
 KFAC's block-diagonal ``C = s K / T`` (``K`` the Kronecker-factored summed GGN of
-:func:`laplace_glas.curvature.kron.ggn_kron`, scaled as ``a``), under a scalar prior
+:func:`laplace_glas.curvature.complement.kron.ggn_kron`, scaled as ``a``), under a scalar prior
 precision ``tau > 0``. With ``E = C + tau I``:
 
 .. math::

@@ -26,7 +26,7 @@ from torch import nn
 from torch.func import jacrev, jvp, vmap
 
 from laplace_glas.autodiff.functional import module_call
-from laplace_glas.curvature.batches import batch_input
+from laplace_glas.curvature.data.batches import batch_input
 from laplace_glas.validation import check_model_output
 
 __all__ = [

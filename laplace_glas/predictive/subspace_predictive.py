@@ -32,7 +32,7 @@ import torch
 from laplace.utils.enums import LinkApprox, PredType
 
 from laplace_glas.autodiff.context import autodiff_friendly
-from laplace_glas.curvature.batches import batch_input
+from laplace_glas.curvature.data.batches import batch_input
 from laplace_glas.curvature.operators.factored import factored_jacobian_directions
 from laplace_glas.predictive.jvp import batched_outputs, jvp_directions
 from laplace_glas.predictive.links import gaussian_samples, laplace_bridge

@@ -8,14 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from laplace_glas.curvature.agreement import (
+from laplace_glas.curvature.parallel.agreement import (
     Setting,
     generator_checksum,
     loss_description,
     shard_is_empty,
     weights_checksum,
 )
-from laplace_glas.curvature.distributed import failed_ranks
+from laplace_glas.curvature.parallel.distributed import failed_ranks
 
 
 @pytest.mark.parametrize(

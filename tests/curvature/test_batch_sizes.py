@@ -18,13 +18,13 @@ from torch.utils.data import (
 
 from laplace_glas import MemoryBudgetError
 from laplace_glas.autodiff.context import autodiff_friendly
-from laplace_glas.curvature.batch_sizes import BatchSizes, survey_batch_sizes
-from laplace_glas.curvature.batches import SubBatches, XYBatches
-from laplace_glas.curvature.budget import OverBudget, gram_build_numbers
+from laplace_glas.curvature.data.batches import SubBatches, XYBatches
+from laplace_glas.curvature.data.example_counts import BatchSizes, survey_batch_sizes
+from laplace_glas.curvature.data.problem import CurvatureProblem
+from laplace_glas.curvature.memory.budget import OverBudget, gram_build_numbers
+from laplace_glas.curvature.memory.planner import plan_solve
 from laplace_glas.curvature.operators.graph_bytes import forward_graph_bytes
 from laplace_glas.curvature.operators.linearized import build_linearized_ggn
-from laplace_glas.curvature.planner import plan_solve
-from laplace_glas.curvature.problem import CurvatureProblem
 
 F64 = torch.float64
 WIDTHS = [3, 64, 64, 2]  # D = 4,546: the dual solve is the cheaper for 610 rows

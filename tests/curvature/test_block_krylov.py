@@ -179,7 +179,7 @@ def test_one_column_passes_are_lanczos_on_arpacks_basis_with_their_own_pass_limi
     """block_size=1 (the linearised operator's Lanczos): the basis is ``ncv`` columns,
     the default pass limit scales to 50 passes of max(k, 8) columns (50 would stop
     short here), and the pairs and their kept images match the dense solution."""
-    from laplace_glas.curvature.eigensolve import compute_eigenpairs
+    from laplace_glas.curvature.solvers.solve import compute_eigenpairs
 
     values = 10 * torch.arange(1, 301, dtype=torch.float64) ** -0.5  # slow decay
     A = psd(values, seed=3)

@@ -14,13 +14,13 @@ from torch import nn
 import laplace_glas
 from laplace_glas import ActiveSubspaceLaplace, MemoryBudgetError
 from laplace_glas.autodiff.context import autodiff_friendly
-from laplace_glas.curvature import budget as budget_module
-from laplace_glas.curvature.batches import SubBatches, slices_agree
-from laplace_glas.curvature.budget import format_bytes, resolve_budget, solver_storage
+from laplace_glas.curvature.data.batches import SubBatches, slices_agree
+from laplace_glas.curvature.data.problem import CurvatureProblem
+from laplace_glas.curvature.memory import budget as budget_module
+from laplace_glas.curvature.memory.budget import format_bytes, resolve_budget, solver_storage
+from laplace_glas.curvature.memory.peak import PeakMemory
+from laplace_glas.curvature.memory.planner import STRATEGIES, plan_solve
 from laplace_glas.curvature.operators.torch_operator import ColumnChunks
-from laplace_glas.curvature.peak_memory import PeakMemory
-from laplace_glas.curvature.planner import STRATEGIES, plan_solve
-from laplace_glas.curvature.problem import CurvatureProblem
 from laplace_glas.settings import parse_memory_budget as memory_budget
 from laplace_glas.validation import ArgumentTypeError
 
@@ -316,8 +316,8 @@ def test_the_record_holds_the_budget_the_strategy_and_the_peaks():
 def test_a_measured_peak_beyond_the_budget_and_its_slack_warns():
     from types import SimpleNamespace
 
-    from laplace_glas.curvature.budget import HOST_SLACK
-    from laplace_glas.curvature.peak_memory import with_measured_peak
+    from laplace_glas.curvature.memory.budget import HOST_SLACK
+    from laplace_glas.curvature.memory.peak import with_measured_peak
 
     model, data, _ = mlp_problem()
     info = _fit(model, data, memory_budget="256 MiB").lanczos_info

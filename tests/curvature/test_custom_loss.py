@@ -193,7 +193,7 @@ def test_loss_fn_with_subsample_and_replica_check(classification):
     loss_fn = TemperedCrossEntropy(2.5)
     la = fit(model, X, y, "classification", loss_fn, k=3, subsample_size=20, seed=4)
     # the subsample's explicit GGN: the same 20 points, drawn by the same generator
-    from laplace_glas.curvature.batches import subsample_loader
+    from laplace_glas.curvature.data.batches import subsample_loader
 
     batches = list(subsample_loader(loader(X, y, 16), 20, torch.Generator().manual_seed(4)))
     Xs = torch.cat([b[0] for b in batches])

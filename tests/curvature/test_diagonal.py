@@ -11,7 +11,7 @@ import torch
 from backpack.context import CTX
 from torch import nn
 
-from laplace_glas.curvature import diagonal
+from laplace_glas.curvature.complement import diagonal
 
 
 class _GRURegressor(nn.Module):

@@ -27,9 +27,9 @@ from scipy.sparse.linalg import LinearOperator
 from torch import nn
 
 import laplace_glas  # noqa: F401
-import laplace_glas.curvature.planner as dispatch
-from laplace_glas.curvature import distributed as glas_dist
-from laplace_glas.curvature.distributed import data_parallel
+import laplace_glas.curvature.memory.planner as dispatch
+from laplace_glas.curvature.parallel import distributed as glas_dist
+from laplace_glas.curvature.parallel.distributed import data_parallel
 from laplace_glas.diagnostics.calibration import coverage, select_dimension
 from laplace_glas.diagnostics.convergence import replica_check
 
@@ -442,14 +442,14 @@ def _break_solver(fault: str) -> None:
 
         block_module._orthonormalize = broken
     if fault == "diag":
-        import laplace_glas.curvature.diagonal as diagonal_module
+        import laplace_glas.curvature.complement.diagonal as diagonal_module
 
         def broken_diagonal(*args):
             raise RuntimeError("BackPACK ran out of memory")
 
         diagonal_module._batch_diagonal = broken_diagonal
     if fault == "kron":
-        import laplace_glas.curvature.kron as kron_module
+        import laplace_glas.curvature.complement.kron as kron_module
 
         def broken_factors(*args, **kwargs):
             raise RuntimeError("KFAC ran out of memory")

@@ -14,12 +14,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_glas import ActiveSubspaceLaplace
-from laplace_glas.curvature.batches import XYBatches
-from laplace_glas.curvature.eigensolve import Eigenpairs, compute_eigenpairs, mean_ggn_operator
-from laplace_glas.curvature.fitting import curvature_loss
+from laplace_glas.curvature.data.batches import XYBatches
+from laplace_glas.curvature.data.map_loss import curvature_loss
+from laplace_glas.curvature.memory.planner import choose_solver
 from laplace_glas.curvature.operators.factored import FactoredGGN, build_factored_ggn
-from laplace_glas.curvature.planner import choose_solver
 from laplace_glas.curvature.solvers import gram
+from laplace_glas.curvature.solvers.solve import Eigenpairs, compute_eigenpairs, mean_ggn_operator
 
 F64 = torch.float64
 

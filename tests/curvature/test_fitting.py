@@ -1,4 +1,4 @@
-"""The data side of fit (``laplace_glas.curvature.fitting``), checked directly.
+"""The data side of fit (``laplace_glas.curvature.data.map_loss``), checked directly.
 
 ``curvature_loss`` must return a loss and a factor ``c`` such that ``c`` times
 curvlinops' GGN of that loss is the unit-noise mean-loss GGN
@@ -14,9 +14,9 @@ from conftest import CountingLoader, loader
 from test_custom_loss import explicit_loss_ggn
 from torch import nn
 
-from laplace_glas.curvature.batches import XYBatches
-from laplace_glas.curvature.eigensolve import mean_ggn_operator
-from laplace_glas.curvature.fitting import count_terms, curvature_loss, loss_at_map
+from laplace_glas.curvature.data.batches import XYBatches
+from laplace_glas.curvature.data.map_loss import count_terms, curvature_loss, loss_at_map
+from laplace_glas.curvature.solvers.solve import mean_ggn_operator
 from laplace_glas.progress import progress
 
 PAD = 0

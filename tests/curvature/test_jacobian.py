@@ -11,8 +11,9 @@ import torch
 from conftest import loader, mlp, output_jacobian, softmax_ggn
 from torch import nn
 
-from laplace_glas.curvature.budget import Estimates
-from laplace_glas.curvature.eigensolve import compute_eigenpairs
+from laplace_glas.curvature.data.problem import CurvatureProblem
+from laplace_glas.curvature.memory.budget import Estimates
+from laplace_glas.curvature.memory.planner import _jacobian, plan_solve
 from laplace_glas.curvature.operators.factored import FactoredGGN
 from laplace_glas.curvature.operators.factors import row_vectors
 from laplace_glas.curvature.operators.jacobian import (
@@ -23,8 +24,7 @@ from laplace_glas.curvature.operators.jacobian_estimates import (
     estimate_build_bytes,
     estimate_jacobian_bytes,
 )
-from laplace_glas.curvature.planner import _jacobian, plan_solve
-from laplace_glas.curvature.problem import CurvatureProblem
+from laplace_glas.curvature.solvers.solve import compute_eigenpairs
 
 F64 = torch.float64
 

@@ -12,10 +12,10 @@ from conftest import CountingLoader, fit_quietly, mlp, mlp_problem, output_jacob
 from torch.utils.data import TensorDataset
 
 from laplace_glas.curvature import fit as fit_module
-from laplace_glas.curvature.batch_sizes import survey_batch_sizes
-from laplace_glas.curvature.kept_batches import OBJECT_BYTES as OBJECT
-from laplace_glas.curvature.kept_batches import BatchKeeper, ReplayedBatches, item_contents
-from laplace_glas.curvature.problem import CurvatureProblem
+from laplace_glas.curvature.data.example_counts import survey_batch_sizes
+from laplace_glas.curvature.data.problem import CurvatureProblem
+from laplace_glas.curvature.data.replay import OBJECT_BYTES as OBJECT
+from laplace_glas.curvature.data.replay import BatchKeeper, ReplayedBatches, item_contents
 
 F64 = torch.float64
 

@@ -10,9 +10,9 @@ import torch
 from conftest import fit_glas, loader, mlp, regression_data, train
 from torch import nn
 
-from laplace_glas.curvature import complement_pass
-from laplace_glas.curvature.complement_pass import FROM_FACTORS
-from laplace_glas.curvature.kron import factored_kron, factored_kron_refusal, ggn_kron
+from laplace_glas.curvature.complement import passes as complement_pass
+from laplace_glas.curvature.complement.kron import factored_kron, factored_kron_refusal, ggn_kron
+from laplace_glas.curvature.complement.passes import FROM_FACTORS
 from laplace_glas.curvature.operators.factored import build_factored_ggn
 
 DOUBLE = torch.float64

@@ -16,11 +16,11 @@ from scipy.sparse.linalg import eigsh as real_eigsh
 from torch import nn
 from tqdm.auto import tqdm
 
-from laplace_glas.curvature import eigensolve
-from laplace_glas.curvature.eigensolve import compute_eigenpairs
 from laplace_glas.curvature.operators.factored import FactoredGGN, build_factored_ggn
 from laplace_glas.curvature.solvers import lanczos
+from laplace_glas.curvature.solvers import solve as eigensolve
 from laplace_glas.curvature.solvers.lanczos import solve_lanczos
+from laplace_glas.curvature.solvers.solve import compute_eigenpairs
 from laplace_glas.curvature.solvers.threads import _openblas_thread_controls
 
 

@@ -20,15 +20,15 @@ from laplace_glas import ActiveSubspaceLaplace
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.autodiff.frozen import is_elementwise_activation
 from laplace_glas.autodiff.frozen_lora import is_frozen_lora
-from laplace_glas.curvature.budget import MemoryBudgetError, return_freed_memory
-from laplace_glas.curvature.losses import TokenCrossEntropy
+from laplace_glas.curvature.data.losses import TokenCrossEntropy
+from laplace_glas.curvature.memory.budget import MemoryBudgetError, return_freed_memory
+from laplace_glas.curvature.memory.peak import status_bytes
 from laplace_glas.curvature.operators.graph_bytes import SavedBytes, forward_graph_bytes
 from laplace_glas.curvature.operators.linearized import (
     LinearizedGGN,
     build_linearized_ggn,
     linearize_batch,
 )
-from laplace_glas.curvature.peak_memory import status_bytes
 
 F64 = torch.float64
 VOCAB, PAD = 7, 0

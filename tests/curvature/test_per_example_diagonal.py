@@ -11,8 +11,8 @@ from conftest import output_jacobian, softmax_ggn
 from torch import nn
 from torch.nn import functional as F
 
-from laplace_glas.curvature.diagonal import ggn_diagonal, shared_parameters
-from laplace_glas.curvature.per_example_diagonal import (
+from laplace_glas.curvature.complement.diagonal import ggn_diagonal, shared_parameters
+from laplace_glas.curvature.complement.per_example_diagonal import (
     batch_ggn_diagonal,
     loss_hessian_columns,
     per_example_ggn_diagonal,

@@ -14,12 +14,12 @@ from torch import nn
 from laplace_glas import ActiveSubspaceLaplace
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature.backends import resolve_backend
-from laplace_glas.curvature.batches import XYBatches
-from laplace_glas.curvature.eigenpairs import Eigenpairs
+from laplace_glas.curvature.data.batches import XYBatches
+from laplace_glas.curvature.data.problem import CurvatureProblem
+from laplace_glas.curvature.memory.planner import Plan, plan_solve
 from laplace_glas.curvature.operators.factored import FactoredGGN
 from laplace_glas.curvature.operators.linearized import LinearizedGGN
-from laplace_glas.curvature.planner import Plan, plan_solve
-from laplace_glas.curvature.problem import CurvatureProblem
+from laplace_glas.curvature.solvers.eigenpairs import Eigenpairs
 
 F64 = torch.float64
 

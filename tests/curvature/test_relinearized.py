@@ -21,14 +21,14 @@ from test_linearized import (
 from torch import nn
 
 from laplace_glas.autodiff.context import autodiff_friendly
-from laplace_glas.curvature import budget as budget_module
+from laplace_glas.curvature.data.problem import CurvatureProblem
+from laplace_glas.curvature.memory import budget as budget_module
+from laplace_glas.curvature.memory.planner import plan_solve
+from laplace_glas.curvature.memory.streaming import STREAMED_BLOCK, streamed_linearized
 from laplace_glas.curvature.operators import relinearized as relinearized_module
 from laplace_glas.curvature.operators.graph_bytes import forward_graph_bytes
 from laplace_glas.curvature.operators.linearized import build_linearized_ggn
 from laplace_glas.curvature.operators.relinearized import LARGER_BATCH, RelinearizedGGN
-from laplace_glas.curvature.planner import plan_solve
-from laplace_glas.curvature.problem import CurvatureProblem
-from laplace_glas.curvature.streaming import STREAMED_BLOCK, streamed_linearized
 
 F64 = torch.float64
 

@@ -10,12 +10,12 @@ from conftest import fit_quietly, loader, mlp, mlp_problem, output_jacobian, sof
 from torch import nn
 
 from laplace_glas.autodiff.context import autodiff_friendly
-from laplace_glas.curvature import budget as budget_module
-from laplace_glas.curvature.batches import SubBatches
+from laplace_glas.curvature.data.batches import SubBatches
+from laplace_glas.curvature.data.problem import CurvatureProblem
+from laplace_glas.curvature.memory import budget as budget_module
+from laplace_glas.curvature.memory.planner import plan_solve
+from laplace_glas.curvature.memory.streaming import STREAMED_BLOCK
 from laplace_glas.curvature.operators.streamed import StreamedFactoredGGN
-from laplace_glas.curvature.planner import plan_solve
-from laplace_glas.curvature.problem import CurvatureProblem
-from laplace_glas.curvature.streaming import STREAMED_BLOCK
 
 F64 = torch.float64
 

@@ -11,7 +11,7 @@ from conftest import explicit_jacobian, loader, mlp, regression_data
 from scipy.sparse.linalg import LinearOperator
 from torch import nn
 
-from laplace_glas.curvature.eigensolve import (
+from laplace_glas.curvature.solvers.solve import (
     LanczosConvergenceWarning,
     compute_eigenpairs,
     mean_ggn_operator,
@@ -269,7 +269,7 @@ def test_block_solver_says_when_it_returns_fewer_pairs_than_asked():
     """3 passes of 3 columns hold 9 vectors: the warning says 9 of 10 came back."""
     from scipy.sparse.linalg import aslinearoperator
 
-    from laplace_glas.curvature.eigensolve import LanczosConvergenceWarning
+    from laplace_glas.curvature.solvers.solve import LanczosConvergenceWarning
 
     A = np.diag(np.linspace(10, 1, 200))
     with pytest.warns(LanczosConvergenceWarning, match="found only 9 of the 10"):

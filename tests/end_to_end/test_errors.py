@@ -461,7 +461,7 @@ def test_the_default_works_on_a_tiny_classification_head_where_kron_does():
 
     from laplace import Laplace
 
-    from laplace_glas.curvature.eigenpairs import NumericalRankWarning
+    from laplace_glas.curvature.solvers.eigenpairs import NumericalRankWarning
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))

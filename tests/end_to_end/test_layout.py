@@ -245,6 +245,6 @@ def test_no_module_imports_another_modules_private_names():
 
 def test_the_private_import_check_catches_one(tmp_path, monkeypatch):
     module = tmp_path / "m.py"
-    module.write_text("from laplace_glas.curvature.eigenpairs import _hidden, ZERO_GGN\n")
+    module.write_text("from laplace_glas.curvature.solvers.eigenpairs import _hidden, ZERO_GGN\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path)
-    assert private_imports(module) == ["m.py:1: laplace_glas.curvature.eigenpairs._hidden"]
+    assert private_imports(module) == ["m.py:1: laplace_glas.curvature.solvers.eigenpairs._hidden"]

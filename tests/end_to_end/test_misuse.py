@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import laplace_glas.curvature.fit as fit_module
-import laplace_glas.curvature.planner as dispatch
+import laplace_glas.curvature.memory.planner as dispatch
 from laplace_glas import (
     ActiveSubspaceLaplace,
     CoverageNotReachedWarning,
@@ -965,7 +965,7 @@ def test_a_model_on_the_meta_device_is_refused_by_name(kind):
 def test_hugging_face_batches_without_input_ids_name_the_key():
     """fit and predict on dict batches lacking ``input_ids`` raise ``MissingKeyError``."""
     transformers = pytest.importorskip("transformers")
-    from laplace_glas.curvature.batches import MissingKeyError
+    from laplace_glas.curvature.data.batches import MissingKeyError
     from laplace_glas.huggingface import LogitsModel, causal_lm_batch
 
     torch.manual_seed(0)

@@ -27,7 +27,7 @@ import torch
 from conftest import loader, mlp, regression_data, train
 from laplace import Laplace
 
-from laplace_glas.curvature.eigenpairs import NumericalRankWarning
+from laplace_glas.curvature.solvers.eigenpairs import NumericalRankWarning
 
 DT = torch.float64
 X_TEST = torch.tensor([[0.3], [-1.1], [2.5]], dtype=DT)

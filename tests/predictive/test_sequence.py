@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from laplace_glas import coverage, select_dimension
 from laplace_glas.autodiff.context import autodiff_friendly
-from laplace_glas.curvature.eigensolve import compute_eigenpairs
-from laplace_glas.curvature.losses import TokenCrossEntropy
+from laplace_glas.curvature.data.losses import TokenCrossEntropy
+from laplace_glas.curvature.solvers.solve import compute_eigenpairs
 
 PAD, BOS, VOCAB = 0, 1, 6
 

@@ -58,8 +58,8 @@ from torch import nn
 from torch.func import jvp
 
 from laplace_glas.autodiff.functional import module_call
-from laplace_glas.curvature.batches import batch_copy, batch_size, split_batch_to
-from laplace_glas.curvature.budget import OverBudget, format_bytes, return_freed_memory
+from laplace_glas.curvature.data.batches import batch_copy, batch_size, split_batch_to
+from laplace_glas.curvature.memory.budget import OverBudget, format_bytes, return_freed_memory
 from laplace_glas.curvature.operators.factor_join import (
     assemble_factors,
     concatenate_batches,
@@ -104,7 +104,7 @@ _PREDICTIVE_BUDGET = 2**29  # factors of one prediction batch: 512 MiB
 def default_factor_budget(k: int, n_params: int, itemsize: int) -> int:
     """Bytes the factors may take where no budget is given (a direct call of
     :func:`build_factored_ggn`): ``max(2 GiB, 4 k D itemsize)``. A fit takes its budget
-    from ``memory_budget`` instead (:mod:`~laplace_glas.curvature.planner`).
+    from ``memory_budget`` instead (:mod:`~laplace_glas.curvature.memory.planner`).
     """
     return max(2 * 2**30, 4 * k * n_params * itemsize)
 

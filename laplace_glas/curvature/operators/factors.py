@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from laplace_glas.autodiff.checkpoints import watch_reentrant_checkpoints
-from laplace_glas.curvature.batches import batch_size
+from laplace_glas.curvature.data.batches import batch_size
 from laplace_glas.validation import check_model_output
 
 __all__ = [

@@ -8,7 +8,7 @@ which count the rows their views span (a batch sliced from a data set's tensor k
 no more than the data set holds anyway). The model's parameters and buffers are left
 out. The kept-graph and streaming estimates of the planner
 (:mod:`~laplace_glas.curvature.operators.linearized`,
-:mod:`~laplace_glas.curvature.streaming`) are these counts.
+:mod:`~laplace_glas.curvature.memory.streaming`) are these counts.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from laplace_glas.curvature.batches import batch_to_device
+from laplace_glas.curvature.data.batches import batch_to_device
 
 __all__ = ["SavedBytes", "forward_graph_bytes", "spanned_bytes"]
 
@@ -111,7 +111,7 @@ class SavedBytes:
     def heap_bytes(self, page: int) -> int:
         """What the host heap keeps resident beside the kept storages, for pages of
         ``page`` bytes: a page per kept storage (freed temporaries share the pages at
-        its ends, :data:`~laplace_glas.curvature.budget.HOST_PAGE_BYTES`) and half a page
+        its ends, :data:`~laplace_glas.curvature.memory.budget.HOST_PAGE_BYTES`) and half a page
         per tensor not kept (a hole amid the kept storages; measured 2.0-3.0 KB each on
         the models of ``benchmarks/kept_graph_memory.py``).
         """

@@ -50,9 +50,9 @@ from torch import nn
 from torch.func import jacrev, vmap
 
 from laplace_glas.autodiff.functional import module_call
-from laplace_glas.curvature.batch_sizes import survey_batch_sizes
-from laplace_glas.curvature.batches import batch_size, split_batch_to
-from laplace_glas.curvature.budget import format_bytes
+from laplace_glas.curvature.data.batches import batch_size, split_batch_to
+from laplace_glas.curvature.data.example_counts import survey_batch_sizes
+from laplace_glas.curvature.memory.budget import format_bytes
 from laplace_glas.curvature.operators.factor_join import (
     assemble_factors,
 )
@@ -396,7 +396,7 @@ def _collect(route, capacity: int | None, budget_bytes: int) -> JacobianGGN | st
 def _examples(loader: Iterable, dict_key_x: str, dict_key_y: str) -> int | None:
     """The number of examples of ``loader`` where it is known before the pass (a
     ``DataLoader`` over a sized dataset, a list of batches, ... : see
-    :func:`~laplace_glas.curvature.batch_sizes.survey_batch_sizes`), else None.
+    :func:`~laplace_glas.curvature.data.example_counts.survey_batch_sizes`), else None.
 
     Known, the rows are written into one buffer as they come; unknown, the batches' rows
     are concatenated at the end, beside themselves (a list of batches was: 2.2 GiB

@@ -70,14 +70,14 @@ graphs per product (:mod:`~laplace_glas.curvature.operators.relinearized`) where
 the budget, else curvlinops' products. The count is what the allocator keeps
 (torch.profiler's record of the allocations a batch leaves live agrees to a few
 scalars). On the host, the heap keeps more resident: about a page per kept storage,
-shared with freed temporaries (:data:`~laplace_glas.curvature.budget.HOST_PAGE_BYTES`),
+shared with freed temporaries (:data:`~laplace_glas.curvature.memory.budget.HOST_PAGE_BYTES`),
 which the estimate adds per batch, whatever its size (``benchmarks/
 kept_graph_memory.py``: without them a batch's resident memory was 1.7-13.5% above its
 count for the models of ``benchmarks/linearized_cost.py`` and a GRU regressor in
 batches of 200, 34% for the GRU in batches of 32, whose storages are a few pages each;
 with them 0.94-1.03 of it), and half a page per zero tensor not kept, a hole amid them
 (measured 2.0-3.0 KB each). A process's first pass takes some MiB for itself; the
-measured-peak warning reports what :data:`~laplace_glas.curvature.budget.HOST_SLACK`
+measured-peak warning reports what :data:`~laplace_glas.curvature.memory.budget.HOST_SLACK`
 does not cover.
 """
 
@@ -94,9 +94,9 @@ from torch import nn
 from laplace_glas.autodiff.checkpoints import watch_reentrant_checkpoints
 from laplace_glas.autodiff.cotangents import zero_free_saving
 from laplace_glas.autodiff.frozen import Freezable, freezable_modules, switched_forwards
-from laplace_glas.curvature.batch_sizes import BatchSizes
-from laplace_glas.curvature.batches import batch_to_device
-from laplace_glas.curvature.budget import (
+from laplace_glas.curvature.data.batches import batch_to_device
+from laplace_glas.curvature.data.example_counts import BatchSizes
+from laplace_glas.curvature.memory.budget import (
     HOST_PAGE_BYTES,
     OverBudget,
     format_bytes,
@@ -384,7 +384,7 @@ def build_linearized_ggn(
         Largest memory the kept graphs (and on the host the heap's page per kept
         storage) may hold, with one batch's more for a product's temporaries; above
         it the reason is returned, an
-        :class:`~laplace_glas.curvature.budget.OverBudget` with the projected bytes
+        :class:`~laplace_glas.curvature.memory.budget.OverBudget` with the projected bytes
         (``needed``, ``None`` for a loader without a length) and the first batch's.
     column_bytes : int
         Temporaries a batched product may take (at most 512 MiB): columns go through
@@ -394,7 +394,7 @@ def build_linearized_ggn(
         A tqdm bar over the batches.
     batch_sizes : BatchSizes, optional
         The loader's batch sizes
-        (:func:`~laplace_glas.curvature.batch_sizes.survey_batch_sizes`): the first
+        (:func:`~laplace_glas.curvature.data.example_counts.survey_batch_sizes`): the first
         batch's graphs are projected to all examples and, for a product's temporaries,
         to the largest batch, its pullback (``D`` numbers) to every batch as it is
         (without them: to the number of batches, and the first batch's).

@@ -18,7 +18,7 @@ its products are the kept operator's (the same graphs, rebuilt). Against curvlin
 GGN products, which the planner streamed otherwise, the batch's pass is shared by the
 block of columns and the frozen modules' derivatives are not differentiated again.
 
-The planner (:mod:`~laplace_glas.curvature.streaming`) uses it as its ``'streaming'``
+The planner (:mod:`~laplace_glas.curvature.memory.streaming`) uses it as its ``'streaming'``
 strategy for a model that the linearised operator covers but whose kept graphs do not
 fit the budget (and whose factored operator does not stream instead).
 """
@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from laplace_glas.curvature.budget import format_bytes, return_freed_memory
+from laplace_glas.curvature.memory.budget import format_bytes, return_freed_memory
 from laplace_glas.curvature.operators.graph_bytes import SavedBytes
 from laplace_glas.curvature.operators.linearized import (
     COLUMN_BYTES,

@@ -19,7 +19,7 @@ forward, a forward-mode and a backward pass per batch, and a block of ``m`` colu
 shares that pass (the 10-300-300-1 MLP at ``N = 16,000``: 208 ms for one column, 75 ms a
 column in blocks of 8, against 56 ms a column on stored factors).
 
-The planner (:mod:`~laplace_glas.curvature.planner`) uses it as its ``'streaming'``
+The planner (:mod:`~laplace_glas.curvature.memory.planner`) uses it as its ``'streaming'``
 strategy for a model whose factored operator qualifies but does not fit the budget;
 models the factored operator does not cover stream curvlinops' products.
 """
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from laplace_glas.curvature.batches import split_batch_to
-from laplace_glas.curvature.budget import return_freed_memory
+from laplace_glas.curvature.data.batches import split_batch_to
+from laplace_glas.curvature.memory.budget import return_freed_memory
 from laplace_glas.curvature.operators.factor_join import (
     assemble_factors,
     factor_bytes,

@@ -39,7 +39,7 @@ import torch
 from scipy.linalg import blas
 from scipy.sparse.linalg import LinearOperator, eigsh
 
-from laplace_glas.curvature.budget import GRAM_CHUNK_ELEMENTS, gram_build_numbers
+from laplace_glas.curvature.memory.budget import GRAM_CHUNK_ELEMENTS, gram_build_numbers
 from laplace_glas.curvature.operators.factored import (
     EmbeddingFactor,
     ExplicitFactor,
@@ -82,16 +82,16 @@ def _itemsize(op: FactoredGGN) -> int:
 
 def gram_bytes(op: FactoredGGN) -> int:
     """Peak bytes of :func:`gram_matrix` in the factors' precision: ``K`` and its
-    build's temporaries (:func:`~laplace_glas.curvature.budget.gram_build_numbers`).
+    build's temporaries (:func:`~laplace_glas.curvature.memory.budget.gram_build_numbers`).
     """
     return gram_build_numbers(op.n_examples * op.n_rows, op.device) * _itemsize(op)
 
 
 def gram_fits(op: FactoredGGN, k: int, budget: int | None = None) -> bool:
     """``k < M`` and ``gram_bytes <= budget``; without a budget (a direct call of
-    :func:`~laplace_glas.curvature.eigensolve.compute_eigenpairs`) the rule
+    :func:`~laplace_glas.curvature.solvers.solve.compute_eigenpairs`) the rule
     ``gram_bytes <= max(768 MiB, k D itemsize)``. A fit's planner passes what its
-    memory budget leaves (:mod:`~laplace_glas.curvature.planner`).
+    memory budget leaves (:mod:`~laplace_glas.curvature.memory.planner`).
     """
     M = op.n_examples * op.n_rows
     if budget is None:

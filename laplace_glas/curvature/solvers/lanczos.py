@@ -38,8 +38,8 @@ import torch
 from scipy.sparse.linalg import ArpackError, ArpackNoConvergence, LinearOperator, eigsh
 from tqdm.auto import tqdm
 
-from laplace_glas.curvature.eigenpairs import ZERO_GGN, LanczosConvergenceWarning
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES
+from laplace_glas.curvature.solvers.eigenpairs import ZERO_GGN, LanczosConvergenceWarning
 from laplace_glas.curvature.solvers.threads import single_threaded_openblas
 
 __all__ = ["solve_lanczos"]
