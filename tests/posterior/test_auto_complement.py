@@ -193,7 +193,7 @@ def test_an_unknown_complement_names_auto(mlp_model):
 
 def test_kron_refusal_accepts_linear_layers(mlp_model):
     # data-parallel fits are served too: the factors are summed over the ranks
-    # (tests/curvature/test_distributed.py)
+    # (tests/curvature/parallel/test_distributed.py)
     assert kron_refusal(mlp_model) is None
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import loader
-from test_factored import MODELS, MixesExamples, Recurrent, as64, problem
+from curvature.operators.test_factored import MODELS, MixesExamples, Recurrent, as64, problem
 
 from laplace_glas import ActiveSubspaceLaplace
 from laplace_glas.curvature.operators.factored import factored_jacobian_directions

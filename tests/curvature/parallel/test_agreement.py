@@ -1,5 +1,5 @@
 """The agreement's encodings, against plain Python and NumPy references (the exchange
-itself runs between two gloo ranks in tests/curvature/test_distributed.py)."""
+itself runs between two gloo ranks in tests/curvature/parallel/test_distributed.py)."""
 
 from __future__ import annotations
 
