@@ -166,8 +166,8 @@ class ProjectedComplementPosterior:
     tau: torch.Tensor
     projected: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     """``(U^T C U, U^T U, m, log det U^T U)`` where the caller has them, ``m`` the
-    eigenvalues of ``(U^T U)^{-1/2} U^T C U (U^T U)^{-1/2}`` (see
-    :meth:`_projected_precision` and :meth:`_log_det_projected`)."""
+    eigenvalues of ``(U^T U)^{-1/2} U^T C U (U^T U)^{-1/2}``: under a scalar prior the
+    projected precision and its log-determinant then take no product with ``E``."""
 
     def power_of_E(self, W: torch.Tensor, power: float) -> torch.Tensor:
         """``W E^power`` on the last axis of ``W (..., D)``."""
