@@ -156,12 +156,16 @@ class KronCurvature:
         """
         if all(Qs for Qs, _ in self.blocks):
             return self
-        held = U.square() @ a  # (D,) diag(U diag(a) U^T), scaled as s C
-        blocks = []
         scale = self.scale.detach()
+        if not bool(scale > 0):
+            return self
+        # diag(U diag(a) U^T) / s at unit scale: a = s lambda, so the residual blocks do
+        # not depend on s (only C's own factor s carries its gradient)
+        held = U.square() @ (a.detach() / scale)
+        blocks = []
         for start, size, Qs, ls in self._spans():
-            if not Qs and bool(scale > 0):
-                c = (ls[0] - held[start : start + size] / scale).clamp_min(0)
+            if not Qs:
+                c = (ls[0] - held[start : start + size]).clamp_min(0)
                 blocks.append(([], [c]))
             else:
                 blocks.append((Qs, ls))

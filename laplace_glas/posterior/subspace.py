@@ -83,13 +83,15 @@ class SubspacePosterior:
     _directions_embedded = False
 
     # ------------------------------------------------------------------ evidence terms
+    @unchanged_on_failure
     def log_marginal_likelihood(
         self,
         prior_precision: torch.Tensor | None = None,
         sigma_noise: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """laplace-torch's log evidence (differentiable in ``prior_precision`` and
-        ``sigma_noise``).
+        ``sigma_noise``, which it sets, as laplace-torch does; a refused call leaves
+        both as they were).
 
         Under ``loss_scaling='mean'`` the evidence is laplace-torch's at ``T = N``, whose
         Gaussian normaliser is not tempered: as a function of ``sigma_noise`` it is not
@@ -234,11 +236,15 @@ class SubspacePosterior:
         if self.complement in ("kron", "kron_diag"):
             return KronCurvature(self._kron_blocks(), scale)
         diagonal = getattr(self, "_ggn_diagonal", None)
-        if diagonal is None:
+        stored = self._stored_complement_curvature()
+        if diagonal is None or stored != "diag":
             raise ValueError(
-                "complement='diag' needs the GGN diagonal, computed by fit: this posterior "
-                "was fitted with another complement. Refit with complement='diag'."
-            )
+                "complement='diag' needs the GGN diagonal of every weight, computed by fit: "
+                f"this posterior was fitted with {stored or 'no complement curvature'!r}"
+                + (" (its diagonal covers only the parameters KFAC leaves out)"
+                   if stored == "kron_diag" else "")
+                + ". Refit with complement='diag'."
+            )  # fmt: skip
         return scale * diagonal
 
     def _kron_blocks(self) -> list:

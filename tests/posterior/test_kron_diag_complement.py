@@ -237,3 +237,45 @@ def test_auto_assigned_after_fit_keeps_the_fitted_curvature(norm_fit):
                     n_components=3, sigma_noise=0.3)  # fmt: skip
     other.load_state_dict(la.state_dict())
     assert other.complement == "kron_diag"
+
+
+def test_the_evidence_gradient_in_sigma_matches_finite_differences(norm_fit):
+    """The residual diagonal blocks do not depend on the noise (``a / s`` is the unit
+    curvature): their deflation carried a spurious ``-U^2 lambda`` into d/d sigma
+    (autograd 1569.8 against finite differences 1677.5 in a review's case)."""
+    la, *_ = norm_fit
+    tau = torch.tensor([1.0], dtype=DOUBLE)
+    sigma = torch.tensor([0.3], dtype=DOUBLE, requires_grad=True)
+    (grad,) = torch.autograd.grad(la.log_marginal_likelihood(tau, sigma), sigma)
+    h = 1e-6
+
+    def at(s: float) -> float:
+        return float(la.log_marginal_likelihood(tau, torch.tensor([s], dtype=DOUBLE)))
+
+    assert float(grad) == pytest.approx((at(0.3 + h) - at(0.3 - h)) / (2 * h), rel=1e-6)
+    la.sigma_noise, la.prior_precision = 0.3, 0.8  # the fixture's
+
+
+def test_diag_assigned_after_a_kron_diag_fit_is_refused_by_name(norm_fit):
+    la, _, X, _ = norm_fit
+    la.complement = "diag"
+    try:
+        with pytest.raises(ValueError, match=r"fitted with 'kron_diag' .*covers only"):
+            la.log_marginal_likelihood()
+        with pytest.raises(ValueError, match="Refit with complement='diag'"):
+            la(X[:2], pred_type="glm")
+    finally:
+        la.complement = "auto"
+    assert la.complement == "kron_diag"
+
+
+def test_a_refused_evidence_call_leaves_prior_and_noise_as_they_were():
+    X, y = regression_data(n=40, dtype=torch.float32, seed=2, d_in=2)
+    torch.manual_seed(0)
+    la = Laplace(NormMLP(), "regression", subset_of_weights="all", hessian_structure="glas",
+                 n_components=3, sigma_noise=0.5, prior_precision=0.8)  # fmt: skip
+    la.fit(loader(X, y, batch_size=20))
+    with pytest.raises(ValueError, match="curvature overflows float32"):
+        la.log_marginal_likelihood(torch.tensor([2.0]), torch.tensor([1e-18]))
+    assert float(la.sigma_noise) == 0.5 and la.prior_precision.tolist() == [0.800000011920929]
+    assert torch.isfinite(la(X[:2], pred_type="glm")[1]).all()

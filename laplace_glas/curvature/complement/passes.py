@@ -157,6 +157,11 @@ class ComplementPass:
                         candidate, loader, shards, show, update, n_new
                     )
                 except ValueError as err:  # a data-time refusal (BackPACK's, a batch's)
+                    if shards is not None:
+                        # the other ranks left the fit on this rank's failure (the pass's
+                        # own collective told them): moving on alone would leave this
+                        # rank waiting in the next candidate's collectives
+                        raise
                     refusal = str(err)
                 else:
                     if candidate == "kron":

@@ -37,11 +37,13 @@ if TYPE_CHECKING:
     from laplace_glas.curvature.parallel.distributed import Shards
 
 __all__ = [
+    "LOSS_SETTINGS",
     "FitAgreement",
     "Setting",
     "agree_on_fit",
     "generator_checksum",
     "loss_description",
+    "loss_settings",
     "shard_is_empty",
     "weights_checksum",
 ]
@@ -217,23 +219,50 @@ def agree_on_fit(
         )
 
 
+LOSS_SETTINGS = (
+    "reduction",
+    "ignore_index",
+    "label_smoothing",
+    "beta",
+    "delta",
+    "margin",
+    "eps",
+    "full",
+    "log_input",
+)
+"""The attributes of torch's loss modules that change the loss (those a module has are
+compared across ranks; other attributes, e.g. a logged last value, are state)."""
+
+
 def loss_description(loss_fn: Any) -> str | None:
-    """``loss_fn`` as text that differs where the loss does: a module's class and its
-    public settings (``reduction``, ``ignore_index``, ...), a function's qualified name.
-    """
+    """``loss_fn``'s class (its qualified name), or None without one."""
     if loss_fn is None:
         return None
-    if isinstance(loss_fn, torch.nn.Module):
-        simple = (bool, int, float, str, type(None))
-        fields = sorted(
-            (name, value)
-            for name, value in vars(loss_fn).items()
-            if not name.startswith("_") and name != "training" and isinstance(value, simple)
-        )
-        inner = ", ".join(f"{name}={value!r}" for name, value in fields)
-        return f"{type(loss_fn).__module__}.{type(loss_fn).__qualname__}({inner})"
-    name = getattr(loss_fn, "__qualname__", type(loss_fn).__qualname__)
-    return f"{getattr(loss_fn, '__module__', '')}.{name}"
+    return f"{type(loss_fn).__module__}.{type(loss_fn).__qualname__}"
+
+
+def loss_settings(loss_fn: Any) -> list[Setting]:
+    """The settings of ``loss_fn`` the ranks must share, as many on every rank whatever
+    the loss (the agreement's rows must have one length): its class, each of
+    :data:`LOSS_SETTINGS` (None where it has none) and two checksums of its tensors (e.g.
+    class weights; None without tensors).
+    """
+    module = loss_fn if isinstance(loss_fn, torch.nn.Module) else None
+    settings = [Setting("loss_fn", loss_description(loss_fn))]
+    for name in LOSS_SETTINGS:
+        value = getattr(module, name, None)
+        simple = isinstance(value, bool | int | float | str)
+        settings.append(Setting(f"loss_fn.{name}", value if simple else None))
+    tensors = [] if module is None else [*module.parameters(), *module.buffers()]
+    tensors = [t for t in tensors if t.is_floating_point()]
+    squares = weighted = None
+    if tensors:  # on the CPU in float64: the same tensors give the same sums on every rank
+        flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors])
+        positions = torch.arange(1, len(flat) + 1, dtype=torch.float64)
+        squares, weighted = float(flat.square().sum()), float((positions * flat).sum())
+    settings.append(Setting("loss_fn's tensors (sum of squares)", squares))
+    settings.append(Setting("loss_fn's tensors (position-weighted sum)", weighted))
+    return settings
 
 
 class FitAgreement:
@@ -304,7 +333,7 @@ class FitAgreement:
             Setting("loss_scaling", self.loss_scaling),
             Setting("complement", self.complement),
             Setting("complement's passes ('auto' before data)", self._passes_complement(update)),
-            Setting("loss_fn", loss_description(self.loss_fn)),
+            *loss_settings(self.loss_fn),
             Setting("diagonal_estimator", getattr(self, "diagonal_estimator", "exact")),
             Setting("curvature (the backend's matrix)", self.curvature.kind),
             Setting("prior precision's shape", tuple(torch.as_tensor(self.prior_precision).shape)),

@@ -12,6 +12,7 @@ from laplace_glas.curvature.parallel.agreement import (
     Setting,
     generator_checksum,
     loss_description,
+    loss_settings,
     shard_is_empty,
     weights_checksum,
 )
@@ -75,13 +76,32 @@ def test_shard_is_empty_and_failed_ranks():
     assert failed_ranks(torch.tensor([0.0, 1.0, 0.0, 1.0])) == [1, 3]
 
 
-def test_loss_description_differs_where_the_loss_does():
+def test_the_loss_settings_differ_where_the_loss_does_and_not_with_its_state():
+    def encoded(loss_fn):
+        return [(setting.name, setting.encode()) for setting in loss_settings(loss_fn)]
+
     summed, mean = nn.MSELoss(reduction="sum"), nn.MSELoss()
     assert loss_description(None) is None
-    assert loss_description(summed) != loss_description(mean)
-    assert "reduction='sum'" in loss_description(summed)
-    assert loss_description(nn.CrossEntropyLoss(label_smoothing=0.1)) != loss_description(
-        nn.CrossEntropyLoss()
-    )
-    assert loss_description(nn.functional.mse_loss).endswith("mse_loss")
-    assert loss_description(nn.MSELoss()) == loss_description(mean)
+    # as many settings whatever the loss: the ranks' rows must have one length
+    assert len(encoded(None)) == len(encoded(summed)) == len(encoded(nn.CrossEntropyLoss()))
+    assert encoded(summed) != encoded(mean)
+    assert ("loss_fn.reduction", Setting("", "sum").encode()) in encoded(summed)
+    assert encoded(nn.CrossEntropyLoss(label_smoothing=0.1)) != encoded(nn.CrossEntropyLoss())
+    weighted = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0]))
+    assert encoded(weighted) != encoded(nn.CrossEntropyLoss(weight=torch.tensor([2.0, 1.0])))
+    assert encoded(weighted) == encoded(nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0])))
+    assert encoded(nn.MSELoss()) == encoded(mean)
+
+    class LoggingMSE(nn.Module):  # state a training loop leaves behind is not a setting
+        def __init__(self):
+            super().__init__()
+            self.reduction, self.last_value = "sum", 0.0
+
+        def forward(self, f, y):
+            loss = 0.5 * ((f - y) ** 2).sum()
+            self.last_value = float(loss)
+            return loss
+
+    used = LoggingMSE()
+    used(torch.ones(2), torch.zeros(2))
+    assert encoded(used) == encoded(LoggingMSE())

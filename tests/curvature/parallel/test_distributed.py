@@ -448,10 +448,12 @@ def _break_solver(fault: str) -> None:
             raise RuntimeError("BackPACK ran out of memory")
 
         diagonal_module._batch_diagonal = broken_diagonal
-    if fault == "kron":
+    if fault in ("kron", "auto_kron_refused"):
         import laplace_glas.curvature.complement.kron as kron_module
 
         def broken_factors(*args, **kwargs):
+            if fault == "auto_kron_refused":  # a data-time refusal, as for NaN factors
+                raise ValueError("KFAC's factors hold NaN or inf")
             raise RuntimeError("KFAC ran out of memory")
 
         kron_module._local_factors = broken_factors
@@ -516,6 +518,7 @@ def _fault_worker(rank: int, init_file: str, out_dir: str, fault: str, subset: s
         # 'zero' unless the diag pass is the fault: the fit's passes as counted below
         extra = {"complement": "diag" if fault.startswith("diag") else "zero"}
         extra = {"complement": "kron"} if fault == "kron" else extra
+        extra = {"complement": "auto"} if fault == "auto_kron_refused" else extra
         if fault == "block":
             solver = "block"
         if rank == 1 and fault == "loss_fn":  # the summed squared error: 2x the GGN
@@ -624,6 +627,7 @@ def test_a_different_loss_fn_is_refused_on_every_rank():
     for outcome in _run_fault("loss_fn"):
         assert outcome.startswith("fitted=False\nValueError: The ranks' settings differ")
         assert "loss_fn (rank 0: None, rank 1: 'torch.nn.modules.l" in outcome
+        assert "loss_fn.reduction (rank 0: None, rank 1: 'sum')" in outcome
 
 
 def test_a_different_backend_is_refused_on_every_rank():
@@ -764,6 +768,17 @@ def test_kron_complement_on_two_ranks_equals_one_process(ranks, likelihood, comp
         for key in ("evidence", "trace"):
             _close(got[key], one[key])
         _close(got["predictive"], one["predictive"])
+
+
+def test_a_data_time_refusal_under_auto_ends_the_fit_on_every_rank():
+    """Rank 1's KFAC pass refuses its data under 'auto': it used to move on to
+    'kron_diag' alone and wait in that pass's collectives (gloo's timeout) while rank 0
+    had left; now both ranks end at once."""
+    seconds = []
+    rank0, rank1 = _run_fault("auto_kron_refused", timeout=60.0, seconds=seconds)
+    assert rank1 == "fitted=False\nValueError: KFAC's factors hold NaN or inf"
+    assert rank0.startswith("fitted=False\nRuntimeError: Rank(s) 1 failed")
+    assert max(seconds) < 30.0
 
 
 def test_a_failed_kron_complement_pass_reaches_every_rank():
