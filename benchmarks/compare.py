@@ -20,12 +20,10 @@ from __future__ import annotations
 import laplace_glas  # noqa: F401 (first: registers 'glas', imports laplace-torch quietly)
 
 # isort: split
-import os
 
-# Before torch/numpy load: OpenMP waiters that sleep instead of spinning (a shared 2-core
-# machine otherwise slows small products ~30x), one BLAS thread for scipy/ARPACK.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# The environment the caller runs in is measured (OpenMP's default wait policy and
+# thread counts unless set): machine_description reports it. A tuned setting
+# (OMP_WAIT_POLICY=PASSIVE) is the caller's, measured beside the default, never instead.
 
 import argparse
 import shlex

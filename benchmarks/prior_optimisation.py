@@ -23,9 +23,10 @@ from __future__ import annotations
 import laplace_glas
 
 # isort: split
-import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The environment the caller runs in is measured (OpenMP's default wait policy and
+# thread counts unless set): machine_description reports it. A tuned setting
+# (OMP_WAIT_POLICY=PASSIVE) is the caller's, measured beside the default, never instead.
 
 import argparse
 import math

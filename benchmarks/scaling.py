@@ -40,20 +40,15 @@ from __future__ import annotations
 import laplace_glas  # noqa: F401 (first: registers 'glas', imports laplace-torch quietly)
 
 # isort: split
-import os
-
-# Before torch/numpy are imported (here and in the forkserver, which inherits them): on a
-# small shared machine, OpenMP threads that spin at barriers while another process holds
-# the other core slow every small GGN product down ~30x; sleeping waiters do not.
-# ARPACK's BLAS (OpenBLAS, via scipy) gets one thread so it does not fight torch's.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
+# The environment the caller runs in is measured (OpenMP's default wait policy and
+# thread counts unless set): machine_description reports it. A tuned setting
+# (OMP_WAIT_POLICY=PASSIVE) is the caller's, measured beside the default, never instead.
 import argparse
 import functools
 import json
 import math
 import multiprocessing as mp
+import os
 import pickle
 import shlex
 import sys

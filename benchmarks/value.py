@@ -50,18 +50,14 @@ non-finite metric) is recorded as failed for that seed, with a short reason, and
 run goes on. ``--quick`` (1 seed, fewer points and steps, k = 5) is a smoke test of
 well under a minute. Example::
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/value.py --out benchmarks/value_results.md
+    python benchmarks/value.py --out benchmarks/value_results.md
 """
 
 from __future__ import annotations
 
-import os
-
-# Before torch/numpy load: OpenMP waiters that sleep instead of spinning (a shared
-# machine otherwise slows small products a lot), one BLAS thread for scipy/ARPACK.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
+# The environment the caller runs in is measured (OpenMP's default wait policy and
+# thread counts unless set): machine_description reports it. A tuned setting
+# (OMP_WAIT_POLICY=PASSIVE) is the caller's, measured beside the default, never instead.
 import argparse
 import json
 import math
