@@ -12,7 +12,8 @@ For 10-w-w-C tanh MLPs trained briefly on synthetic data, in one run:
 
 Prints a Markdown table and the machine/threads used. Example::
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/fit_cost.py
+    python benchmarks/fit_cost.py                          # the caller's environment
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/fit_cost.py  # the tuned policy, beside it
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ adapters (r = 4) scored per token (one output row per token, so that laplace-tor
 KFAC applies; its ``N`` counts sequences, which rescales its factors but not its cost).
 KronLaplace's error is printed where it cannot fit a model. Example::
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/linearized_cost.py
+    python benchmarks/linearized_cost.py                          # the caller's environment
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/linearized_cost.py  # the tuned policy, beside it
 """
 
 from __future__ import annotations
