@@ -8,9 +8,9 @@ the value in the form the library stores.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
-import sys
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -409,7 +409,7 @@ def user_stacklevel() -> int:
     """The ``stacklevel`` for ``warnings.warn`` called from here that names the first
     frame outside the package (the user's call, however deep the package's own calls).
     """
-    level, frame = 1, sys._getframe(1)
+    level, frame = 1, inspect.currentframe().f_back  # the caller's frame
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         level, frame = level + 1, frame.f_back
     return level

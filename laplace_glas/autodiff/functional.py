@@ -8,8 +8,9 @@ afterwards. For a model that calls one module object at two places
 ``2.weight`` name one slot) restores the slot twice, the second time with the
 substituted tensor: the module keeps a plain tensor (under ``vmap``, a functorch
 wrapper) instead of its ``nn.Parameter``, the user's model loses its gradients and every
-later transform fails. :func:`module_call` records each module's parameter and buffer
-slots before the call and puts back any that the call left changed.
+later transform fails. :func:`module_call` records each module's parameters and buffers
+(``named_parameters`` / ``named_buffers`` of the module itself) before the call and sets
+back any that the call left changed.
 """
 
 from __future__ import annotations
@@ -50,14 +51,14 @@ def module_call(
 
     """
     slots = [
-        (store, name, value)
+        (module, name, value)
         for module in model.modules()
-        for store in (module._parameters, module._buffers)
-        for name, value in store.items()
+        for members in (module.named_parameters, module.named_buffers)
+        for name, value in members(recurse=False, remove_duplicate=False)
     ]
     try:
         return functional_call(model, tensors, args, kwargs)
     finally:
-        for store, name, value in slots:
-            if store.get(name) is not value:
-                store[name] = value
+        for module, name, value in slots:
+            if getattr(module, name) is not value:
+                setattr(module, name, value)  # a Parameter re-registers, a buffer is reset

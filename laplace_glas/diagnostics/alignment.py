@@ -72,7 +72,13 @@ from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.autodiff.functional import module_call
 from laplace_glas.autodiff.rnn import elementary_rnns
 from laplace_glas.posterior.view import FittedPosterior, fitted_posterior
-from laplace_glas.predictive.jvp import jacobian_gram, jvp_directions, row_chunks, unflatten
+from laplace_glas.predictive.jvp import (
+    jacobian_by_backward,
+    jacobian_gram,
+    jvp_directions,
+    row_chunks,
+    unflatten,
+)
 from laplace_glas.progress import progress
 from laplace_glas.validation import (
     check_model_output,
@@ -223,22 +229,18 @@ def _per_example_norms(
         return norms.reshape(-1, n_outputs).sum(dim=-1)
 
     def by_backward(batch: Any) -> torch.Tensor:
-        """:func:`one` by plain autograd, one backward pass per output entry: for models
-        torch.func refuses (activation checkpointing, reentrant or not).
+        """:func:`one` from the Jacobian rows by plain autograd
+        (:func:`~laplace_glas.predictive.jvp.jacobian_by_backward`): for models torch.func
+        refuses (activation checkpointing, reentrant or not).
         """
-        leaves = {name: p.detach().requires_grad_(True) for name, p in primals.items()}
-        with torch.enable_grad():
-            out = check_model_output(module_call(model, leaves, (batch,))).reshape(-1)
-            norms = []
-            for entry in out:
-                grads = torch.autograd.grad(
-                    entry, list(leaves.values()), retain_graph=True, allow_unused=True
-                )
-                grads = [torch.zeros_like(p) if g is None else g
-                         for p, g in zip(leaves.values(), grads, strict=True)]  # fmt: skip
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                norms.append((flat if indices is None else flat[indices]).square().sum())
-        return torch.stack(norms).detach().reshape(-1, n_outputs).sum(dim=-1)
+
+        def f(params: dict[str, torch.Tensor]) -> torch.Tensor:
+            return check_model_output(module_call(model, params, (batch,))).reshape(-1)
+
+        J = jacobian_by_backward(f, primals, list(primals))  # (1, entries, D)
+        rows = J.reshape(-1, J.shape[-1])
+        rows = rows if indices is None else rows[:, indices]
+        return rows.square().sum(-1).reshape(-1, n_outputs).sum(dim=-1)
 
     def one_or_by_backward(batch: Any) -> torch.Tensor:
         try:

@@ -31,6 +31,7 @@ from laplace_glas.validation import check_model_output
 
 __all__ = [
     "batched_outputs",
+    "jacobian_by_backward",
     "jacobian_gram",
     "jvp_directions",
     "parameter_names",
@@ -126,7 +127,7 @@ def jvp_directions(
         JV = vmap(push, chunk_size=chunk_size)(tangents)  # (k, batch, *out)
     except RuntimeError as err:  # what torch.func refuses, plain autograd may take
         try:
-            J = _jacobian_by_backward(f, primals, names)  # (batch * ..., C, D)
+            J = jacobian_by_backward(f, primals, names)  # (batch * ..., C, D)
         except Exception:
             raise err from None
         JV = J.to(directions.dtype) @ directions  # (batch * ..., C, k)
@@ -205,7 +206,7 @@ def jacobian_gram(
             J = jacrev(f)(primals)  # {name: (b, ..., C, *shape)}
         except RuntimeError as err:  # what torch.func refuses, plain autograd may take
             try:
-                return _jacobian_by_backward(f, primals, names)
+                return jacobian_by_backward(f, primals, names)
             except Exception:
                 raise err from None
         first = J[names[0]]
@@ -227,7 +228,7 @@ def jacobian_gram(
     return torch.cat([gram(jac(rows)) for rows in row_chunks(x, chunk_size, dict_key_x)])
 
 
-def _jacobian_by_backward(
+def jacobian_by_backward(
     f: Callable[[dict], torch.Tensor], primals: Mapping[str, torch.Tensor], names: Sequence[str]
 ) -> torch.Tensor:
     """``(b * ..., C, D)`` Jacobian rows of ``f``'s outputs, one backward pass each: for

@@ -40,7 +40,7 @@ from laplace_glas.curvature.data.problem import CurvatureProblem
 from laplace_glas.curvature.parallel.distributed import Shards
 from laplace_glas.validation import user_stacklevel
 
-__all__ = ["ComplementCurvature", "ComplementPass", "ZeroComplementWarning"]
+__all__ = ["AUTO_CANDIDATES", "ComplementCurvature", "ComplementPass", "ZeroComplementWarning"]
 
 
 class ZeroComplementWarning(UserWarning):
@@ -48,6 +48,9 @@ class ZeroComplementWarning(UserWarning):
     resolved to ``'zero'`` (the reason is in the message and in ``complement_reason``).
     """
 
+
+AUTO_CANDIDATES = ("kron", "kron_diag", "diag")
+"""What ``complement='auto'`` tries, in order, before ``'zero'``."""
 
 FROM_FACTORS = "factored operator"
 """``lanczos_info.plan['kron_factors']`` where KFAC's factors came from the operator."""
@@ -139,7 +142,7 @@ class ComplementPass:
         show: bool,
         update: bool,
         problem: CurvatureProblem | None,
-        candidates: tuple[str, ...] = ("kron", "kron_diag", "diag"),
+        candidates: tuple[str, ...] = AUTO_CANDIDATES,
         reasons: list[str] | None = None,
     ) -> ComplementCurvature:
         """``'auto'`` over ``candidates`` (``reasons``: the refusals so far)."""
@@ -204,7 +207,7 @@ class ComplementPass:
         """
         if self._complement_setting != "auto":
             return self._complement_setting
-        for candidate in ("kron", "kron_diag", "diag"):
+        for candidate in AUTO_CANDIDATES:
             if self._auto_candidate_refusal(candidate, update) is None:
                 return candidate
         return "zero"
@@ -264,7 +267,7 @@ class ComplementPass:
             kron = self._complement_data("kron", loader, None, show, False)
         except ValueError as err:
             reasons = [*complement.reasons, f"not 'kron': {err}"]
-            candidates = ("kron_diag", "diag")
+            candidates = AUTO_CANDIDATES[1:]
             return self._auto_complement(loader, None, show, False, None, candidates, reasons)
         return ComplementCurvature("kron", complement.why, kron=kron, source=source)
 
