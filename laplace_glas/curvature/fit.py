@@ -107,88 +107,77 @@ class SubspaceFit(ComplementPass, FitAgreement):
         # every pass of the fit sees the network in evaluation mode (dropout off, batch
         # norm on its running statistics); the caller's modes come back afterwards
         with PeakMemory(self._device) as peak, evaluation_mode(self.model):
-            self._fit(train_loader, override, progress_bar, process_group=process_group)
-        self._eigenpairs = with_measured_peak(self._eigenpairs, peak)
-
-    def _fit(
-        self,
-        train_loader: DataLoader,
-        override: bool = True,
-        progress_bar: bool | None = None,
-        *,
-        process_group: Any = None,
-    ) -> None:
-        """The fit itself (:meth:`fit` without the peak-memory measurement)."""
-        shards = data_parallel(process_group)
-        try:  # local checks: a rank that fails them still takes part in the agreement
-            update, show, k = self._fit_checks(train_loader, override, progress_bar)
-        except Exception as err:
-            if shards is None:
-                raise
-            self._agree(shards, train_loader, error=err)  # raises err after the exchange
-        generator = self.generator
-        if generator is None:
-            generator = torch.Generator().manual_seed(self.seed)
-        self._agree(shards, train_loader, k=k, update=update, generator=generator)
-        # nothing is assigned until the solve has succeeded: a failed fit leaves the
-        # previous posterior (or the unfitted state) as it was
-        loss, n_data, out_shape, first_batch, kept = self._loss_at_map(
-            train_loader, show, shards, keep_bytes=self._keep_bytes(train_loader, shards)
-        )
-        return_freed_memory()  # the loss pass's activations: not resident beside the solve
-        stored = None
-        if update:
-            if out_shape[-1] != self.n_outputs:
-                raise ValueError(
-                    f"fit(override=False) adds data of the fitted kind: the model now has "
-                    f"{out_shape[-1]} outputs, the fitted posterior {self.n_outputs}."
+            shards = data_parallel(process_group)
+            try:  # local checks: a rank that fails them still takes part in the agreement
+                update, show, k = self._fit_checks(train_loader, override, progress_bar)
+            except Exception as err:
+                if shards is None:
+                    raise
+                self._agree(shards, train_loader, error=err)  # raises err after the exchange
+            generator = self.generator
+            if generator is None:
+                generator = torch.Generator().manual_seed(self.seed)
+            self._agree(shards, train_loader, k=k, update=update, generator=generator)
+            # nothing is assigned until the solve has succeeded: a failed fit leaves the
+            # previous posterior (or the unfitted state) as it was
+            loss, n_data, out_shape, first_batch, kept = self._loss_at_map(
+                train_loader, show, shards, keep_bytes=self._keep_bytes(train_loader, shards)
+            )
+            return_freed_memory()  # the loss pass's activations: not resident beside the solve
+            stored = None
+            if update:
+                if out_shape[-1] != self.n_outputs:
+                    raise ValueError(
+                        f"fit(override=False) adds data of the fitted kind: the model now has "
+                        f"{out_shape[-1]} outputs, the fitted posterior {self.n_outputs}."
+                    )
+                stored = StoredCurvature(*self.H, self.n_data)
+            problem = self._curvature_problem(
+                train_loader, out_shape, n_data, generator, self.subsample_size, shards, show,
+                first_batch=first_batch, kept=kept,
+            )  # fmt: skip
+            del first_batch, kept  # held by the problem where it needs them
+            # the complement's pass first (its refusals come before the eigen-solve's cost),
+            # unless KFAC's factors may come from the solve's operator
+            passes = problem.replay_of(train_loader)  # the kept batches, where they are
+            complement = self._complement_pass(passes, shards, show, update, problem)
+            eig = self._solve(problem, k, generator, stored=stored, complement=complement)
+            complement = self._complement_after_solve(complement, passes, show)
+            if complement.source is not None:
+                eig = replace(eig, plan={**eig.plan, "kron_factors": complement.source})
+            if update:
+                loss, n_data = self.loss + loss, self.n_data + n_data
+            n_below = int(eig.below_threshold.sum())
+            if n_below:
+                remedy = (
+                    "Use fewer components."
+                    if self._dtype == torch.float64
+                    else "Use fewer components, or float64 for the spectrum's tail."
                 )
-            stored = StoredCurvature(*self.H, self.n_data)
-        problem = self._curvature_problem(
-            train_loader, out_shape, n_data, generator, self.subsample_size, shards, show,
-            first_batch=first_batch, kept=kept,
-        )  # fmt: skip
-        del first_batch, kept  # held by the problem where it needs them
-        # the complement's pass first (its refusals come before the eigen-solve's cost),
-        # unless KFAC's factors may come from the solve's operator
-        passes = problem.replay_of(train_loader)  # the kept batches, where they are
-        complement = self._complement_pass(passes, shards, show, update, problem)
-        eig = self._solve(problem, k, generator, stored=stored, complement=complement)
-        complement = self._complement_after_solve(complement, passes, show)
-        if complement.source is not None:
-            eig = replace(eig, plan={**eig.plan, "kron_factors": complement.source})
-        if update:
-            loss, n_data = self.loss + loss, self.n_data + n_data
-        n_below = int(eig.below_threshold.sum())
-        if n_below:
-            remedy = (
-                "Use fewer components."
-                if self._dtype == torch.float64
-                else "Use fewer components, or float64 for the spectrum's tail."
-            )
-            warnings.warn(
-                f"{n_below} of the {eig.k} eigenvalues lie below "
-                f"{eig.rank_threshold:.1e} x lambda_1, beyond what the "
-                f"{str(self._dtype).replace('torch.', '')} GGN products resolve: they "
-                f"are treated as zero curvature (prior variance along those directions). "
-                f"{remedy}",
-                NumericalRankWarning,
-                stacklevel=2,
-            )
-        self.mean = parameters_to_vector(self.params).detach()
-        self.loss = loss
-        self.n_data = n_data  # likelihood terms: data points, or tokens for sequences
-        self.n_outputs = out_shape[-1]
-        self._out_shape = out_shape
-        self.model.output_size = self.n_outputs
-        self._eigenpairs = eig
-        self._n_components = eig.k
-        self.H = (eig.vectors, n_data * eig.values)
-        self._ggn_diagonal, self._ggn_kron = complement.diagonal, complement.kron
-        if complement.resolved is not None:  # complement='auto', resolved by this fit
-            self._complement_fitted = complement.resolved
-            self._complement_why = complement.why
-        self._process_group = process_group
+                warnings.warn(
+                    f"{n_below} of the {eig.k} eigenvalues lie below "
+                    f"{eig.rank_threshold:.1e} x lambda_1, beyond what the "
+                    f"{str(self._dtype).replace('torch.', '')} GGN products resolve: they "
+                    f"are treated as zero curvature (prior variance along those directions). "
+                    f"{remedy}",
+                    NumericalRankWarning,
+                    stacklevel=2,
+                )
+            self.mean = parameters_to_vector(self.params).detach()
+            self.loss = loss
+            self.n_data = n_data  # likelihood terms: data points, or tokens for sequences
+            self.n_outputs = out_shape[-1]
+            self._out_shape = out_shape
+            self.model.output_size = self.n_outputs
+            self._eigenpairs = eig
+            self._n_components = eig.k
+            self.H = (eig.vectors, n_data * eig.values)
+            self._ggn_diagonal, self._ggn_kron = complement.diagonal, complement.kron
+            if complement.resolved is not None:  # complement='auto', resolved by this fit
+                self._complement_fitted = complement.resolved
+                self._complement_why = complement.why
+            self._process_group = process_group
+        self._eigenpairs = with_measured_peak(self._eigenpairs, peak)
 
     def _fit_checks(
         self, train_loader: Any, override: bool, progress_bar: bool | None
@@ -232,6 +221,20 @@ class SubspaceFit(ComplementPass, FitAgreement):
             return 0
         return 0 if isinstance(loader, list | tuple) else KEPT_BYTES
 
+    def _data_settings(self) -> dict[str, Any]:
+        """The posterior's settings of a pass over its data, by name: the loss
+        (``loss_fn``), the targets left out (``ignore_index``), the keys of mapping
+        batches, and the device and dtype of the products.
+        """
+        return {
+            "loss_fn": self.loss_fn,
+            "ignore_index": self.ignore_index,
+            "dict_key_x": self.dict_key_x,
+            "dict_key_y": self.dict_key_y,
+            "device": self._device,
+            "dtype": self._dtype,
+        }
+
     def _loss_at_map(
         self, loader: Any, show: bool, shards: Shards | None = None, keep_bytes: int = 0
     ) -> MapLoss:
@@ -245,12 +248,7 @@ class SubspaceFit(ComplementPass, FitAgreement):
                 self.model,
                 loader,
                 self._curvature_likelihood,
-                ignore_index=self.ignore_index,
-                dict_key_x=self.dict_key_x,
-                dict_key_y=self.dict_key_y,
-                device=self._device,
-                dtype=self._dtype,
-                loss_fn=self.loss_fn,
+                **self._data_settings(),
                 progress_bar=show,
                 keep_bytes=keep_bytes,
             )
@@ -294,60 +292,42 @@ class SubspaceFit(ComplementPass, FitAgreement):
 
         """
         with PeakMemory(self._device) as peak:
-            eig = self._compute_eigenpairs(
-                train_loader, n_components, generator, subsample_size, progress_bar,
-                tol, maxiter, ncv, process_group,
-            )  # fmt: skip
+            if process_group is None:
+                process_group = getattr(self, "_process_group", None)
+            shards = data_parallel(process_group)
+            try:  # local checks: a rank that fails them still takes part in the agreement
+                k = self._n_components if n_components is None else n_components
+                k = self._validate_n_components(k, self.n_params)
+                reiterable("train_loader", train_loader)
+                ncv = lanczos_basis_size(self.ncv if ncv is None else ncv, k, self.n_params)
+                tol = self.tol if tol is None else tolerance(tol)
+                maxiter = self.maxiter if maxiter is None else positive_int("maxiter", maxiter)
+            except Exception as err:
+                if shards is None:
+                    raise
+                self._agree(shards, train_loader, error=err)  # raises err after the exchange
+            if generator is None:
+                generator = torch.Generator().manual_seed(self.seed)
+            self._agree(
+                shards,
+                train_loader,
+                k=k,
+                generator=generator,
+                subsample_size=subsample_size,
+                tol=tol,
+                maxiter=maxiter,
+                ncv=ncv,
+            )
+            out_shape, n_terms = getattr(self, "_out_shape", None), None
+            if not out_shape:  # before fit: a pass at the MAP gives both
+                at_map = self._loss_at_map(train_loader, False, shards)
+                n_terms, out_shape = at_map.n_terms, at_map.out_shape
+            # after fit: the output shape per point is the model's; N is this loader's
+            problem = self._curvature_problem(
+                train_loader, out_shape, n_terms, generator, subsample_size, shards, progress_bar
+            )
+            eig = self._solve(problem, k, generator, tol=tol, maxiter=maxiter, ncv=ncv)
         return with_measured_peak(eig, peak)
-
-    def _compute_eigenpairs(
-        self,
-        train_loader: DataLoader,
-        n_components: int | None = None,
-        generator: torch.Generator | None = None,
-        subsample_size: int | None = None,
-        progress_bar: bool = False,
-        tol: float | None = None,
-        maxiter: int | None = None,
-        ncv: int | None = None,
-        process_group: Any = None,
-    ) -> Eigenpairs:
-        """The solve itself (:meth:`compute_eigenpairs` without the peak measurement)."""
-        if process_group is None:
-            process_group = getattr(self, "_process_group", None)
-        shards = data_parallel(process_group)
-        try:  # local checks: a rank that fails them still takes part in the agreement
-            k = self._n_components if n_components is None else n_components
-            k = self._validate_n_components(k, self.n_params)
-            reiterable("train_loader", train_loader)
-            ncv = lanczos_basis_size(self.ncv if ncv is None else ncv, k, self.n_params)
-            tol = self.tol if tol is None else tolerance(tol)
-            maxiter = self.maxiter if maxiter is None else positive_int("maxiter", maxiter)
-        except Exception as err:
-            if shards is None:
-                raise
-            self._agree(shards, train_loader, error=err)  # raises err after the exchange
-        if generator is None:
-            generator = torch.Generator().manual_seed(self.seed)
-        self._agree(
-            shards,
-            train_loader,
-            k=k,
-            generator=generator,
-            subsample_size=subsample_size,
-            tol=tol,
-            maxiter=maxiter,
-            ncv=ncv,
-        )
-        out_shape, n_terms = getattr(self, "_out_shape", None), None
-        if not out_shape:  # before fit: a pass at the MAP gives both
-            at_map = self._loss_at_map(train_loader, False, shards)
-            n_terms, out_shape = at_map.n_terms, at_map.out_shape
-        # after fit: the output shape per point is the model's; N is this loader's
-        problem = self._curvature_problem(
-            train_loader, out_shape, n_terms, generator, subsample_size, shards, progress_bar
-        )
-        return self._solve(problem, k, generator, tol=tol, maxiter=maxiter, ncv=ncv)
 
     def _curvature_problem(
         self,
@@ -375,12 +355,7 @@ class SubspaceFit(ComplementPass, FitAgreement):
             n_terms=n_terms,
             subsample_size=subsample_size,
             generator=generator,
-            loss_fn=self.loss_fn,
-            ignore_index=self.ignore_index,
-            dict_key_x=self.dict_key_x,
-            dict_key_y=self.dict_key_y,
-            device=self._device,
-            dtype=self._dtype,
+            **self._data_settings(),
             shards=shards,
             progress_bar=progress_bar,
             first_batch=first_batch,

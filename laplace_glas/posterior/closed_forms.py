@@ -321,10 +321,9 @@ class ScalarPriorPosterior:
 
     Parameters
     ----------
-    vectors : torch.Tensor
-        ``(D, k)`` orthonormal ``U``.
-    curvature : torch.Tensor
-        ``(k,)`` ``a >= 0``.
+    vectors, curvature : torch.Tensor
+        ``U`` and ``a``, as in
+        :class:`~laplace_glas.posterior.diagonal_prior.DiagonalPriorPosterior`.
     tau : torch.Tensor
         0-dim ``tau >= 0``.
     complement : {'zero', 'prior'}

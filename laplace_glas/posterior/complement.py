@@ -370,13 +370,10 @@ class DiagonalComplementPosterior(ProjectedComplementPosterior):
 
     Parameters
     ----------
-    vectors : torch.Tensor
-        ``(D, k)`` orthonormal ``U``.
-    curvature : torch.Tensor
-        ``(k,)`` ``a >= 0``.
-    tau : torch.Tensor
-        0-dim ``tau > 0``, or the prior's diagonal ``p > 0`` ``(D,)`` (layerwise or
-        per weight).
+    vectors, curvature, tau : torch.Tensor
+        As in :class:`~laplace_glas.posterior.closed_forms.ScalarPriorPosterior`, with
+        ``tau > 0`` 0-dim or the prior's diagonal ``p > 0`` ``(D,)`` (layerwise or per
+        weight).
     complement_curvature : torch.Tensor
         ``(D,)`` ``c >= 0``, scaled as ``curvature``.
 

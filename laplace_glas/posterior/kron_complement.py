@@ -317,13 +317,9 @@ class KronComplementPosterior(ProjectedComplementPosterior):
 
     Parameters
     ----------
-    vectors : torch.Tensor
-        ``(D, k)`` orthonormal ``U``.
-    curvature : torch.Tensor
-        ``(k,)`` ``a >= 0``.
-    tau : torch.Tensor
-        0-dim ``tau > 0``, or the prior's diagonal ``p > 0`` ``(D,)``, constant over each
-        Kronecker block (a layerwise prior).
+    vectors, curvature, tau : torch.Tensor
+        As in :class:`~laplace_glas.posterior.complement.DiagonalComplementPosterior`; a
+        ``(D,)`` ``tau`` is constant over each Kronecker block (a layerwise prior).
     complement_curvature : KronCurvature
         ``C``, scaled as ``curvature``.
     complement : {'kron', 'kron_diag'}

@@ -166,6 +166,30 @@ class CurvatureProblem:
             "batch_size_fn": self.batch_size_fn,
         }
 
+    def batch_arguments(self) -> dict[str, Any]:
+        """``model``, ``params``, ``loader``, ``likelihood``, ``n_terms``,
+        ``ignore_index``, ``dict_key_x``, ``dict_key_y`` and ``device`` by name: the
+        arguments of the operators that read this problem's batches themselves (the
+        factored GGN, the stored Jacobians, the factored GGN rebuilt per batch).
+
+        Returns
+        -------
+        dict of str to Any
+            The keywords, ready for ``build_factored_ggn(**problem.batch_arguments())``.
+
+        """
+        return {
+            "model": self.model,
+            "params": self.params,
+            "loader": self.loader,
+            "likelihood": self.likelihood,
+            "n_terms": self.n_terms,
+            "ignore_index": self.ignore_index,
+            "dict_key_x": self.dict_key_x,
+            "dict_key_y": self.dict_key_y,
+            "device": self.device,
+        }
+
     def reference_operator(self) -> GGNLinearOperator:
         """Curvlinops' GGN operator of ``loss_func`` on ``data`` (the reference; its
         products times ``scale`` are the unit-noise mean-loss GGN's).

@@ -264,12 +264,20 @@ def plan_solve(
 
 def _warn_fallback(solver: str, built: str, what: str) -> None:
     """Warn that a requested factored or dual solve gave way to ``what`` (streamed)."""
+    _warn_unfactored(
+        solver, f", which this fit cannot use ({built}); solving on {what} instead.", stacklevel=5
+    )
+
+
+def _warn_unfactored(solver: str, instead: str, stacklevel: int) -> None:
+    """Warn that a requested factored or dual solve (``solver``) cannot have the factored
+    GGN; ``instead`` ends the message with why and what is solved on.
+    """
     if solver in ("dual", "factored"):
         warnings.warn(
-            f"solver={solver!r} needs the factored GGN, which this fit cannot use "
-            f"({built}); solving on {what} instead.",
+            f"solver={solver!r} needs the factored GGN{instead}",
             UserWarning,
-            stacklevel=4,
+            stacklevel=stacklevel,
         )
 
 
@@ -318,15 +326,7 @@ def _build(builder: Callable, problem: CurvatureProblem, budget: Estimates, **ex
     """
     s = budget.itemsize
     return builder(
-        problem.model,
-        problem.params,
-        problem.loader,
-        problem.likelihood,
-        problem.n_terms,
-        ignore_index=problem.ignore_index,
-        dict_key_x=problem.dict_key_x,
-        dict_key_y=problem.dict_key_y,
-        device=problem.device,
+        **problem.batch_arguments(),
         budget_bytes=max(1, budget.total - min(budget.storage, 3 * budget.k * budget.D * s)),
         loss_fn=problem.loss_fn,
         progress_bar=problem.progress_bar,
@@ -476,24 +476,16 @@ def _curvlinops_plan(
     """The plan of curvlinops' empirical Fisher or Hessian operator of ``problem``'s loss
     (streaming, within the budget).
     """
-    if solver in ("dual", "factored"):
-        warnings.warn(
-            f"solver={solver!r} needs the factored GGN; the {MATRIX_NAMES[curvature.kind]} "
-            f"({curvature.backend}) uses curvlinops + Lanczos.",
-            UserWarning,
-            stacklevel=3,
-        )
+    _warn_unfactored(
+        solver,
+        f"; the {MATRIX_NAMES[curvature.kind]} ({curvature.backend}) uses curvlinops + Lanczos.",
+        stacklevel=4,
+    )
     loss_func = problem.loss_func
     if curvature.kind == "ef":
         loss_func = ef_loss(loss_func, len(problem.out_shape))
     operator = curvlinops_operator(
-        curvature.kind,
-        problem.model,
-        loss_func,
-        problem.params,
-        problem.data,
-        num_data=problem.num_data,
-        batch_size_fn=problem.batch_size_fn,
+        curvature.kind, **{**problem.loss_arguments(), "loss_func": loss_func}
     )
     name = "curvlinops EF" if curvature.kind == "ef" else "curvlinops Hessian"
     solver = "block" if solver == "block" else "lanczos"

@@ -121,18 +121,7 @@ def streamed_factored(
     peak, _ = budget.factor_streaming_peak(*shape, widest=budget.to_largest(first.widest))
     if peak is not None and peak > budget.total:  # no survey pass for a plan that cannot fit
         return None
-    operator = StreamedFactoredGGN(
-        problem.model,
-        problem.params,
-        problem.loader,
-        problem.likelihood,
-        problem.n_terms,
-        problem.dtype,
-        ignore_index=problem.ignore_index,
-        dict_key_x=problem.dict_key_x,
-        dict_key_y=problem.dict_key_y,
-        device=problem.device,
-    )
+    operator = StreamedFactoredGGN(**problem.batch_arguments(), dtype=problem.dtype)
     sizes = operator.survey()
     if isinstance(sizes, str):  # a later batch the factors cannot take
         return None
