@@ -29,6 +29,7 @@ import copy
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from backpack import backpack, extend, memory_cleanup
@@ -105,20 +106,17 @@ def ggn_diagonal(
     if estimator == "mc":
         backpack_refusal = "diagonal_estimator='mc', which the per-example pass samples"
     backpack_refusal = backpack_refusal or shared_parameters(model)
+    data = _DiagonalPass(loader, likelihood, ignore_index, dict_key_y, device, shards, progress_bar)
     if backpack_refusal is None:
         with _extended_copy(model) as network:
             try:
-                total, error = _summed_diagonal(
-                    network, loader, likelihood, ignore_index, dict_key_y, device, shards,
-                    progress_bar,
-                )  # fmt: skip
+                total, error = _summed_diagonal(network, data)
             except BackPACKRefusal as err:
                 backpack_refusal = str(err)
     if backpack_refusal is not None:
         total, error = _per_example_diagonal(
-            model, loader, likelihood, ignore_index, dict_key_y, device, shards, progress_bar,
-            backpack_refusal, names, estimator, generator,
-        )  # fmt: skip
+            model, data, backpack_refusal, names, estimator, generator
+        )
     if total is None:
         wanted = None if names is None else set(names)
         params = [
@@ -152,15 +150,24 @@ def shared_parameters(model: nn.Module) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class _DiagonalPass:
+    """The pass both routes to the diagonal (BackPACK's, the per-example one) make: the
+    batches, their likelihood and targets, where they go, the ranks and the progress bar.
+    """
+
+    loader: Iterable
+    likelihood: str
+    ignore_index: int
+    dict_key_y: str
+    device: torch.device | str
+    shards: Shards | None
+    progress_bar: bool
+
+
 def _per_example_diagonal(
     model: nn.Module,
-    loader: Iterable,
-    likelihood: str,
-    ignore_index: int,
-    dict_key_y: str,
-    device: torch.device | str,
-    shards: Shards | None,
-    progress_bar: bool,
+    data: _DiagonalPass,
     backpack_refusal: str,
     names: list[str] | None,
     estimator: str = "exact",
@@ -171,12 +178,12 @@ def _per_example_diagonal(
     """
     try:
         total = per_example_ggn_diagonal(
-            model, loader, likelihood, names, ignore_index=ignore_index,
-            dict_key_y=dict_key_y, device=device, progress_bar=progress_bar,
+            model, data.loader, data.likelihood, names, ignore_index=data.ignore_index,
+            dict_key_y=data.dict_key_y, device=data.device, progress_bar=data.progress_bar,
             estimator=estimator, generator=generator,
         )  # fmt: skip
     except Exception as err:
-        if shards is not None:
+        if data.shards is not None:
             return None, err
         if isinstance(err, ValueError):
             raise
@@ -189,25 +196,19 @@ def _per_example_diagonal(
 
 
 def _summed_diagonal(
-    network: nn.Module,
-    loader: Iterable,
-    likelihood: str,
-    ignore_index: int,
-    dict_key_y: str,
-    device: torch.device | str,
-    shards: Shards | None,
-    progress_bar: bool,
+    network: nn.Module, data: _DiagonalPass
 ) -> tuple[torch.Tensor | None, Exception | None]:
     """The diagonal summed over this process's batches, and the error a rank of a
     data-parallel fit met (raised at once in one process).
     """
     params = [p for p in network.parameters() if p.requires_grad]
-    loss_fn, factor = summed_unit_noise_loss(likelihood)
+    loss_fn, factor = summed_unit_noise_loss(data.likelihood)
     loss_fn = extend(loss_fn)
     total = None
+    keys = (data.likelihood, data.ignore_index, data.dict_key_y, data.device)
     try:  # a rank whose pass fails still takes part in the all-reduce (flagged)
-        for batch in progress(loader, "GGN diagonal", progress_bar):
-            X, y = _batch_for_diagonal(batch, likelihood, ignore_index, dict_key_y, device)
+        for batch in progress(data.loader, "GGN diagonal", data.progress_bar):
+            X, y = _batch_for_diagonal(batch, *keys)
             if X is None:
                 continue
             diagonal = _batch_diagonal(network, params, loss_fn, X, y) * factor
@@ -215,7 +216,7 @@ def _summed_diagonal(
     except BackPACKRefusal:
         raise  # the per-example pass takes over on every rank alike
     except Exception as err:
-        if shards is None:
+        if data.shards is None:
             raise
         return None, err
     return total, None
