@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import subprocess
 import sys
@@ -87,19 +88,20 @@ def test_value_benchmark_quick_tables():
     concrete = (ROOT.parent / "shared" / "data" / "concrete" / "Concrete_Data.csv").is_file()
     sections = out.split("\n## ")[1:]
     names = [section.splitlines()[0].strip() for section in sections]
-    assert names == ["gap", "concrete", "blobs", "lstm", "transformer"]
+    assert names == ["gap", "concrete", "blobs", "lstm", "transformer", "wine", "digits"]
+    sklearn = importlib.util.find_spec("sklearn") is not None
     for name, section in zip(names, sections):
         rows = {
             line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in section.splitlines()
             if line.startswith("| ") and not line.startswith("| method")
         }
-        if name == "concrete" and not concrete:
+        if (name == "concrete" and not concrete) or (name in ("wine", "digits") and not sklearn):
             assert "skipped:" in section and not rows
             continue
         glas = ("GLAS (default)", "GLAS loss_scaling=sum, complement=zero")
         assert {"MAP", "kron", *glas} <= set(rows), rows
-        n_metrics = {"gap": 2, "concrete": 3, "blobs": 5, "lstm": 5, "transformer": 5}[name]
+        n_metrics = {"gap": 2, "concrete": 3, "digits": 6}.get(name, 5)
         peers = ("kron",)
         if name in ("lstm", "transformer"):  # beyond KFAC: laplace-torch's kron refuses
             assert rows["kron"][0].startswith("failed:"), rows["kron"]
@@ -200,3 +202,73 @@ def test_hyperparameter_loop_benchmark_quick_table():
     for row in rows:
         kron, glas = (float(c) for c in row.strip("| ").split(" | ")[1:3])
         assert 0 < kron < math.inf and 0 < glas < math.inf, row
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("sklearn") is None, reason="scikit-learn (the bench extra) absent"
+)
+def test_underconfidence_benchmark_runs_one_seed_of_wine():
+    """benchmarks/underconfidence.py: every (curvature, prior) row with each link, finite."""
+    result = subprocess.run(
+        [sys.executable, "underconfidence.py", "--seeds", "0", "--tasks", "wine"],
+        cwd=ROOT / "benchmarks",
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [
+        [c.strip() for c in line.split("|")[1:-1]]
+        for line in result.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| curvature")
+    ]
+    labels = {(row[0], row[1]) for row in rows}
+    for method in ("MAP curvature, evidence", "posterior curvature, evidence"):
+        links = ("probit", "zero-sum probit", "pairwise", "mc")
+        assert {(method, link) for link in links} <= labels, labels
+    for row in rows:
+        values = [float(c) for c in row[2:] if c != "–"]
+        assert values and all(math.isfinite(v) for v in values), row
+
+
+def test_the_pairwise_link_is_the_binary_probit_for_two_classes():
+    """With two classes the pairwise link is sigmoid(m / sqrt(1 + pi/8 v)) of the logit
+    difference (mean m, variance v), whatever the common shift's variance."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from underconfidence import link
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    g = torch.Generator().manual_seed(0)
+    f = torch.randn(5, 2, generator=g, dtype=torch.float64) * 3
+    A = torch.randn(5, 2, 2, generator=g, dtype=torch.float64)
+    V = A @ A.transpose(1, 2) + 50 * torch.ones(2, 2, dtype=torch.float64)  # a large shift
+    m, v = f[:, 0] - f[:, 1], V[:, 0, 0] + V[:, 1, 1] - 2 * V[:, 0, 1]
+    expected = torch.sigmoid(m / torch.sqrt(1 + math.pi / 8 * v))
+    torch.testing.assert_close(link("pairwise", f, V, g)[:, 0], expected)
+    mc = link("mc", f, V, g)[:, 0]  # 2,000 draws of the exact Gaussian-softmax integral
+    assert (mc - expected).abs().max() < 0.05
+
+
+def test_the_links_that_see_only_logit_differences_ignore_a_common_shift():
+    """The softmax is blind to a shift of all logits: the zero-sum probit and the pairwise
+    link give the same probabilities for N(f, V) and N(f + c 1, V + s 1 1^T), the
+    plain probit does not."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from underconfidence import link
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    g = torch.Generator().manual_seed(1)
+    f = torch.randn(4, 5, generator=g, dtype=torch.float64) * 2
+    A = torch.randn(4, 5, 5, generator=g, dtype=torch.float64)
+    V = A @ A.transpose(1, 2)
+    ones = torch.ones(5, 5, dtype=torch.float64)
+    for name in ("zero-sum probit", "pairwise"):
+        torch.testing.assert_close(link(name, f + 3.0, V + 40 * ones, g), link(name, f, V, g))
+    shifted = link("probit", f + 3.0, V + 40 * ones, g)
+    assert (shifted - link("probit", f, V, g)).abs().max() > 0.05

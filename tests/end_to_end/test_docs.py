@@ -16,7 +16,7 @@ def test_ci_runs_the_readme_test_command_with_the_docs_build():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert ci in readme.splitlines()
-    assert "[test,plot,docs,llm]" in ci and ci.endswith("mkdocs build --strict")
+    assert "[test,plot,docs,llm,bench]" in ci and ci.endswith("mkdocs build --strict")
     assert "site/" in (ROOT / ".gitignore").read_text().splitlines()
     assert ".venv/bin/mkdocs serve" in readme
 
