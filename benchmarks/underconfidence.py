@@ -210,7 +210,6 @@ def main(argv: list[str] | None = None) -> None:
     tasks = ("wine", "digits")
     parser.add_argument("--tasks", nargs="+", choices=tasks, default=list(tasks))
     args = parser.parse_args(argv)
-    torch.set_default_dtype(DTYPE)
     argv_shown = sys.argv[1:] if argv is None else argv
     print("# In-distribution under-confidence of whole-network Laplace: link, prior or curvature")
     print(f"\nmachine: {machine_description()}\n")
