@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from laplace.utils.matrix import Kron
 
-from laplace_glas.curvature.complement.kron_blocks import check_kron_factors
+from laplace_glas.curvature.complement.kfac_layers import check_kron_factors
 from laplace_glas.curvature.data.map_loss import loss_fn_name
 from laplace_glas.curvature.solvers.eigenpairs import Eigenpairs
 from laplace_glas.validation import (

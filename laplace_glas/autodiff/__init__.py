@@ -6,7 +6,7 @@
   calling one module twice as it was.
 * :mod:`~laplace_glas.autodiff.cotangents`: backward graphs that keep only what their
   derivative in the cotangent reads (the linearised GGN's kept graphs).
-* :mod:`~laplace_glas.autodiff.frozen`: elementwise activations whose derivative is
+* :mod:`~laplace_glas.autodiff.frozen_activations`: elementwise activations whose derivative is
   frozen at the linearisation point (the linearised GGN's kept graphs).
 * :mod:`~laplace_glas.autodiff.checkpoints`: reentrant activation checkpoints that
   leave fitted parameters out of the differentiated graph, refused by name.

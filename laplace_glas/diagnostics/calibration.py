@@ -10,7 +10,7 @@ truncated to its leading ``k`` eigenpairs is evaluated on held-out calibration d
 
 By default (``prior_precisions=None``) the prior precision is tuned over a continuous
 range: for each ``k`` the largest ``tau`` whose calibration coverage reaches the level
-(:func:`~laplace_glas.diagnostics.coverage_tuning.tuned_rows`, a bracketing search in
+(:func:`~laplace_glas.diagnostics.prior_search.tuned_rows`, a bracketing search in
 ``log tau``), so every ``k`` is calibrated and ``k`` is then chosen by sharpness: the
 narrowest calibrated intervals (smallest sets), the smallest ``k`` within 1% of them.
 A curvature-aware complement (``'diag'``, ``'kron'``, ``'kron_diag'``) carries curvature
@@ -63,7 +63,7 @@ from laplace_glas.curvature.data.batches import check_input_dtype, concatenate_i
 from laplace_glas.curvature.parallel.collectives import reduce_coverage_rows
 from laplace_glas.curvature.parallel.distributed import data_parallel
 from laplace_glas.diagnostics.coverage import CoverageRow, check_sweep_arguments, coverage_table
-from laplace_glas.diagnostics.coverage_tuning import grid_candidates, sharpest, tuned_table
+from laplace_glas.diagnostics.prior_search import grid_candidates, sharpest, tuned_table
 from laplace_glas.posterior.view import fitted_posterior
 from laplace_glas.validation import flag
 

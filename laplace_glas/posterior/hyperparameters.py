@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from laplace.baselaplace import ParametricLaplace
 
-from laplace_glas.curvature.complement.kron_blocks import kron_diag_refusal, kron_refusal
+from laplace_glas.curvature.complement.kfac_layers import kron_diag_refusal, kron_refusal
 from laplace_glas.validation import (
     ArgumentTypeError,
     choice,
@@ -139,8 +139,8 @@ class PosteriorHyperparameters:
     def _complement_refusal(self, complement: str, update: bool) -> str | None:
         """Why ``fit`` cannot compute ``complement``'s curvature here (None: it can): the
         class, curvature and loss (:meth:`_static_complement_refusal`), the model
-        (:func:`~laplace_glas.curvature.complement.kron_blocks.kron_refusal` for ``'kron'``,
-        :func:`~laplace_glas.curvature.complement.kron_blocks.kron_diag_refusal` for
+        (:func:`~laplace_glas.curvature.complement.kfac_layers.kron_refusal` for ``'kron'``,
+        :func:`~laplace_glas.curvature.complement.kfac_layers.kron_diag_refusal` for
         ``'kron_diag'``), and
         for an update (``fit(override=False)``) a stored fit without that complement's
         curvature to add to.

@@ -11,9 +11,9 @@ import torch
 from conftest import first_derivatives, graph_node_names, output_jacobian
 from torch import nn
 
-from laplace_glas.autodiff import frozen, frozen_lora
+from laplace_glas.autodiff import frozen_activations, frozen_lora
 from laplace_glas.autodiff.context import autodiff_friendly
-from laplace_glas.autodiff.frozen import frozen_first_derivatives
+from laplace_glas.autodiff.frozen_activations import frozen_first_derivatives
 from laplace_glas.autodiff.frozen_lora import is_frozen_lora
 from laplace_glas.autodiff.frozen_norms import normalised_rows
 from laplace_glas.curvature.operators.graph_bytes import SavedBytes
@@ -277,7 +277,7 @@ def _kept(model, params, X, y, monkeypatch, freeze_lora=True, norm_rows=True) ->
     graphs' node names; ``freeze_lora`` / ``norm_rows`` False switch the frozen LoRA
     layers / their reading of norm outputs off."""
     if not freeze_lora:
-        monkeypatch.setattr(frozen, "is_frozen_lora", lambda module: False)
+        monkeypatch.setattr(frozen_activations, "is_frozen_lora", lambda module: False)
     if not norm_rows:
         monkeypatch.setattr(frozen_lora, "normalised_rows", lambda x: None)
     counter = SavedBytes.beside(model)
@@ -378,7 +378,7 @@ def test_in_place_activations_and_untrained_adapters_give_the_explicit_ggn(train
                 p.add_(0.5 * torch.randn_like(p))
             if trained == "B-only" and "lora_A" in name:
                 p.requires_grad_(False)
-    assert not frozen.is_elementwise_activation(nn.ReLU(inplace=True))
+    assert not frozen_activations.is_elementwise_activation(nn.ReLU(inplace=True))
     params = [p for p in model.parameters() if p.requires_grad]
     g = torch.Generator().manual_seed(3)
     X, y = torch.randn(16, 3, generator=g, dtype=F64), torch.randn(16, 2, generator=g, dtype=F64)

@@ -8,8 +8,8 @@ import torch
 from conftest import first_derivatives, graph_node_names
 from torch import nn
 
-from laplace_glas.autodiff import frozen
-from laplace_glas.autodiff.frozen import frozen_first_derivatives
+from laplace_glas.autodiff import frozen_activations
+from laplace_glas.autodiff.frozen_activations import frozen_first_derivatives
 from laplace_glas.autodiff.frozen_norms import is_frozen_norm
 from laplace_glas.curvature.operators.graph_bytes import SavedBytes
 from laplace_glas.curvature.operators.linearized import LinearizedGGN, linearize_batch
@@ -140,7 +140,7 @@ def test_kept_graphs_with_frozen_norms_give_the_same_products_in_no_more_memory(
 
     def kept(freeze_norms: bool):
         if not freeze_norms:
-            monkeypatch.setattr(frozen, "is_frozen_norm", lambda module: False)
+            monkeypatch.setattr(frozen_activations, "is_frozen_norm", lambda module: False)
         counter = SavedBytes.beside(model)
         lin = linearize_batch(
             model, nn.MSELoss(reduction="sum"), params, X, y, num_data=64, counter=counter

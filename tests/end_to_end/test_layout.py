@@ -248,3 +248,27 @@ def test_the_private_import_check_catches_one(tmp_path, monkeypatch):
     module.write_text("from laplace_glas.curvature.solvers.eigenpairs import _hidden, ZERO_GGN\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path)
     assert private_imports(module) == ["m.py:1: laplace_glas.curvature.solvers.eigenpairs._hidden"]
+
+
+def module_names_extending_another(package: Path) -> list[tuple[str, str]]:
+    """Pairs ``(a, b)`` of modules in one folder whose name ``b`` is ``a`` plus a suffix
+    (``kron`` / ``kron_blocks``): names a newcomer cannot tell apart."""
+    pairs = []
+    for folder in sorted({path.parent for path in package.rglob("*.py")}):
+        stems = sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
+        pairs += [
+            (f"{folder.name}/{a}", f"{folder.name}/{b}")
+            for a in stems
+            for b in stems
+            if a != b and b.startswith(a)
+        ]
+    return pairs
+
+
+def test_no_module_name_is_another_s_plus_a_suffix(tmp_path):
+    assert module_names_extending_another(PACKAGE) == []
+    (tmp_path / "kron.py").write_text("")
+    (tmp_path / "kron_blocks.py").write_text("")
+    assert module_names_extending_another(tmp_path) == [
+        (f"{tmp_path.name}/kron", f"{tmp_path.name}/kron_blocks")
+    ]

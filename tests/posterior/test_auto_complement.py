@@ -13,7 +13,7 @@ from conftest import loader, mlp, output_jacobian, regression_data, train
 from torch import nn
 
 from laplace_glas import ActiveSubspaceLaplace, SubnetActiveSubspaceLaplace
-from laplace_glas.curvature.complement.kron_blocks import kron_refusal
+from laplace_glas.curvature.complement.kfac_layers import kron_refusal
 
 DOUBLE = torch.float64
 

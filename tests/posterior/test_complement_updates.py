@@ -11,7 +11,7 @@ from laplace.utils.matrix import Kron
 from torch import nn
 
 import laplace_glas  # noqa: F401
-from laplace_glas.curvature.complement.kron_blocks import union_of_factors
+from laplace_glas.curvature.complement.kfac_layers import union_of_factors
 
 DOUBLE = torch.float64
 

@@ -13,8 +13,8 @@ from laplace.utils.matrix import Kron
 from torch import nn
 
 import laplace_glas  # noqa: F401
+from laplace_glas.curvature.complement.kfac_layers import kfac_parameters, kron_diag_refusal
 from laplace_glas.curvature.complement.kron import ggn_kron
-from laplace_glas.curvature.complement.kron_blocks import kfac_parameters, kron_diag_refusal
 from laplace_glas.posterior.kron_complement import KronComplementPosterior, KronCurvature
 
 DOUBLE = torch.float64

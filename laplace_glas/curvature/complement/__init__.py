@@ -11,7 +11,7 @@
   Carlo) GGN diagonal of any model torch differentiates.
 * :mod:`~laplace_glas.curvature.complement.kron`: KFAC's factors (curvlinops' pass, or
   from the factored operator's stored factors).
-* :mod:`~laplace_glas.curvature.complement.kron_blocks`: which parameters KFAC's blocks
+* :mod:`~laplace_glas.curvature.complement.kfac_layers`: which parameters KFAC's blocks
   cover, and how blocks are checked and combined.
 
 It uses :mod:`~laplace_glas.curvature.data`, :mod:`~laplace_glas.curvature.parallel` and

@@ -37,7 +37,7 @@ from backpack.context import CTX
 from backpack.extensions import DiagGGNExact
 from torch import nn
 
-from laplace_glas.curvature.complement.kron_blocks import parameter_owners
+from laplace_glas.curvature.complement.kfac_layers import parameter_owners
 from laplace_glas.curvature.complement.per_example_diagonal import per_example_ggn_diagonal
 from laplace_glas.curvature.data.batches import scored_pair
 from laplace_glas.curvature.data.losses import summed_unit_noise_loss

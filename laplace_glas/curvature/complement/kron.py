@@ -58,7 +58,7 @@ from laplace.utils.matrix import Kron
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from laplace_glas.curvature.complement.kron_blocks import (
+from laplace_glas.curvature.complement.kfac_layers import (
     KFAC_LAYERS,
     blocks_over,
     check_kron_factors,

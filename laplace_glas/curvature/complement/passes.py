@@ -34,8 +34,8 @@ import torch
 from laplace.utils.matrix import Kron
 
 from laplace_glas.curvature.complement.diagonal import ggn_diagonal
+from laplace_glas.curvature.complement.kfac_layers import union_of_factors
 from laplace_glas.curvature.complement.kron import factored_kron, factored_kron_refusal, ggn_kron
-from laplace_glas.curvature.complement.kron_blocks import union_of_factors
 from laplace_glas.curvature.data.problem import CurvatureProblem
 from laplace_glas.curvature.parallel.distributed import Shards
 from laplace_glas.validation import user_stacklevel

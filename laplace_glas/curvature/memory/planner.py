@@ -7,7 +7,7 @@
   this order (:data:`STRATEGIES`):
 
   0. ``'jacobian'``: the explicit-Jacobian operator
-     (:mod:`~laplace_glas.curvature.operators.jacobian`: the ``N R D`` rows of
+     (:mod:`~laplace_glas.curvature.operators.stored_jacobian`: the ``N R D`` rows of
      ``Lambda^{1/2} J_n`` stored, from the factors or ``torch.func``) where they fit and
      take less memory than the factors (adapters and heads over token sequences, a
      subnetwork, a small model with parameters outside supported layers); a factored
@@ -87,12 +87,12 @@ from laplace_glas.curvature.operators.factored import (
     FactorSizes,
     build_factored_ggn,
 )
-from laplace_glas.curvature.operators.jacobian import build_jacobian_ggn
 from laplace_glas.curvature.operators.jacobian_estimates import (
     estimate_build_bytes,
     estimate_jacobian_bytes,
 )
 from laplace_glas.curvature.operators.linearized import build_linearized_ggn
+from laplace_glas.curvature.operators.stored_jacobian import build_jacobian_ggn
 from laplace_glas.curvature.operators.torch_operator import ColumnChunks
 from laplace_glas.curvature.solvers.gram import choose_solver, factored_solver
 

@@ -7,7 +7,7 @@
   factors (one forward and one batched backward pass), products without network passes.
 * :mod:`~laplace_glas.curvature.operators.factors`: the per-layer factors and the hooks
   that record them.
-* :mod:`~laplace_glas.curvature.operators.jacobian`: the GGN from stored per-example
+* :mod:`~laplace_glas.curvature.operators.stored_jacobian`: the GGN from stored per-example
   Jacobians (``N R D`` numbers; adapters, heads, subnetworks, small models), products as
   two GEMMs.
 * :mod:`~laplace_glas.curvature.operators.jacobian_estimates`: the planner's estimates of

@@ -1,5 +1,5 @@
 """The planner's estimates of the stored Jacobians' memory
-(:mod:`~laplace_glas.curvature.operators.jacobian`), made before any pass over the data:
+(:mod:`~laplace_glas.curvature.operators.stored_jacobian`), made before any pass over the data:
 the rows the build stores, ``N R D itemsize`` bytes, and one batch's build beside them.
 """
 

@@ -31,7 +31,7 @@ too, and the matrix is curvlinops' GGN of the same loss, to rounding.
 
 Elementwise activation modules (GPT-2's GELU, ``nn.Tanh``, ...) enter the kept graph
 with their derivative at the batch's point frozen
-(:mod:`~laplace_glas.autodiff.frozen`): a product then multiplies by ``f'(x)`` instead
+(:mod:`~laplace_glas.autodiff.frozen_activations`): a product then multiplies by ``f'(x)`` instead
 of differentiating the activation's elementary ops again (on GPT-2 + LoRA over tokens
 half of every product's time; the same first derivative, so the same matrix).
 Layer and RMS normalisations likewise enter with their Jacobian frozen
@@ -93,7 +93,7 @@ from torch import nn
 
 from laplace_glas.autodiff.checkpoints import watch_reentrant_checkpoints
 from laplace_glas.autodiff.cotangents import zero_free_saving
-from laplace_glas.autodiff.frozen import Freezable, freezable_modules, switched_forwards
+from laplace_glas.autodiff.frozen_activations import Freezable, freezable_modules, switched_forwards
 from laplace_glas.curvature.data.batches import batch_to_device
 from laplace_glas.curvature.data.example_counts import BatchSizes
 from laplace_glas.curvature.memory.budget import (
@@ -127,7 +127,7 @@ class Linearization:
     tensor per used parameter, ``used`` their indices in the parameter list), ``leaf``
     a detached copy of ``f_b`` and ``loss_gradient`` ``c nabla_f l_b`` at it, with its
     graph. ``frozen``: the network's frozen modules
-    (:func:`~laplace_glas.autodiff.frozen.freezable_modules`), switched again while a
+    (:func:`~laplace_glas.autodiff.frozen_activations.freezable_modules`), switched again while a
     product passes over the graphs, so that a checkpointed segment, whose forward the
     backward passes run again, saves what the recorded pass saved.
     """

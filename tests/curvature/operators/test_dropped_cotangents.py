@@ -11,7 +11,7 @@ from test_linearized import F64, CustomMLP, GRURegressor, dense_ggn, linearized,
 from test_linearized import regression_batches as regression
 from torch import nn
 
-from laplace_glas.autodiff import frozen
+from laplace_glas.autodiff import frozen_activations
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.autodiff.cotangents import _all_zero, zero_free_saving
 from laplace_glas.curvature.operators import linearized as linearized_module
@@ -45,7 +45,7 @@ def test_dropped_zeros_change_no_product_and_keep_less(name, monkeypatch):
     model, batches, loss_func, num_data = _gru_problem() if name == "gru" else problem(name)
     # peft's own LoRA graph, whose backward saves cotangents (a frozen LoRA layer's
     # saves none: tests/autodiff/test_frozen_lora.py)
-    monkeypatch.setattr(frozen, "is_frozen_lora", lambda module: False)
+    monkeypatch.setattr(frozen_activations, "is_frozen_lora", lambda module: False)
     size = (lambda X: X["x"].shape[0]) if name == "attention-dict" else None
     V = torch.randn(
         sum(p.numel() for p in model.parameters() if p.requires_grad), 3,

@@ -18,7 +18,7 @@ from torch.autograd.function import once_differentiable
 
 from laplace_glas import ActiveSubspaceLaplace
 from laplace_glas.autodiff.context import autodiff_friendly
-from laplace_glas.autodiff.frozen import is_elementwise_activation
+from laplace_glas.autodiff.frozen_activations import is_elementwise_activation
 from laplace_glas.autodiff.frozen_lora import is_frozen_lora
 from laplace_glas.curvature.data.losses import TokenCrossEntropy
 from laplace_glas.curvature.memory.budget import MemoryBudgetError, return_freed_memory
@@ -564,7 +564,7 @@ def test_frozen_activation_derivatives_in_chunks_and_by_the_fallback(path, monke
     """``f'(x)`` by forward mode over chunks of the flattened input (an input of more
     than two chunks), and by a reverse pass where forward mode raises (an op without a
     forward derivative): the module's own values and vector-Jacobian products."""
-    from laplace_glas.autodiff import frozen
+    from laplace_glas.autodiff import frozen_activations
 
     calls = []
     jvp = torch.func.jvp
@@ -582,7 +582,7 @@ def test_frozen_activation_derivatives_in_chunks_and_by_the_fallback(path, monke
     u = torch.randn(300, 7, 100, generator=g, dtype=F64)
     own = act(x)
     (own_vjp,) = torch.autograd.grad(own, x, u)
-    with frozen.frozen_first_derivatives(act):
+    with frozen_activations.frozen_first_derivatives(act):
         out = act(x)
         (vjp,) = torch.autograd.grad(out, x, u)
     assert "_FrozenDerivativeBackward" in graph_node_names(out)
@@ -598,7 +598,7 @@ def test_frozen_activations_keep_values_and_first_derivatives():
     """Inside the block an elementwise activation gives the same values and the same
     vector-Jacobian and (double-backward) Jacobian-vector products, through one frozen
     node; outside it (also after an error) the module is itself again."""
-    from laplace_glas.autodiff.frozen import frozen_first_derivatives
+    from laplace_glas.autodiff.frozen_activations import frozen_first_derivatives
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.GELU(approximate="tanh"), nn.Linear(4, 2))

@@ -16,13 +16,13 @@ from laplace_glas.curvature.memory.budget import Estimates
 from laplace_glas.curvature.memory.planner import _jacobian, plan_solve
 from laplace_glas.curvature.operators.factored import FactoredGGN
 from laplace_glas.curvature.operators.factors import row_vectors
-from laplace_glas.curvature.operators.jacobian import (
-    JacobianGGN,
-    build_jacobian_ggn,
-)
 from laplace_glas.curvature.operators.jacobian_estimates import (
     estimate_build_bytes,
     estimate_jacobian_bytes,
+)
+from laplace_glas.curvature.operators.stored_jacobian import (
+    JacobianGGN,
+    build_jacobian_ggn,
 )
 from laplace_glas.curvature.solvers.solve import compute_eigenpairs
 

@@ -16,7 +16,7 @@ from torch import nn
 import laplace_glas  # noqa: F401
 from laplace_glas import coverage, select_dimension
 from laplace_glas.diagnostics.coverage import CoverageRow
-from laplace_glas.diagnostics.coverage_tuning import sharpest, tuned_rows
+from laplace_glas.diagnostics.prior_search import sharpest, tuned_rows
 
 DOUBLE = torch.float64
 SIGMA = 0.2
