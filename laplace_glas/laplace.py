@@ -17,10 +17,9 @@ along ``u_j`` (loss scaling ``s``, temperature ``T``).
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable
-from functools import partial, wraps
+from functools import partial
 from typing import Any
 
 import torch
@@ -58,21 +57,9 @@ from laplace_glas.predictive.subspace_predictive import (
 from laplace_glas.settings import laplace_arguments, solver_settings
 from laplace_glas.validation import choice, grid_validation_data, trainable_size_and_dtype
 
-__all__ = [
-    "ActiveSubspaceLaplace",
-    "FittedWeightsChangedWarning",
-    "NotFittedError",
-    "subset_constructor",
-]
+__all__ = ["ActiveSubspaceLaplace", "FittedWeightsChangedWarning", "NotFittedError"]
 
 _LIKELIHOODS = ("regression", "classification", "reward_modeling")
-
-
-def _as_method(signature: inspect.Signature) -> inspect.Signature:
-    """``signature`` of a function of the posterior with ``self`` for its first parameter."""
-    rest = list(signature.parameters.values())[1:]
-    self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return signature.replace(parameters=[self_parameter, *rest])
 
 
 class NotFittedError(ValueError, AttributeError):
@@ -455,23 +442,41 @@ class ActiveSubspaceLaplace(
 
     # ------------------------------------------------------------------ calibration
     @unchanged_on_failure
-    def calibrate(self, calib_loader: DataLoader, *args: Any, **kwargs: Any) -> DimensionSelection:
+    def calibrate(
+        self,
+        calib_loader: DataLoader,
+        coverage: float = 0.9,
+        ks: list[int] | None = None,
+        prior_precisions: list[float] | None = None,
+        pred_type: str = "glm",
+        n_samples: int = 200,
+        generator: torch.Generator | None = None,
+        include_noise: bool = True,
+        empirical_bayes: bool = True,
+    ) -> DimensionSelection:
         """Select ``k`` and the prior precision by coverage on held-out data and apply them.
 
-        Takes the arguments of :func:`laplace_glas.diagnostics.calibration.select_dimension`
-        after ``la`` (its signature is this method's: ``coverage=0.9``, ``ks``,
-        ``prior_precisions``, ``pred_type='glm'``, ``n_samples=200``, ``generator``,
-        ``include_noise=True``, ``empirical_bayes=True``). The eigenpairs computed by
-        ``fit`` are truncated, not recomputed. When the nominal coverage is not reached,
-        the best candidate is applied and a ``CoverageNotReachedWarning`` is raised.
+        See :func:`laplace_glas.diagnostics.calibration.select_dimension` for the arguments. The
+        eigenpairs computed by ``fit`` are truncated, not recomputed. When the nominal
+        coverage is not reached, the best candidate is applied and a
+        ``CoverageNotReachedWarning`` is raised.
         """
-        selection = select_dimension(self, calib_loader, *args, **kwargs)
+        selection = select_dimension(
+            self,
+            calib_loader,
+            coverage=coverage,
+            ks=ks,
+            prior_precisions=prior_precisions,
+            pred_type=pred_type,
+            n_samples=n_samples,
+            generator=generator,
+            include_noise=include_noise,
+            empirical_bayes=empirical_bayes,
+        )
         self.n_components = selection.k
         if selection.prior_precision is not None:  # None: the own structured prior
             self.prior_precision = selection.prior_precision
         return selection
-
-    calibrate.__signature__ = _as_method(inspect.signature(select_dimension))
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
@@ -507,74 +512,3 @@ class ActiveSubspaceLaplace(
         self._eigenpairs = eigenpairs.to(device, dtype)
         self._n_components = int(state_dict["n_components"])
         self._ggn_diagonal, self._ggn_kron = restored_complement(state_dict, device, dtype)
-
-
-def subset_constructor(
-    upstream: Callable[..., Any],
-) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Give the ``__init__`` of a GLAS posterior over a subset of the weights the
-    signature of laplace-torch's ``upstream`` constructor plus the GLAS settings.
-
-    The decorated ``__init__`` states only what differs from
-    :class:`ActiveSubspaceLaplace`'s: it receives every argument by name (defaults
-    filled in) and forwards the others to ``ActiveSubspaceLaplace.__init__``. Callers
-    pass the arguments as to ``upstream``, positional ones in its order; the signature
-    ``inspect.signature`` reports is ``upstream``'s parameters (with
-    :class:`ActiveSubspaceLaplace`'s annotation and default where the two share a
-    name), :class:`ActiveSubspaceLaplace`'s positional parameters that ``upstream``
-    lacks in their own place (before the next shared one), then its keyword-only GLAS
-    settings (``n_components``, ``loss_scaling``, ...).
-
-    Parameters
-    ----------
-    upstream : callable
-        laplace-torch's ``__init__`` (with ``self``) of the posterior the subset class
-        mirrors, e.g. ``LLLaplace.__init__``.
-
-    Returns
-    -------
-    callable
-        The decorator.
-
-    """
-    signature = _subset_signature(upstream)
-
-    def decorate(init: Callable[..., None]) -> Callable[..., None]:
-        @wraps(init)
-        def bound_init(self: Any, *args: Any, **kwargs: Any) -> None:
-            bound = signature.bind(self, *args, **kwargs)
-            bound.apply_defaults()
-            arguments = dict(bound.arguments)
-            del arguments["self"]
-            init(self, **arguments)
-
-        bound_init.__signature__ = signature
-        return bound_init
-
-    return decorate
-
-
-def _subset_signature(upstream: Callable[..., Any]) -> inspect.Signature:
-    """``upstream``'s positional parameters merged with :class:`ActiveSubspaceLaplace`'s
-    (see :func:`subset_constructor`), then its keyword-only ones.
-    """
-    ours = inspect.signature(ActiveSubspaceLaplace.__init__)
-    positional = [p for p in ours.parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
-    theirs = [
-        p for p in inspect.signature(upstream).parameters.values()
-        if p.kind is p.POSITIONAL_OR_KEYWORD
-    ]  # fmt: skip
-    names = [p.name for p in positional]
-    upstream_names = {p.name for p in theirs}
-    merged, start = [], 0
-    for parameter in theirs:
-        if parameter.name not in names:
-            merged.append(parameter)
-            continue
-        end = names.index(parameter.name)
-        merged += [p for p in positional[start:end] if p.name not in upstream_names]
-        merged.append(ours.parameters[parameter.name])
-        start = max(start, end + 1)
-    merged += [p for p in positional[start:] if p.name not in upstream_names]
-    merged += [p for p in ours.parameters.values() if p.kind is p.KEYWORD_ONLY]
-    return ours.replace(parameters=merged)

@@ -56,7 +56,7 @@ from laplace_glas.curvature.memory.planner import Plan
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES
 from laplace_glas.curvature.parallel.distributed import data_parallel
 from laplace_glas.io import check_state_kind, check_subnetwork_indices
-from laplace_glas.laplace import ActiveSubspaceLaplace, subset_constructor
+from laplace_glas.laplace import ActiveSubspaceLaplace
 from laplace_glas.posterior.hyperparameters import unchanged_on_failure
 from laplace_glas.predictive.jvp import jvp_directions, parameter_names
 from laplace_glas.validation import reiterable
@@ -101,10 +101,10 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
         ``FeatureExtractor``; ``asdl_fisher_kwargs`` must be None). GLAS
         differentiates through the model's own forward pass, so ``feature_reduction``
         is only stored (the model's forward already reduces its features).
-    n_components, loss_scaling, complement, solver, ... :
-        Keyword-only, as in :class:`~laplace_glas.ActiveSubspaceLaplace` (the signature
-        is :func:`~laplace_glas.laplace.subset_constructor`'s); ``1 <= n_components <
-        D_L`` (checked once the last layer is known).
+    **glas_kwargs :
+        ``n_components``, ``loss_scaling``, ``complement``, ``solver``, ... as in
+        :class:`~laplace_glas.ActiveSubspaceLaplace`; ``1 <= n_components < D_L``
+        (checked once the last layer is known).
 
     """
 
@@ -113,18 +113,42 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
     _key = ("last_layer", "glas")
     _k_bound_known_at_init = False  # D_L: checked against n_components once known
 
-    @subset_constructor(LLLaplace.__init__)
     def __init__(
         self,
-        *,
-        feature_reduction: FeatureReduction | str | None,
-        last_layer_name: str | None,
-        **arguments: Any,
+        model: nn.Module,
+        likelihood: str,
+        sigma_noise: float | torch.Tensor = 1.0,
+        prior_precision: float | torch.Tensor = 1.0,
+        prior_mean: float | torch.Tensor = 0.0,
+        temperature: float = 1.0,
+        enable_backprop: bool = False,
+        feature_reduction: FeatureReduction | str | None = None,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        backend: type | None = None,
+        last_layer_name: str | None = None,
+        backend_kwargs: dict[str, Any] | None = None,
+        asdl_fisher_kwargs: dict[str, Any] | None = None,
+        **glas_kwargs: Any,
     ) -> None:
         if last_layer_name is not None and not isinstance(last_layer_name, str):
             raise TypeError(f"last_layer_name must be a str or None, got {last_layer_name!r}.")
         self._pending_last_layer = (last_layer_name, feature_reduction)
-        super().__init__(**arguments)
+        super().__init__(
+            model,
+            likelihood,
+            sigma_noise=sigma_noise,
+            prior_precision=prior_precision,
+            prior_mean=prior_mean,
+            temperature=temperature,
+            enable_backprop=enable_backprop,
+            dict_key_x=dict_key_x,
+            dict_key_y=dict_key_y,
+            backend=backend,
+            backend_kwargs=backend_kwargs,
+            asdl_fisher_kwargs=asdl_fisher_kwargs,
+            **glas_kwargs,
+        )
         del self._pending_last_layer
         if self.model.last_layer is not None:
             self._use_last_layer()
@@ -291,9 +315,8 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
         into ``parameters_to_vector(model.parameters())``, a non-empty 1-D LongTensor).
     enable_backprop, dict_key_x, dict_key_y :
         As in laplace-torch's ``ParametricLaplace``.
-    n_components, loss_scaling, complement, solver, ... :
-        Keyword-only, as in :class:`~laplace_glas.ActiveSubspaceLaplace` (the signature
-        is :func:`~laplace_glas.laplace.subset_constructor`'s); ``1 <= n_components < D_S``.
+    **glas_kwargs :
+        As in :class:`~laplace_glas.ActiveSubspaceLaplace`; ``1 <= n_components < D_S``.
         The eigenpairs come from Lanczos or the block solver (the dual solve needs the
         whole network's factors).
 
@@ -305,17 +328,40 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
 
     _key = ("subnetwork", "glas")
 
-    @subset_constructor(SubnetLaplace.__init__)
     def __init__(
         self,
-        *,
+        model: nn.Module,
+        likelihood: str,
         subnetwork_indices: torch.LongTensor,
-        prior_mean: float | torch.Tensor,
-        **arguments: Any,
+        sigma_noise: float | torch.Tensor = 1.0,
+        prior_precision: float | torch.Tensor = 1.0,
+        prior_mean: float | torch.Tensor = 0.0,
+        temperature: float = 1.0,
+        enable_backprop: bool = False,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        backend: type | None = None,
+        backend_kwargs: dict[str, Any] | None = None,
+        asdl_fisher_kwargs: dict[str, Any] | None = None,
+        **glas_kwargs: Any,
     ) -> None:
         self._pending_indices = subnetwork_indices
         self._theta_map: torch.Tensor | None = None
-        super().__init__(prior_mean=0.0, **arguments)  # prior_mean: set below, over D_S
+        super().__init__(
+            model,
+            likelihood,
+            sigma_noise=sigma_noise,
+            prior_precision=prior_precision,
+            prior_mean=0.0,  # set below, over the subnetwork
+            temperature=temperature,
+            enable_backprop=enable_backprop,
+            dict_key_x=dict_key_x,
+            dict_key_y=dict_key_y,
+            backend=backend,
+            backend_kwargs=backend_kwargs,
+            asdl_fisher_kwargs=asdl_fisher_kwargs,
+            **glas_kwargs,
+        )
         del self._pending_indices
         self.n_params_model = self.n_params
         self.n_params = self.n_params_subnet

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import statistics
 import warnings
 
@@ -14,7 +13,6 @@ from laplace import Laplace
 from torch import nn
 
 from laplace_glas import (
-    ActiveSubspaceLaplace,
     CoverageNotReachedWarning,
     DimensionSelection,
     coverage,
@@ -400,13 +398,3 @@ def test_empirical_bayes_candidates_use_each_k_even_above_n_components(fitted):
     for k, tau in eb.items():
         assert tau == pytest.approx(optimal_prior_precision(curvature[:k], square_norm), rel=1e-9)
     assert len(set(eb.values())) == 4
-
-
-def test_calibrate_takes_select_dimensions_arguments_after_the_posterior():
-    method = list(inspect.signature(ActiveSubspaceLaplace.calibrate).parameters.values())
-    function = list(inspect.signature(select_dimension).parameters.values())
-    assert [p.name for p in method] == ["self", *[p.name for p in function[1:]]]
-    assert method[1:] == function[1:]  # annotations and defaults too
-    assert inspect.signature(ActiveSubspaceLaplace.calibrate).return_annotation == (
-        inspect.signature(select_dimension).return_annotation
-    )

@@ -10,7 +10,6 @@ with the untouched laplace-torch object.
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 import statistics
 import warnings
@@ -35,7 +34,6 @@ from laplace_glas.diagnostics.calibration import (
     coverage,
     select_dimension,
 )
-from laplace_glas.laplace import subset_constructor
 
 TAU = 0.7
 SIGMA = 0.5
@@ -474,55 +472,9 @@ def test_n_components_can_be_set_before_the_last_layer_is_found():
     assert la.n_components == 5 and la.eigenvectors.shape == (LAST_LAYER, 5)
 
 
-# ---------------------------------------------------------------------- constructors
-GLAS_SETTINGS = [
-    "n_components", "loss_scaling", "complement", "solver", "block_size", "tol", "maxiter",
-    "ncv", "seed", "generator", "subsample_size", "rank_threshold", "jvp_chunk_size",
-    "sample_chunk_size", "ignore_index", "loss_fn", "progress_bar", "memory_budget",
-    "diagonal_estimator",
-]  # fmt: skip
-
-
-def test_subset_constructors_take_laplace_torchs_order_and_the_glas_settings():
-    last_layer = list(inspect.signature(LastLayerActiveSubspaceLaplace).parameters)
-    assert last_layer == [
-        "model", "likelihood", "sigma_noise", "prior_precision", "prior_mean", "temperature",
-        "enable_backprop", "feature_reduction", "dict_key_x", "dict_key_y", "backend",
-        "last_layer_name", "backend_kwargs", "asdl_fisher_kwargs", *GLAS_SETTINGS,
-    ]  # fmt: skip
-    subnet = list(inspect.signature(SubnetActiveSubspaceLaplace).parameters)
-    assert subnet == [
-        "model", "likelihood", "subnetwork_indices", "sigma_noise", "prior_precision",
-        "prior_mean", "temperature", "enable_backprop", "dict_key_x", "dict_key_y", "backend",
-        "backend_kwargs", "asdl_fisher_kwargs", *GLAS_SETTINGS,
-    ]  # fmt: skip
-    glas = inspect.signature(ActiveSubspaceLaplace).parameters
-    for name in GLAS_SETTINGS:  # keyword-only, with the main class's defaults
-        assert inspect.signature(SubnetActiveSubspaceLaplace).parameters[name] == glas[name]
-        assert glas[name].kind is inspect.Parameter.KEYWORD_ONLY
-
-
-def test_subset_constructor_hands_every_argument_by_name_with_the_defaults():
-    def upstream(self, model, likelihood, extra, sigma_noise=1.0, backend=None, tail=3):
-        """A laplace-torch-like constructor: ``extra`` and ``tail`` are its own."""
-
-    received = {}
-
-    @subset_constructor(upstream)
-    def init(self, **arguments):
-        received.update(self=self, **arguments)
-
-    init("me", "net", "regression", "x", 0.5, n_components=4, tail=7)
-    glas = inspect.signature(ActiveSubspaceLaplace).parameters
-    expected = {name: p.default for name, p in glas.items() if name not in ("model", "likelihood")}
-    expected.update(model="net", likelihood="regression", extra="x", sigma_noise=0.5, tail=7)
-    expected.update(self="me", n_components=4)
-    assert received == expected
-    with pytest.raises(TypeError, match="unexpected keyword argument 'solvers'"):
-        init("me", "net", "regression", "x", solvers="lanczos")
-
-
 def test_a_subset_posterior_built_positionally_is_the_one_built_by_name():
+    """The subset constructors take laplace-torch's positional order (SubnetLaplace's,
+    LLLaplace's), stated in their source so that static tools read it too."""
     model = mlp([1, 16, 1])  # D = 49 > SUBNET's largest index
     by_position = SubnetActiveSubspaceLaplace(
         model, "regression", SUBNET, SIGMA, TAU, 0.0, 1.0, False, "x", "y", n_components=3
