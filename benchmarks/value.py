@@ -679,7 +679,8 @@ def main(argv: list[str] | None = None) -> None:
         "data (gap) or on a held-out calibration split (Concrete), plug-in, not refitted; "
         "y-predictive variance = f-variance + sigma^2. Cells: mean ± sd "
         "over seeds; fit and prior tuning in seconds. wine and digits are scikit-learn's "
-        "bundled data sets (the 'bench' extra); digits uses a small CNN, not the MLP."
+        "bundled data sets (the 'bench' extra) with their own networks and training: wine "
+        "a 13-32-32-3 tanh MLP, 1000 steps; digits a small CNN, 600 steps."
     )
 
     for dataset in args.datasets:
