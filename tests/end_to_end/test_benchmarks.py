@@ -231,16 +231,22 @@ def test_underconfidence_benchmark_runs_one_seed_of_wine():
         assert values and all(math.isfinite(v) for v in values), row
 
 
-def test_the_pairwise_link_is_the_binary_probit_for_two_classes():
-    """With two classes the pairwise link is sigmoid(m / sqrt(1 + pi/8 v)) of the logit
-    difference (mean m, variance v), whatever the common shift's variance."""
-    import torch
-
+def underconfidence_link():
+    """``link`` of benchmarks/underconfidence.py (imported from the benchmarks folder)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         from underconfidence import link
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+    return link
+
+
+def test_the_pairwise_link_is_the_binary_probit_for_two_classes():
+    """With two classes the pairwise link is sigmoid(m / sqrt(1 + pi/8 v)) of the logit
+    difference (mean m, variance v), whatever the common shift's variance."""
+    import torch
+
+    link = underconfidence_link()
     g = torch.Generator().manual_seed(0)
     f = torch.randn(5, 2, generator=g, dtype=torch.float64) * 3
     A = torch.randn(5, 2, 2, generator=g, dtype=torch.float64)
@@ -258,11 +264,7 @@ def test_the_links_that_see_only_logit_differences_ignore_a_common_shift():
     plain probit does not."""
     import torch
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from underconfidence import link
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    link = underconfidence_link()
     g = torch.Generator().manual_seed(1)
     f = torch.randn(4, 5, generator=g, dtype=torch.float64) * 2
     A = torch.randn(4, 5, 5, generator=g, dtype=torch.float64)
