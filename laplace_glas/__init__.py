@@ -70,6 +70,7 @@ from laplace_glas.diagnostics.convergence import (
 )
 from laplace_glas.laplace import ActiveSubspaceLaplace, FittedWeightsChangedWarning, NotFittedError
 from laplace_glas.posterior.closed_forms import SubspaceOperator, optimal_prior_precision
+from laplace_glas.posterior.fixed_point import FixedPointStep, fit_posterior_curvature
 from laplace_glas.subsets import LastLayerActiveSubspaceLaplace, SubnetActiveSubspaceLaplace
 
 __version__ = "0.1.0"
@@ -82,6 +83,7 @@ __all__ = [
     "DimensionSelection",
     "Eigenpairs",
     "FittedWeightsChangedWarning",
+    "FixedPointStep",
     "LanczosConvergenceWarning",
     "LastLayerActiveSubspaceLaplace",
     "MemoryBudgetError",
@@ -96,6 +98,7 @@ __all__ = [
     "compute_eigenpairs",
     "coverage",
     "cumulative_activity",
+    "fit_posterior_curvature",
     "interval_width",
     "mean_ggn_operator",
     "ood_scores",

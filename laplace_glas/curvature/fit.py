@@ -360,6 +360,7 @@ class SubspaceFit(ComplementPass, FitAgreement):
             progress_bar=progress_bar,
             first_batch=first_batch,
             kept=kept,
+            output_hessian=self.output_hessian,
         )
 
     def _solve(

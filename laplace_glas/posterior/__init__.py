@@ -9,6 +9,8 @@
   a per-layer or per-weight (diagonal) prior precision.
 * :mod:`~laplace_glas.posterior.subspace`: the posterior half of laplace-torch's
   contract (``posterior_covariance``, the evidence, ``sample``, prior tuning).
+* :mod:`~laplace_glas.posterior.fixed_point`: the posterior's own curvature, the GGN's
+  output Hessian averaged over the posterior's predictive, refitted to its fixed point.
 """
 
 from laplace_glas.posterior.prior import DiagonalPrior, LayerwisePrior, Prior, ScalarPrior

@@ -29,6 +29,7 @@ import torch
 from laplace.baselaplace import ParametricLaplace
 
 from laplace_glas.curvature.complement.kfac_layers import kron_diag_refusal, kron_refusal
+from laplace_glas.curvature.data.output_hessian import PosteriorAveragedHessian
 from laplace_glas.validation import (
     ArgumentTypeError,
     choice,
@@ -104,6 +105,32 @@ class PosteriorHyperparameters:
     _complement_setting = "zero"
     _complement_fitted: str | None = None
     _complement_why: str | None = None
+
+    _output_hessian: PosteriorAveragedHessian | None = None
+
+    @property
+    def output_hessian(self) -> PosteriorAveragedHessian | None:
+        """The loss Hessian in the outputs that the next ``fit`` weights each training
+        example's GGN term by: ``None`` (the default) for the Hessian at the MAP's
+        outputs, or a
+        :class:`~laplace_glas.curvature.data.output_hessian.PosteriorAveragedHessian`
+        (classification only; set by
+        :func:`~laplace_glas.posterior.fixed_point.fit_posterior_curvature`).
+        """
+        return self._output_hessian
+
+    @output_hessian.setter
+    def output_hessian(self, value: PosteriorAveragedHessian | None) -> None:
+        if value is not None and not isinstance(value, PosteriorAveragedHessian):
+            raise ArgumentTypeError(
+                f"output_hessian must be None or a PosteriorAveragedHessian, got {value!r}."
+            )
+        if value is not None and getattr(self, "likelihood", None) == "regression":
+            raise ValueError(
+                "output_hessian averages the softmax cross-entropy's Hessian; regression's "
+                "(unit noise) is the identity at every output."
+            )
+        self._output_hessian = value
 
     def _static_complement_refusal(
         self, complement: str, curvature_kind: str = "ggn", loss_fn: Any = None

@@ -285,6 +285,12 @@ class ComplementPass:
         block (``'kron_diag'``: the factors, and the diagonal of the parameters whose
         block is empty), else None.
         """
+        if self.output_hessian is not None and complement in ("diag", "kron", "kron_diag"):
+            raise ValueError(
+                f"complement={complement!r} needs a data pass at the MAP's output Hessian, "
+                "not the posterior-averaged one: only KFAC's factors taken from the solve's "
+                "factored operator follow output_hessian."
+            )
         common = {"ignore_index": self.ignore_index, "dict_key_y": self.dict_key_y}
         if complement in ("kron", "kron_diag"):
             kron = ggn_kron(

@@ -17,6 +17,8 @@ then holds everything that describes the matrix the solve eigen-decomposes.
 * :mod:`~laplace_glas.curvature.data.map_loss`: the pass at the MAP (loss, ``N``, output
   shape) and the loss whose GGN is taken.
 * :mod:`~laplace_glas.curvature.data.problem`: one curvature problem, built once per fit.
+* :mod:`~laplace_glas.curvature.data.output_hessian`: the loss Hessian in the outputs
+  averaged over a posterior's predictive, which the problem may weight its examples by.
 
 It uses :mod:`laplace_glas.validation`, :mod:`laplace_glas.progress` and
 :mod:`laplace_glas.autodiff`; nothing else of the package.

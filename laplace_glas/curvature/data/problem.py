@@ -20,6 +20,7 @@ from torch import nn
 
 from laplace_glas.curvature.data.batches import XYBatches, batch_size, split_batch, subsample_loader
 from laplace_glas.curvature.data.map_loss import count_terms, curvature_loss
+from laplace_glas.curvature.data.output_hessian import PosteriorAveragedHessian
 from laplace_glas.curvature.data.replay import ReplayedBatches
 from laplace_glas.curvature.operators.curvlinops import mean_ggn_operator
 from laplace_glas.curvature.parallel.distributed import Shards, sum_count
@@ -100,6 +101,11 @@ class CurvatureProblem:
     kept_bytes : int
         Bytes of those kept batches (0 where none are kept), held for the whole fit
         (at most :data:`~laplace_glas.curvature.data.replay.KEPT_BYTES`).
+    output_hessian : PosteriorAveragedHessian or None
+        ``Lambda_n`` averaged over a posterior's predictive
+        (:mod:`~laplace_glas.curvature.data.output_hessian`); ``None``: the loss
+        Hessian at the model's outputs. Only the operators built from the rows of
+        ``Lambda_n^{1/2}`` (factored, stored Jacobians, streamed factors) take it.
 
     """
 
@@ -126,6 +132,7 @@ class CurvatureProblem:
     first_batch: Any = None
     replays: Any = None
     kept_bytes: int = 0
+    output_hessian: PosteriorAveragedHessian | None = None
 
     def replay_of(self, loader: Any) -> Any:
         """What a pass over ``loader`` iterates: the batches this problem keeps where
@@ -168,7 +175,8 @@ class CurvatureProblem:
 
     def batch_arguments(self) -> dict[str, Any]:
         """``model``, ``params``, ``loader``, ``likelihood``, ``n_terms``,
-        ``ignore_index``, ``dict_key_x``, ``dict_key_y`` and ``device`` by name: the
+        ``ignore_index``, ``dict_key_x``, ``dict_key_y``, ``device`` and
+        ``output_hessian`` by name: the
         arguments of the operators that read this problem's batches themselves (the
         factored GGN, the stored Jacobians, the factored GGN rebuilt per batch).
 
@@ -188,6 +196,7 @@ class CurvatureProblem:
             "dict_key_x": self.dict_key_x,
             "dict_key_y": self.dict_key_y,
             "device": self.device,
+            "output_hessian": self.output_hessian,
         }
 
     def reference_operator(self) -> GGNLinearOperator:
@@ -218,6 +227,7 @@ class CurvatureProblem:
         progress_bar: bool = False,
         first_batch: Any = None,
         kept: ReplayedBatches | None = None,
+        output_hessian: PosteriorAveragedHessian | None = None,
     ) -> CurvatureProblem:
         """The problem of ``loader`` (or of a subsample of ``subsample_size`` points
         drawn with ``generator``; ``first_batch``, the loader's first item where the
@@ -304,6 +314,7 @@ class CurvatureProblem:
             first_batch=first_batch if subsample_size is None else None,
             replays=loader if replaying else None,
             kept_bytes=kept.nbytes if replaying else 0,
+            output_hessian=output_hessian,
         )
 
 

@@ -213,6 +213,12 @@ def plan_solve(
 
     """
     curvature = _GGN if curvature is None else curvature
+    if problem.output_hessian is not None and (curvature.kind != "ggn" or solver == "lanczos"):
+        raise ValueError(
+            "A posterior-averaged output Hessian is taken by the GGN's factored operators; "
+            f"got backend curvature {curvature.kind!r} and solver {solver!r} (use a GGN "
+            "backend and solver 'auto', 'dual', 'factored' or 'block')."
+        )
     base = "block" if solver == "block" else "lanczos"
     itemsize = torch.finfo(problem.dtype).bits // 8
     total = resolve_budget(memory_budget, problem.device)
@@ -232,6 +238,11 @@ def plan_solve(
     if isinstance(built, Plan):
         return built
     return_freed_memory()  # the refused builds' batches, before the next attempt
+    if problem.output_hessian is not None:
+        raise ValueError(
+            "A posterior-averaged output Hessian needs the factored GGN operator, which "
+            f"this fit cannot use ({built})."
+        )
     reasons = [built]  # the Jacobian is an optimisation: its refusal is no fallback
     linearized = _linearized(problem, budget)
     if isinstance(linearized, str):

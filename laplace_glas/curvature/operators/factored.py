@@ -59,6 +59,7 @@ from torch.func import jvp
 
 from laplace_glas.autodiff.functional import module_call
 from laplace_glas.curvature.data.batches import batch_copy, batch_size, split_batch_to
+from laplace_glas.curvature.data.output_hessian import PosteriorAveragedHessian
 from laplace_glas.curvature.memory.budget import OverBudget, format_bytes, return_freed_memory
 from laplace_glas.curvature.operators.factor_join import (
     assemble_factors,
@@ -326,6 +327,7 @@ def build_factored_ggn(
     loss_fn: nn.Module | None = None,
     progress_bar: bool = False,
     first_batch_check: Callable[[FactorSizes], str | None] | None = None,
+    output_hessian: PosteriorAveragedHessian | None = None,
 ) -> FactoredGGN | str:
     """One pass over ``loader``: the factored unit-noise mean-loss GGN, or why not.
 
@@ -357,6 +359,9 @@ def build_factored_ggn(
     first_batch_check : callable, optional
         Called with the first batch's :class:`FactorSizes`; a returned reason stops
         the pass and is returned (the planner's projection to its budget).
+    output_hessian : PosteriorAveragedHessian, optional
+        The rows of ``Lambda_n^{1/2}`` (default: the softmax Hessian at the outputs,
+        :func:`~laplace_glas.curvature.operators.factors.row_vectors`).
 
     Returns
     -------
@@ -382,7 +387,16 @@ def build_factored_ggn(
             X, y = split_batch_to(data, device, dict_key_y)
             X = batch_copy(X)  # the first layer's factor is X: not the loader's own tensor
             out, rows, layers, explicit, R = batch_factors(
-                model, recorder, X, y, likelihood, ignore_index, scale, offsets, dict_key_x
+                model,
+                recorder,
+                X,
+                y,
+                likelihood,
+                ignore_index,
+                scale,
+                offsets,
+                dict_key_x,
+                output_hessian,
             )
             if i == 0:
                 recorder.remove()

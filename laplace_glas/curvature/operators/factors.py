@@ -13,7 +13,8 @@ joins the batches' factors.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -362,13 +363,27 @@ class ForwardRecorder:
     def __init__(self, modules: Iterable[nn.Module]):
         self.calls: dict[nn.Module, list] = {}
         self.handles = []
+        self.recording = True
         for module in modules:
             self.calls[module] = []
             self.handles.append(module.register_forward_hook(self._hook))
 
     def _hook(self, module, args, output):
+        if not self.recording:
+            return None
         self.calls[module].append((args[0], output))
         return output.clone()  # in-place ops downstream must not touch ``output``
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Forward passes inside record nothing (e.g. a posterior's predictive on the
+        same model while a batch's factors are being built).
+        """
+        self.recording = False
+        try:
+            yield
+        finally:
+            self.recording = True
 
     def reset(self) -> None:
         """Forget the recorded calls (the hooks stay)."""
@@ -393,9 +408,13 @@ def _without_graph(recorder, offsets) -> list[torch.Tensor]:
     return missing
 
 
-def batch_factors(model, recorder, X, y, likelihood, ignore_index, scale, offsets, dict_key_x):
+def batch_factors(
+    model, recorder, X, y, likelihood, ignore_index, scale, offsets, dict_key_x, output_hessian=None
+):
     """Forward pass, batched backward over the rows of ``Lambda^{1/2}``
-    (:func:`row_vectors`), per-layer factors of one batch.
+    (:func:`row_vectors` at the outputs, or ``output_hessian.rows``, e.g. a
+    :class:`~laplace_glas.curvature.data.output_hessian.PosteriorAveragedHessian`),
+    per-layer factors of one batch.
     """
     B = batch_size(X, dict_key_x)
     recorder.reset()
@@ -414,7 +433,11 @@ def batch_factors(model, recorder, X, y, likelihood, ignore_index, scale, offset
                 f"{out[0].numel()} output rows per example (more than {_MAX_ROWS}) for "
                 "the factored operator"
             )
-        rows = row_vectors(out, y, likelihood, ignore_index, scale)
+        if output_hessian is None:
+            rows = row_vectors(out, y, likelihood, ignore_index, scale)
+        else:
+            with recorder.paused():
+                rows = output_hessian.rows(X, out, y, ignore_index, scale)
         R = rows.shape[0]
         calls = [(m, x, z) for m, cs in recorder.calls.items() for x, z in cs]
         for _, x, _ in calls:

@@ -52,6 +52,7 @@ from torch.func import jacrev, vmap
 from laplace_glas.autodiff.functional import module_call
 from laplace_glas.curvature.data.batches import batch_size, split_batch_to
 from laplace_glas.curvature.data.example_counts import survey_batch_sizes
+from laplace_glas.curvature.data.output_hessian import PosteriorAveragedHessian
 from laplace_glas.curvature.memory.budget import format_bytes
 from laplace_glas.curvature.operators.factor_join import (
     assemble_factors,
@@ -200,6 +201,7 @@ def _factored_batches(model, params, loader, likelihood, n_terms, options):
                 scale,
                 offsets,
                 options["dict_key_x"],
+                options["output_hessian"],
             )
             factors = assemble_factors(layers, explicit)
             B = out.shape[0]
@@ -257,7 +259,10 @@ def _func_batches(model, params, loader, likelihood, n_terms, options):
             yield f"torch.func.vmap over the examples failed ({type(err).__name__})"
             return
         jac = torch.cat([j.reshape(B, out[0].numel(), -1) for j in jac], -1)  # (B, O, D)
-        rows = row_vectors(out, y, likelihood, options["ignore_index"], scale)
+        if options["output_hessian"] is None:
+            rows = row_vectors(out, y, likelihood, options["ignore_index"], scale)
+        else:
+            rows = options["output_hessian"].rows(X, out, y, options["ignore_index"], scale)
         J = torch.einsum("rbo,bod->brd", rows.reshape(rows.shape[0], B, -1), jac)
         del jac
         if i == 0:  # examples that interact (a batch statistic) break the per-example vmap
@@ -292,6 +297,7 @@ def build_jacobian_ggn(
     progress_bar: bool = False,
     n_examples: int | None = None,
     first_batch: Any = None,
+    output_hessian: PosteriorAveragedHessian | None = None,
 ) -> JacobianGGN | str:
     """One pass over ``loader``: the unit-noise mean-loss GGN from stored Jacobians, or
     why not.
@@ -328,6 +334,8 @@ def build_jacobian_ggn(
         whether ``vmap`` batches the model (on its first example; the ``torch.func``
         route) runs on it, so that a build refused for that starts no iterator of the
         loader.
+    output_hessian : PosteriorAveragedHessian, optional
+        The rows of ``Lambda_n^{1/2}`` (default: the softmax Hessian at the outputs).
 
     Returns
     -------
@@ -344,7 +352,7 @@ def build_jacobian_ggn(
         ignore_index=ignore_index, dict_key_x=dict_key_x, dict_key_y=dict_key_y, device=device
     )
     # the bar (an iterator) starts with the pass, after the checks on the first batch
-    options.update(progress_bar=progress_bar, first=first_batch)
+    options.update(progress_bar=progress_bar, first=first_batch, output_hessian=output_hessian)
     if unsupported_reason(model, params, likelihood) is None:
         route = _factored_batches(model, params, loader, likelihood, n_terms, options)
     else:

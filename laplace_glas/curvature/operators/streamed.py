@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from laplace_glas.curvature.data.batches import split_batch_to
+from laplace_glas.curvature.data.output_hessian import PosteriorAveragedHessian
 from laplace_glas.curvature.memory.budget import return_freed_memory
 from laplace_glas.curvature.operators.factor_join import (
     assemble_factors,
@@ -97,6 +98,8 @@ class StreamedFactoredGGN(TorchOperator):
         Keys of the input and the target of mapping batches.
     device : torch.device or str
         Where the batches go (the model's device).
+    output_hessian : PosteriorAveragedHessian, optional
+        The rows of ``Lambda_n^{1/2}`` (default: the softmax Hessian at the outputs).
 
     Notes
     -----
@@ -122,6 +125,7 @@ class StreamedFactoredGGN(TorchOperator):
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
         device: torch.device | str = "cpu",
+        output_hessian: PosteriorAveragedHessian | None = None,
     ):
         self._offsets, _, n_params = parameter_offsets(model, list(params))
         super().__init__(dtype=NUMPY_DTYPES[dtype], shape=(n_params, n_params))
@@ -129,6 +133,7 @@ class StreamedFactoredGGN(TorchOperator):
         self.scale = float(n_terms) ** -0.5
         self.torch_dtype, self.device = dtype, torch.device(device)
         self.ignore_index, self.dict_key_x, self.dict_key_y = ignore_index, dict_key_x, dict_key_y
+        self.output_hessian = output_hessian
         self.chunk_elements = CHUNK_ELEMENTS  # a batch product's temporaries (numbers)
         self.n_passes = 0
 
@@ -148,6 +153,7 @@ class StreamedFactoredGGN(TorchOperator):
                     self.scale,
                     self._offsets,
                     self.dict_key_x,
+                    self.output_hessian,
                 )
                 yield layers, explicit, R
                 del layers, explicit  # this batch's factors, before the next's

@@ -16,7 +16,7 @@ def test_batch_arguments_name_the_problems_fields():
     arguments = problem.batch_arguments()
     assert set(arguments) == {
         "model", "params", "loader", "likelihood", "n_terms",
-        "ignore_index", "dict_key_x", "dict_key_y", "device",
+        "ignore_index", "dict_key_x", "dict_key_y", "device", "output_hessian",
     }  # fmt: skip
     for name, value in arguments.items():
         assert value is getattr(problem, name)

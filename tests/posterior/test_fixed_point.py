@@ -1,0 +1,196 @@
+"""The posterior-curvature fixed point against a dense iteration: the same averaged output
+Hessians (the same draws), the GGN from reverse-mode Jacobians and ``Sigma`` by a dense
+inverse, on a network whose GGN has exact null directions so that GLAS's posterior
+(``k`` = the GGN's rank, the prior outside) is the full one.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import loader, mlp, output_jacobian, train
+from laplace import Laplace
+
+from laplace_glas.curvature.data.output_hessian import PosteriorAveragedHessian, softmax_hessian
+from laplace_glas.posterior.fixed_point import (
+    fit_posterior_curvature,
+    frozen_logit_covariance,
+    mixture_weights,
+)
+
+
+@pytest.fixture(scope="module")
+def blobs():
+    """A float64 2-6-3 tanh MLP (D = 39) on three blobs: its softmax GGN has the 7 null
+    directions of the last layer (one shift of every class's weights and bias)."""
+    g = torch.Generator().manual_seed(0)
+    centers = torch.tensor([[0.0, 2.0], [-2.0, -1.0], [2.0, -1.0]], dtype=torch.float64)
+    y = torch.arange(3).repeat_interleave(20)
+    X = centers[y] + 0.9 * torch.randn(60, 2, generator=g, dtype=torch.float64)
+    model = train(mlp([2, 6, 3], dtype=torch.float64, seed=2), X, y, steps=400, classification=True)
+    return model, X, y
+
+
+def _glas(model, **kwargs):
+    return Laplace(
+        model, "classification", subset_of_weights="all", hessian_structure="glas", **kwargs
+    )
+
+
+def test_mixture_weights_halve_from_the_newest():
+    assert mixture_weights(1) == [1.0]
+    assert mixture_weights(2) == [0.5, 0.5]
+    assert mixture_weights(3) == [0.25, 0.25, 0.5]
+    assert sum(mixture_weights(9)) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="at least one"):
+        mixture_weights(0)
+
+
+def test_the_fixed_point_is_the_dense_iteration(blobs):
+    model, X, y = blobs
+    k, tau, n_steps, n_draws, seed = 32, 2.0, 3, 16, 11  # 39 weights - 7 null directions
+    la = _glas(model, n_components=k, complement="prior", prior_precision=tau)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the null directions' numerical rank
+        history = fit_posterior_curvature(
+            la, loader(X, y, 25), n_steps=n_steps, n_draws=n_draws, optimize_prior=False, seed=seed
+        )
+    assert [h.step for h in history] == list(range(n_steps + 1))
+
+    out, J = output_jacobian(model, X)
+    eye = torch.eye(J.shape[-1], dtype=J.dtype)
+    G = torch.einsum("nci,ncd,ndj->ij", J, softmax_hessian(out.softmax(-1)), J)
+    covariances = []
+    for step in range(1, n_steps + 1):
+        Sigma = torch.linalg.inv(G + tau * eye)
+        V = torch.einsum("nci,ij,ndj->ncd", J, Sigma, J)
+        covariances.append(lambda x, V=V: V)
+        weights = mixture_weights(len(covariances))
+        hessian = PosteriorAveragedHessian(covariances, weights, n_draws, seed=seed + step)
+        G = torch.einsum("nci,ncd,ndj->ij", J, hessian.matrices(X, out), J)
+    eigenvalues = torch.linalg.eigvalsh(G).flip(0)
+    assert eigenvalues[k:].abs().max() < 1e-10 * eigenvalues[0]  # the null directions
+    torch.testing.assert_close(la.eigenvalues * X.shape[0], eigenvalues[:k], rtol=1e-8, atol=0)
+    # the predictive's logit covariance is the dense posterior's
+    Sigma = torch.linalg.inv(G + tau * eye)
+    x_test = torch.randn(5, 2, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    _, J_test = output_jacobian(model, x_test)
+    _, f_var = la._glm_predictive_distribution(x_test)
+    torch.testing.assert_close(
+        f_var, torch.einsum("nci,ij,ndj->ncd", J_test, Sigma, J_test), rtol=1e-7, atol=1e-10
+    )
+    # the records: the eigenvalues' relative change between consecutive fits
+    assert history[0].relative_change != history[0].relative_change  # nan
+    assert all(h.relative_change >= 0 for h in history[1:])
+    assert all(float(h.prior_precision) == tau for h in history)
+
+
+def test_a_snapshot_keeps_the_posterior_it_was_taken_of(blobs):
+    model, X, y = blobs
+    la = _glas(model, n_components=5)
+    la.fit(loader(X, y, 30))
+    covariance = frozen_logit_covariance(la)
+    before = covariance(X[:7]).clone()
+    la.prior_precision = 50.0
+    la.fit(loader(X[:30], y[:30], 30))
+    torch.testing.assert_close(covariance(X[:7]), before, rtol=0, atol=0)
+    assert not torch.allclose(la._glm_predictive_distribution(X[:7])[1], before)
+    assert la.model is model  # the network is shared, not copied
+
+
+def test_the_evidence_chooses_the_prior_after_every_fit(blobs):
+    model, X, y = blobs
+    la = _glas(model, n_components=10)
+    history = fit_posterior_curvature(la, loader(X, y, 30), n_steps=2, n_draws=8)
+    assert len({float(h.prior_precision) for h in history}) == 3
+    assert isinstance(la.output_hessian, PosteriorAveragedHessian)
+    assert la.output_hessian.weights == (0.5, 0.5)
+    # the last record is the posterior la holds now
+    assert history[-1].log_marginal_likelihood == pytest.approx(float(la.log_marginal_likelihood()))
+
+
+def test_the_averaged_curvature_sharpens_saturated_training_points(blobs):
+    """The reason for the fixed point: at the MAP's Hessian a confidently fitted network
+    keeps the prior's variance where its points saturate; the averaged Hessian does not."""
+    model, X, y = blobs
+    la = _glas(model, n_components=20)
+    la.fit(loader(X, y, 30))
+    la.optimize_prior_precision()
+    at_map = la._glm_predictive_distribution(X)[1].diagonal(dim1=1, dim2=2).sum()
+    fit_posterior_curvature(la, loader(X, y, 30), n_steps=4, n_draws=32)
+    averaged = la._glm_predictive_distribution(X)[1].diagonal(dim1=1, dim2=2).sum()
+    assert averaged < 0.5 * at_map
+
+
+def test_regression_and_bad_arguments_are_refused(blobs, toy_regression):
+    model, X, y = blobs
+    with pytest.raises(ValueError, match="softmax cross-entropy"):
+        fit_posterior_curvature(
+            Laplace(toy_regression[0], "regression", hessian_structure="glas",
+                    subset_of_weights="all"),
+            loader(*toy_regression[1:]),
+        )  # fmt: skip
+    la = _glas(model, n_components=5)
+    with pytest.raises(TypeError, match="n_steps"):
+        fit_posterior_curvature(la, loader(X, y), n_steps=0)
+    with pytest.raises(TypeError, match="output_hessian must be None"):
+        la.output_hessian = "posterior"
+    reg = Laplace(toy_regression[0], "regression", hessian_structure="glas",
+                  subset_of_weights="all")  # fmt: skip
+    with pytest.raises(ValueError, match="regression"):
+        reg.output_hessian = PosteriorAveragedHessian([lambda x: None], [1.0])
+
+
+def test_routes_without_the_rows_refuse_it(blobs):
+    model, X, y = blobs
+    hessian = PosteriorAveragedHessian([lambda x: torch.zeros(len(x), 3, 3).double()], [1.0])
+    la = _glas(model, n_components=5, solver="lanczos")
+    la.output_hessian = hessian
+    with pytest.raises(ValueError, match="solver 'lanczos'"):
+        la.fit(loader(X, y))
+    la = _glas(model, n_components=5, complement="diag")
+    la.output_hessian = hessian
+    with pytest.raises(ValueError, match="complement='diag' needs a data pass"):
+        la.fit(loader(X, y))
+
+
+class _Gained(torch.nn.Module):
+    """An MLP times a parameter of no supported layer: not factored."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = mlp([2, 4, 3], dtype=torch.float64)
+        self.gain = torch.nn.Parameter(torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64))
+
+    def forward(self, x):
+        return self.body(x) * self.gain
+
+
+def test_a_model_outside_the_factored_operator_takes_it_through_torch_func():
+    model = _Gained().eval()
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(12, 2, generator=g, dtype=torch.float64)
+    y = torch.arange(3).repeat(4)
+    la = _glas(model, n_components=5, complement="zero")
+    la.output_hessian = PosteriorAveragedHessian(
+        [lambda x: 0.5 * torch.eye(3, dtype=x.dtype).expand(len(x), 3, 3)], [1.0], 16
+    )
+    la.fit(loader(X, y))
+    assert la.lanczos_info.operator.startswith("jacobian")
+    out, J = output_jacobian(model, X)
+    G = torch.einsum("nci,ncd,ndj->ij", J, la.output_hessian.matrices(X, out), J)
+    reference = torch.linalg.eigvalsh(G).flip(0)[:5]
+    torch.testing.assert_close(la.eigenvalues * 12, reference, rtol=1e-8, atol=0)
+
+
+def test_a_model_the_factored_operators_refuse_is_refused_by_name(without_jacobian):
+    model = _Gained().eval()
+    X = torch.randn(12, 2, dtype=torch.float64)
+    y = torch.arange(3).repeat(4)
+    la = _glas(model, n_components=3, complement="zero")
+    la.fit(loader(X, y))  # at the MAP's Hessian another operator serves it
+    la.output_hessian = PosteriorAveragedHessian([lambda x: torch.zeros(len(x), 3, 3)], [1.0])
+    with pytest.raises(ValueError, match="needs the factored GGN operator"):
+        la.fit(loader(X, y))
