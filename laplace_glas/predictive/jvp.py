@@ -37,6 +37,7 @@ __all__ = [
     "parameter_names",
     "row_chunks",
     "unflatten",
+    "weighted_gram",
 ]
 
 
@@ -214,18 +215,28 @@ def jacobian_gram(
         flat = [J[n].reshape(-1, n_out, s.numel()) for n, s in zip(names, shapes)]
         return torch.cat(flat, dim=-1)  # (b * ..., C, D)
 
-    def gram(J: torch.Tensor) -> torch.Tensor:
-        if hasattr(weights, "root"):
-            R = weights.root(J)
-            return R @ R.transpose(-1, -2)
-        if weights is None:
-            return J @ J.transpose(-1, -2)
-        return (weights(J) if callable(weights) else J * weights) @ J.transpose(-1, -2)
-
     if joint:
         J = jac(x)
-        return gram(J.reshape(-1, J.shape[-1]))
-    return torch.cat([gram(jac(rows)) for rows in row_chunks(x, chunk_size, dict_key_x)])
+        return weighted_gram(J.reshape(-1, J.shape[-1]), weights)
+    return torch.cat(
+        [weighted_gram(jac(rows), weights) for rows in row_chunks(x, chunk_size, dict_key_x)]
+    )
+
+
+def weighted_gram(
+    J: torch.Tensor, weights: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None
+) -> torch.Tensor:
+    """``J B J^T`` over the last axis of Jacobian rows ``J`` ``(..., R, D)``: ``B = I``
+    (``weights`` None), ``diag(w)`` (a ``(D,)`` tensor), an operator ``J -> J B`` (a
+    callable), or ``(J R)(J R)^T`` for a callable with a ``root`` method ``J -> J R``
+    (``B = R R^T``, positive semi-definite in floating point).
+    """
+    if hasattr(weights, "root"):
+        R = weights.root(J)
+        return R @ R.transpose(-1, -2)
+    if weights is None:
+        return J @ J.transpose(-1, -2)
+    return (weights(J) if callable(weights) else J * weights) @ J.transpose(-1, -2)
 
 
 def jacobian_by_backward(

@@ -6,8 +6,8 @@ low-rank factors): ``J J^T / tau`` for a scalar prior, ``J diag(1/p) J^T`` for a
 layerwise or diagonal one (:meth:`laplace_glas.posterior.prior.Prior.inverse_gram`).
 :class:`PriorGram` is a mixin of
 :class:`~laplace_glas.predictive.subspace_predictive.SubspacePredictive`; it reads
-``model``, ``_param_names``, ``_param_shapes``, ``dict_key_x`` and ``_prior`` of the
-class it is mixed into.
+``model``, ``_param_names``, ``_param_shapes``, ``dict_key_x``, ``enable_backprop``,
+``_out_shape`` and ``_prior`` of the class it is mixed into.
 """
 
 from __future__ import annotations
@@ -17,9 +17,14 @@ from typing import Any
 
 import torch
 
-from laplace_glas.predictive.jvp import jacobian_gram, row_chunks
+from laplace_glas.curvature.operators.factored import factored_jacobian
+from laplace_glas.predictive.jvp import jacobian_gram, row_chunks, weighted_gram
 
-__all__ = ["PriorGram"]
+__all__ = ["GRAM_ELEMENTS", "PriorGram"]
+
+GRAM_ELEMENTS = 2**22
+"""Jacobian entries a chunk of the factored Jacobian holds at most (4 Mi numbers: 32 MiB
+in float64), beside reverse mode's chunks of 32 inputs."""
 
 
 class PriorGram:
@@ -50,8 +55,12 @@ class PriorGram:
         weights: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``J diag(weights) J^T`` (or ``J B J^T`` for an operator ``B``) over all
-        weights (``J J^T`` without ``weights``).
+        weights (``J J^T`` without ``weights``): ``J`` from the factors where the model
+        qualifies (:meth:`_factored_jacobian`), else by reverse mode over the weights.
         """
+        J = self._factored_jacobian(X, theta, joint)
+        if J is not None:
+            return weighted_gram(J, weights)
         return jacobian_gram(
             self.model,
             self._param_names,
@@ -62,6 +71,40 @@ class PriorGram:
             dict_key_x=self.dict_key_x,
             weights=weights,
         )
+
+    def _factored_jacobian(self, X: Any, theta: torch.Tensor, joint: bool) -> torch.Tensor | None:
+        """The Jacobian rows ``(n, C, D)`` (``(n C, D)`` if ``joint``) over the weights
+        under inference, formed from each chunk's factors
+        (:func:`~laplace_glas.curvature.operators.factored.factored_jacobian`), or None
+        where that does not apply: backpropagation through the predictive, the model's
+        weights not ``theta``, or a model the factors do not cover. Chunks hold at most
+        about :data:`GRAM_ELEMENTS` Jacobian entries (at least 32 inputs, as many as
+        reverse mode's chunks).
+        """
+        if self.enable_backprop or theta.requires_grad:
+            return None
+        named = dict(self.model.named_parameters())
+        params = [named[name] for name in self._param_names]
+        offset = 0
+        for param in params:
+            n = param.numel()
+            fitted = theta[offset : offset + n]
+            offset += n
+            if fitted.device != param.device or not torch.equal(param.detach().reshape(-1), fitted):
+                return None
+        out_shape = getattr(self, "_out_shape", None)
+        per_input = offset * (out_shape.numel() if out_shape else 1)
+        chunk = max(32, GRAM_ELEMENTS // max(per_input, 1))
+        parts = []
+        with torch.no_grad():
+            for rows in row_chunks(X, chunk, self.dict_key_x):
+                result = factored_jacobian(self.model, params, rows, dict_key_x=self.dict_key_x)
+                if isinstance(result, str):
+                    return None
+                out, J = result
+                parts.append(J.reshape(-1, out.shape[-1], offset))
+        J = torch.cat(parts)
+        return J.reshape(-1, offset) if joint else J
 
     def _diagonal_gram(
         self,

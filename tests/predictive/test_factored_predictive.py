@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import loader
+from conftest import loader, output_jacobian
 from curvature.operators.test_factored import MODELS, MixesExamples, Recurrent, as64, problem
 
 from laplace_glas import ActiveSubspaceLaplace
-from laplace_glas.curvature.operators.factored import factored_jacobian_directions
+from laplace_glas.curvature.operators.factored import (
+    factored_jacobian,
+    factored_jacobian_directions,
+)
 from laplace_glas.predictive.jvp import jvp_directions
 
 F64 = torch.float64
@@ -29,8 +32,18 @@ def test_factored_jacobian_directions_equal_forward_mode(name):
     torch.testing.assert_close(JV, JV_ref.detach(), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_factored_jacobian_equals_reverse_mode(name):
+    model, X, _ = as64(*problem(name)[:3])
+    f, J = factored_jacobian(model, list(model.parameters()), X)
+    f_ref, J_ref = output_jacobian(model, X)  # torch.func.jacrev
+    torch.testing.assert_close(f, f_ref)
+    assert J.shape == (*f_ref.shape, J_ref.shape[-1])
+    torch.testing.assert_close(J.reshape(J_ref.shape), J_ref, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("name", ["mlp-regression", "mlp-classification", "token-classification"])
-@pytest.mark.parametrize("complement", ["zero", "prior"])
+@pytest.mark.parametrize("complement", ["zero", "prior", "auto"])
 def test_glm_predictive_uses_the_factors_and_matches_the_jvp_path(name, complement):
     model, X, y, likelihood = problem(name)
     model, X, y = as64(model, X, y)

@@ -52,6 +52,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -77,6 +78,7 @@ from laplace_glas.curvature.operators.factors import (
     NotFactorable,
     OuterFactor,
     batch_factors,
+    factor_jacobian,
     owning_modules,
     parameter_offsets,
 )
@@ -93,6 +95,7 @@ __all__ = [
     "build_factored_ggn",
     "check_first_batch",
     "default_factor_budget",
+    "factored_jacobian",
     "factored_jacobian_directions",
     "unsupported_reason",
 ]
@@ -459,6 +462,36 @@ def _sizes(loader: Iterable, layers: dict, explicit: list, out: torch.Tensor, R:
     return FactorSizes(*sizes)
 
 
+def _one_batch_factors(
+    model: nn.Module, params: Sequence[torch.Tensor], x: Any, dict_key_x: str, budget_bytes: int
+) -> tuple[torch.Tensor, list, int, int] | str:
+    """``(f(x), factors, D, R)`` of one input batch with the regression rows
+    (``Lambda = I``, scale 1, so ``S = J``), checked against forward mode, or why not.
+    """
+    reason = unsupported_reason(model, params, "regression")
+    if reason is not None:
+        return reason
+    params = list(params)
+    offsets, names, start = parameter_offsets(model, params)
+    recorder = ForwardRecorder(offsets)
+    try:
+        B = batch_size(x, dict_key_x)
+        y = torch.zeros(B)  # unused by the regression rows
+        out, rows, layers, explicit, R = batch_factors(
+            model, recorder, x, y, "regression", -100, 1.0, offsets, dict_key_x
+        )
+        recorder.remove()
+        if factor_bytes(layers, explicit) > budget_bytes:
+            return f"factors above the predictive's budget ({format_bytes(budget_bytes)})"
+        factors = assemble_factors(layers, explicit)
+        check_first_batch(model, params, names, x, out, rows, factors, start, out.dtype)
+    except NotFactorable as err:
+        return str(err)
+    finally:
+        recorder.remove()
+    return out, factors, start, R
+
+
 def factored_jacobian_directions(
     model: nn.Module,
     params: Sequence[torch.Tensor],
@@ -499,27 +532,37 @@ def factored_jacobian_directions(
         sentence saying why the model does not qualify (the caller then uses JVPs).
 
     """
-    reason = unsupported_reason(model, params, "regression")
-    if reason is not None:
-        return reason
-    params = list(params)
-    offsets, names, start = parameter_offsets(model, params)
-    recorder = ForwardRecorder(offsets)
-    try:
-        B = batch_size(x, dict_key_x)
-        y = torch.zeros(B, device=directions.device)  # unused by the regression rows
-        out, rows, layers, explicit, R = batch_factors(
-            model, recorder, x, y, "regression", -100, 1.0, offsets, dict_key_x
-        )
-        recorder.remove()
-        if factor_bytes(layers, explicit) > budget_bytes:
-            return f"factors above the predictive's budget ({format_bytes(budget_bytes)})"
-        factors = assemble_factors(layers, explicit)
-        check_first_batch(model, params, names, x, out, rows, factors, start, out.dtype)
-    except NotFactorable as err:
-        return str(err)
-    finally:
-        recorder.remove()
+    built = _one_batch_factors(model, params, x, dict_key_x, budget_bytes)
+    if isinstance(built, str):
+        return built
+    out, factors, start, R = built
     S = FactoredGGN(factors, start, R)
     JV = S.apply_S(directions.T.to(dtype=out.dtype).contiguous())  # (k, B, R)
     return out, JV.permute(1, 2, 0).reshape(*out.shape, directions.shape[1])
+
+
+def factored_jacobian(
+    model: nn.Module,
+    params: Sequence[torch.Tensor],
+    x: torch.Tensor | dict,
+    *,
+    dict_key_x: str = "input_ids",
+    budget_bytes: int = _PREDICTIVE_BUDGET,
+) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """``f(x)`` and the Jacobian ``J(x)`` ``(batch, *out, D)`` formed from the factors of
+    one batch, or why not.
+
+    The Jacobian the 'glm' predictive's ``J B J^T`` needs (the prior's or KFAC's
+    complement): one forward pass with hooks, one batched backward pass over the
+    ``R`` output rows (:func:`factored_jacobian_directions`' factors), then
+    ``J = sum_t g_t a_t^T`` per layer
+    (:func:`~laplace_glas.curvature.operators.factors.factor_jacobian`), where reverse
+    mode over the weights (``torch.func.jacrev``) differentiates every weight once per
+    output row. Same arguments and refusals as :func:`factored_jacobian_directions`.
+    """
+    built = _one_batch_factors(model, params, x, dict_key_x, budget_bytes)
+    if isinstance(built, str):
+        return built
+    out, factors, start, R = built
+    J = factor_jacobian(factors, out.shape[0], R, start, out.dtype, out.device)
+    return out, J.reshape(*out.shape, start)

@@ -35,6 +35,7 @@ __all__ = [
     "NotFactorable",
     "OuterFactor",
     "batch_factors",
+    "factor_jacobian",
     "owning_modules",
     "parameter_offsets",
     "row_vectors",
@@ -481,3 +482,32 @@ def parameter_offsets(
         offsets.setdefault(module, {})[attr] = start
         start += p.numel()
     return offsets, [owners[id(p)][0] for p in params], start
+
+
+def factor_jacobian(
+    factors: list, B: int, R: int, D: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """``(B, R, D)``: the rows of ``S`` of one batch, formed from its per-layer factors
+    (:func:`batch_factors` assembled): ``g_t a_t^T`` summed over the positions ``t``
+    of a weight layer's calls, ``sum_t g_t`` for its bias, the gradients scattered into
+    an embedding's rows, the explicit columns as they are. With the regression rows
+    (``Lambda = I``, scale 1) ``S`` is the Jacobian of the outputs.
+    """
+    J = torch.zeros(B, R, D, dtype=dtype, device=device)
+    for f in factors:
+        if isinstance(f, OuterFactor):
+            d_out, d_in = f.shape
+            block = J[:, :, f.offset : f.offset + f.numel].view(B, R, d_out, d_in)
+            T = f.a.shape[1]
+            g = f.g.transpose(2, 3).reshape(B, R * d_out, T)
+            block.copy_(torch.bmm(g, f.a).view(B, R, d_out, d_in))
+            if f.bias_offset is not None:
+                J[:, :, f.bias_offset : f.bias_offset + d_out] += f.g.sum(2)
+        elif isinstance(f, EmbeddingFactor):
+            dim = f.g.shape[-1]
+            table = J[:, :, f.offset : f.offset + f.numel].view(B, R, f.num, dim)
+            index = f.idx[:, None, :, None].expand(B, R, f.idx.shape[1], dim)
+            table.scatter_add_(2, index, f.g)
+        else:
+            J[:, :, f.index] += f.J
+    return J

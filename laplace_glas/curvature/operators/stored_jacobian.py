@@ -63,12 +63,11 @@ from laplace_glas.curvature.operators.factored import (
     unsupported_reason,
 )
 from laplace_glas.curvature.operators.factors import (
-    EmbeddingFactor,
     ExplicitFactor,
     ForwardRecorder,
     NotFactorable,
-    OuterFactor,
     batch_factors,
+    factor_jacobian,
     parameter_offsets,
     row_vectors,
 )
@@ -124,28 +123,6 @@ class JacobianGGN(FactoredGGN):
 
 
 # ---------------------------------------------------------------------- from factors
-def _factor_jacobian(factors: list, B: int, R: int, D: int, dtype, device) -> torch.Tensor:
-    """``(B, R, D)`` rows of ``S`` of one batch from its per-layer factors."""
-    J = torch.zeros(B, R, D, dtype=dtype, device=device)
-    for f in factors:
-        if isinstance(f, OuterFactor):
-            d_out, d_in = f.shape
-            block = J[:, :, f.offset : f.offset + f.numel].view(B, R, d_out, d_in)
-            T = f.a.shape[1]
-            g = f.g.transpose(2, 3).reshape(B, R * d_out, T)
-            block.copy_(torch.bmm(g, f.a).view(B, R, d_out, d_in))
-            if f.bias_offset is not None:
-                J[:, :, f.bias_offset : f.bias_offset + d_out] += f.g.sum(2)
-        elif isinstance(f, EmbeddingFactor):
-            dim = f.g.shape[-1]
-            table = J[:, :, f.offset : f.offset + f.numel].view(B, R, f.num, dim)
-            index = f.idx[:, None, :, None].expand(B, R, f.idx.shape[1], dim)
-            table.scatter_add_(2, index, f.g)
-        else:
-            J[:, :, f.index] += f.J
-    return J
-
-
 def _larger_than_factors(model, recorder, X, likelihood: str, n_params: int) -> str | None:
     """Why not, when one batch's Jacobian rows (``B R D``) would take more memory than
     the factored operator's factors of it (``sum_calls B T (d_in + R_f d_out)``, read off
@@ -214,7 +191,7 @@ def _factored_batches(model, params, loader, likelihood, n_terms, options):
                 finally:
                     recorder = ForwardRecorder(offsets)
             del layers, explicit
-            yield _factor_jacobian(factors, B, R, n_params, out.dtype, out.device)
+            yield factor_jacobian(factors, B, R, n_params, out.dtype, out.device)
             del factors, out, rows  # not held beside the next batch's build
     finally:
         recorder.remove()
