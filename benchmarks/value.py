@@ -12,7 +12,12 @@ same network and training data:
   ``--variants`` (a JSON list of constructor-keyword dicts). The default variants are
   ``{}`` (the library default: 'sum', 'auto'), the loss scalings 'mean' and 'sum' with
   each of the complements 'zero', 'diag' and 'kron' (the last two only if the installed
-  laplace_glas accepts them), and ``{"loss_scaling": "sum", "complement": "prior"}``.
+  laplace_glas accepts them), and ``{"loss_scaling": "sum", "complement": "prior"}``;
+* on the classification tasks: Kron and the GLAS default with the Monte Carlo link
+  (``link_approx='mc'``, 2,000 draws), and ``GLAS posterior curvature`` (the default
+  posterior refitted by ``fit_posterior_curvature``: the softmax Hessian averaged over
+  the posterior's own predictive, to its fixed point, the prior by the evidence after
+  every fit; ``fit [s]`` is all of it) with the probit and the Monte Carlo link.
 
 Every posterior's prior precision is tuned by its own ``la.optimize_prior_precision()``
 (laplace-torch's default: ``method='marglik'``, a scalar prior; GLAS solves the same
@@ -86,6 +91,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import laplace_glas  # noqa: F401  (registers hessian_structure='glas')
+from laplace_glas import fit_posterior_curvature
 from laplace_glas.applications.data import concrete_splits, make_mlp, train_map
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,6 +103,11 @@ DTYPE = torch.float64
 LEVEL = 0.9
 Z90 = statistics.NormalDist().inv_cdf(0.5 + LEVEL / 2)
 ECE_BINS = 15
+MC_LINK_SAMPLES = 2000
+LIKELIHOODS = {name: "classification" for name in DATASETS} | {
+    "gap": "regression",
+    "concrete": "regression",
+}
 BASE_VARIANTS: list[dict[str, Any]] = [
     {},
     {"loss_scaling": "mean", "complement": "zero"},
@@ -403,6 +414,8 @@ class Method:
     structure: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
     max_params: int | None = None
+    fixed_point: bool = False  # GLAS refitted by fit_posterior_curvature (classification)
+    link: str = "probit"  # classification's link: 'probit' or 'mc' (MC_LINK_SAMPLES draws)
 
 
 def glas_label(variant: dict[str, Any]) -> str:
@@ -432,11 +445,31 @@ def methods(variants: list[dict[str, Any]], k: int, full_max_params: int) -> lis
     for variant in variants:
         kwargs = {"n_components": k, **variant}
         out.append(Method(glas_label(variant), structure="glas", kwargs=kwargs))
+    glas = {"n_components": k}
+    out += [
+        Method("kron, MC link", structure="kron", link="mc"),
+        Method("GLAS (default), MC link", structure="glas", kwargs=glas, link="mc"),
+        Method("GLAS posterior curvature", structure="glas", kwargs=glas, fixed_point=True),
+        Method(
+            "GLAS posterior curvature, MC link",
+            structure="glas",
+            kwargs=glas,
+            fixed_point=True,
+            link="mc",
+        ),
+    ]
     return out
 
 
-def predict(la: Any, problem: Problem, X: Tensor, batch: int = 250) -> Any:
-    """The 'glm' predictive (probit for classification) of ``X``, or the MAP's."""
+def applies(method: Method, likelihood: str) -> bool:
+    """Whether ``method`` runs on a problem of ``likelihood``: the posterior curvature
+    and the link choice are classification's."""
+    return likelihood == "classification" or (not method.fixed_point and method.link == "probit")
+
+
+def predict(la: Any, problem: Problem, X: Tensor, batch: int = 250, link: str = "probit") -> Any:
+    """The 'glm' predictive (``link`` for classification: 'probit', or 'mc' with
+    ``MC_LINK_SAMPLES`` draws from a generator seeded 0 per batch) of ``X``, or the MAP's."""
     parts = []
     with torch.no_grad():
         for start in range(0, len(X), batch):
@@ -447,6 +480,17 @@ def predict(la: Any, problem: Problem, X: Tensor, batch: int = 250) -> Any:
                     parts.append(out.softmax(-1))
                 else:
                     parts.append((out, torch.zeros_like(out)))
+            elif problem.likelihood == "classification" and link == "mc":
+                g = torch.Generator().manual_seed(0)
+                parts.append(
+                    la(
+                        xb,
+                        pred_type="glm",
+                        link_approx="mc",
+                        n_samples=MC_LINK_SAMPLES,
+                        generator=g,
+                    )
+                )
             elif problem.likelihood == "classification":
                 parts.append(la(xb, pred_type="glm", link_approx="probit"))
             else:
@@ -459,14 +503,14 @@ def predict(la: Any, problem: Problem, X: Tensor, batch: int = 250) -> Any:
     return torch.cat([m for m, _ in parts]), torch.cat([v for _, v in parts])
 
 
-def evaluate(la: Any, problem: Problem) -> dict[str, float]:
+def evaluate(la: Any, problem: Problem, link: str = "probit") -> dict[str, float]:
     if problem.likelihood == "classification":
-        probs = predict(la, problem, problem.X_test)
-        probs_ood = predict(la, problem, problem.X_ood)
+        probs = predict(la, problem, problem.X_test, link=link)
+        probs_ood = predict(la, problem, problem.X_ood, link=link)
         metrics = classification_metrics(probs, problem.y_test, probs_ood)
         if problem.X_shift is not None:
             shifted = classification_metrics(
-                predict(la, problem, problem.X_shift), problem.y_test, probs_ood
+                predict(la, problem, problem.X_shift, link=link), problem.y_test, probs_ood
             )
             metrics.update(shift_nll=shifted["nll"], shift_ece=shifted["ece"])
         return metrics
@@ -504,14 +548,18 @@ def run_method(method: Method, problem: Problem) -> dict[str, Any]:
     )
     loader = DataLoader(TensorDataset(problem.X_train, problem.y_train), batch_size=256)
     start = time.perf_counter()
-    la.fit(loader)
-    fit_s = time.perf_counter() - start
-    start = time.perf_counter()
-    la.optimize_prior_precision()  # laplace-torch's default: method='marglik'
-    prior_s = time.perf_counter() - start
+    if method.fixed_point:  # its evidence chooses the prior after every fit: all in fit_s
+        fit_posterior_curvature(la, loader)
+        fit_s, prior_s = time.perf_counter() - start, 0.0
+    else:
+        la.fit(loader)
+        fit_s = time.perf_counter() - start
+        start = time.perf_counter()
+        la.optimize_prior_precision()  # laplace-torch's default: method='marglik'
+        prior_s = time.perf_counter() - start
     prior = la.prior_precision
     prior = float(prior.detach().double().mean()) if isinstance(prior, Tensor) else float(prior)
-    metrics = evaluate(la, problem)
+    metrics = evaluate(la, problem, method.link)
     metrics.update(fit_s=fit_s, prior_s=prior_s, prior=prior)
     bad = [key for key, value in metrics.items() if key != "gap_ratio" and not math.isfinite(value)]
     if bad:
@@ -693,7 +741,7 @@ def main(argv: list[str] | None = None) -> None:
         if dataset in SKLEARN_DATASETS and importlib.util.find_spec("sklearn") is None:
             emit("skipped: scikit-learn is not installed (`pip install -e '.[bench]'`)")
             continue
-        rows = {m.name: Row() for m in method_list}
+        rows = {m.name: Row() for m in method_list if applies(m, LIKELIHOODS[dataset])}
         infos, dims = [], set()
         for seed in args.seeds:
             start = time.perf_counter()
@@ -704,6 +752,8 @@ def main(argv: list[str] | None = None) -> None:
             infos.append(f"seed {seed}: {problem.info}{sigma}")
             log(f"[{dataset} seed {seed}] MAP in {time.perf_counter() - start:.1f} s, D = {D}")
             for method in method_list:
+                if method.name not in rows:
+                    continue
                 row = rows[method.name]
                 if method.max_params is not None and D > method.max_params:
                     row.notes.append(f"skipped: D = {D} > {method.max_params}")

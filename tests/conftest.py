@@ -51,6 +51,20 @@ def train(
     return model
 
 
+class Gained(nn.Module):
+    """A float64 tanh MLP whose outputs are multiplied by a parameter of no supported
+    layer (``gain``): the factored operator refuses it, the stored Jacobians take
+    ``torch.func``'s route."""
+
+    def __init__(self, widths: list[int], gain: list[float], seed: int = 0):
+        super().__init__()
+        self.body = mlp(widths, dtype=torch.float64, seed=seed)
+        self.gain = nn.Parameter(torch.tensor(gain, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.gain
+
+
 def regression_data(
     n: int, dtype=torch.float32, seed: int = 0, noise: float = 0.1, d_in: int = 1, d_out: int = 1
 ):

@@ -112,6 +112,40 @@ def _eigenvalue_change(new: torch.Tensor, old: torch.Tensor | None) -> float:
     return float(torch.linalg.vector_norm(new - old) / torch.linalg.vector_norm(old))
 
 
+def _check_arguments(la: Any, n_steps: Any, n_draws: Any, seed: Any) -> None:
+    """Refuse, before any fit, what :func:`fit_posterior_curvature` cannot take."""
+    if not hasattr(type(la), "output_hessian"):
+        raise ArgumentTypeError(
+            "fit_posterior_curvature takes a GLAS posterior (Laplace(..., "
+            f"hessian_structure='glas')), got {type(la).__name__}."
+        )
+    if la.likelihood != "classification":
+        raise ValueError(
+            "fit_posterior_curvature averages the softmax cross-entropy's output Hessian; "
+            f"got likelihood {la.likelihood!r}."
+        )
+    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
+        raise ArgumentTypeError(f"n_steps must be an int >= 1, got {n_steps!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ArgumentTypeError(f"seed must be an int, got {seed!r}.")
+    PosteriorAveragedHessian([frozen_logit_covariance], [1.0], n_draws=n_draws)  # n_draws
+
+
+def _refit(la: Any, train_loader: Iterable, progress_bar: bool, step: int) -> None:
+    """``la.fit`` at step ``step``; a refusal of the averaged Hessian is re-raised with
+    what to do about it.
+    """
+    try:
+        la.fit(train_loader, progress_bar=progress_bar)
+    except ValueError as err:
+        if step == 0 or "output Hessian" not in str(err):
+            raise
+        raise ValueError(
+            f"fit_posterior_curvature: {err} Pass complement='zero' or 'prior' to the "
+            "constructor to refit the subspace alone with the posterior's curvature."
+        ) from err
+
+
 def fit_posterior_curvature(
     la: Any,
     train_loader: Iterable,
@@ -126,14 +160,22 @@ def fit_posterior_curvature(
     Parameters
     ----------
     la : ActiveSubspaceLaplace
-        A GLAS posterior over the whole network (``subset_of_weights='all'``) of a
-        classification model, fitted or not; it is refitted ``n_steps + 1`` times.
+        A GLAS posterior of a classification model with outputs ``(batch, classes)``
+        (the whole network or its last layer), fitted or not; it is refitted
+        ``n_steps + 1`` times. Its fit must reach the factored operator or the stored
+        Jacobians (an ``nn.LSTM`` does not), and a curvature-aware complement must come
+        from the factored operator's KFAC factors (``'kron'`` on ``nn.Linear`` /
+        ``nn.Conv2d`` networks); otherwise pass ``complement='zero'`` or ``'prior'``.
+        ``complement='auto'`` is set to what the fit at the MAP resolved it to, so a
+        complement the averaged Hessian cannot reach is refused by name instead of
+        silently dropped.
     train_loader : iterable
         The training data, as for ``la.fit`` (any order on every pass: each example's
         output Hessian depends on the example only).
     n_steps : int
         Fits after the one at the MAP's output Hessian (8: the relative change of the
-        eigenvalues is then at the Monte Carlo noise on the benchmarks' networks).
+        eigenvalues is then at the Monte Carlo noise on the benchmarks' networks,
+        0.02-0.07; the first step's is large, as it replaces the MAP's curvature).
     n_draws : int
         Antithetic Monte Carlo draws per example for the average (even).
     optimize_prior : bool
@@ -148,47 +190,59 @@ def fit_posterior_curvature(
     Returns
     -------
     list of FixedPointStep
-        One record per fit, the MAP's first; ``la.output_hessian`` keeps the last step's
-        average, so a later ``la.fit(train_loader)`` refits the same curvature.
+        One record per fit, the MAP's first.
 
     Raises
     ------
+    TypeError
+        If ``la`` is not a GLAS posterior, or ``n_steps`` / ``seed`` are not ints.
     ValueError
-        If the likelihood is not classification, or ``n_steps`` / ``n_draws`` are not
-        valid; the fit's own errors where the model does not take the factored operator.
+        If the likelihood is not classification or ``n_draws`` is not a positive even
+        int (all before any fit), or a step's fit refuses the averaged Hessian (the
+        operator or the complement cannot take it).
+
+    Notes
+    -----
+    ``la.output_hessian`` keeps the last step's average: a later
+    ``la.fit(train_loader)`` refits the same curvature, and ``la.output_hessian =
+    None`` returns to the MAP's (do that before refitting a retrained model). On an
+    error it is reset to None, and ``la`` holds the last fit that completed.
+    ``la.log_marginal_likelihood()`` afterwards is the Laplace evidence of the
+    averaged-curvature posterior, not comparable with a MAP-curvature fit's. Predict
+    with ``pred_type='glm'``; with ten or more classes use ``link_approx='mc'`` (the
+    probit counts the variance all logits share).
 
     """
-    if getattr(la, "likelihood", None) != "classification":
-        raise ValueError(
-            "fit_posterior_curvature averages the softmax cross-entropy's output Hessian; "
-            f"got likelihood {getattr(la, 'likelihood', None)!r}."
-        )
-    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
-        raise ArgumentTypeError(f"n_steps must be an int >= 1, got {n_steps!r}.")
-    la.output_hessian = None
-    la.fit(train_loader, progress_bar=progress_bar)
-    if optimize_prior:
-        la.optimize_prior_precision(method="marglik")
-    previous = la.eigenvalues.clone()
-    history = [
-        FixedPointStep(
-            0, float("nan"), la.prior_precision.clone(), float(la.log_marginal_likelihood())
-        )
-    ]
-    snapshots: list[LogitCovariance] = []
-    for step in range(1, n_steps + 1):
-        snapshots.append(frozen_logit_covariance(la))
-        la.output_hessian = PosteriorAveragedHessian(
-            snapshots, mixture_weights(len(snapshots)), n_draws=n_draws, seed=seed + step
-        )
-        la.fit(train_loader, progress_bar=progress_bar)
+    _check_arguments(la, n_steps, n_draws, seed)
+    try:
+        la.output_hessian = None
+        _refit(la, train_loader, progress_bar, 0)
+        la.complement = la.complement  # 'auto' -> what the MAP's fit resolved it to
         if optimize_prior:
             la.optimize_prior_precision(method="marglik")
-        change = _eigenvalue_change(la.eigenvalues, previous)
         previous = la.eigenvalues.clone()
-        history.append(
+        history = [
             FixedPointStep(
-                step, change, la.prior_precision.clone(), float(la.log_marginal_likelihood())
+                0, float("nan"), la.prior_precision.clone(), float(la.log_marginal_likelihood())
             )
-        )
+        ]
+        snapshots: list[LogitCovariance] = []
+        for step in range(1, n_steps + 1):
+            snapshots.append(frozen_logit_covariance(la))
+            la.output_hessian = PosteriorAveragedHessian(
+                snapshots, mixture_weights(len(snapshots)), n_draws=n_draws, seed=seed + step
+            )
+            _refit(la, train_loader, progress_bar, step)
+            if optimize_prior:
+                la.optimize_prior_precision(method="marglik")
+            change = _eigenvalue_change(la.eigenvalues, previous)
+            previous = la.eigenvalues.clone()
+            history.append(
+                FixedPointStep(
+                    step, change, la.prior_precision.clone(), float(la.log_marginal_likelihood())
+                )
+            )
+    except BaseException:
+        la.output_hessian = None
+        raise
     return history

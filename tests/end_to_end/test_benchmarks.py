@@ -107,6 +107,14 @@ def test_value_benchmark_quick_tables():
             assert rows["kron"][0].startswith("failed:"), rows["kron"]
             assert "'auto' -> 'kron_diag'" in rows["GLAS (default)"][-1]
             peers = ("diag", "last-layer kron")
+        fixed_point = ("GLAS posterior curvature", "GLAS posterior curvature, MC link")
+        if name in ("gap", "concrete"):  # the posterior curvature is classification's
+            assert not set(fixed_point) & set(rows), rows
+        elif name in ("lstm", "transformer"):  # their complement needs its own pass
+            for method in fixed_point:
+                assert "fit_posterior_curvature: complement='kron_diag'" in rows[method][0]
+        else:
+            glas = (*glas, *fixed_point, "GLAS (default), MC link")
         for method in ("MAP", *peers, *glas):
             cells = rows[method][:n_metrics]
             if name == "gap" and method == "MAP":

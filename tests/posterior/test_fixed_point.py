@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import loader, mlp, output_jacobian, train
+from conftest import Gained, loader, mlp, output_jacobian, train
 from laplace import Laplace
 
 from laplace_glas.curvature.data.output_hessian import PosteriorAveragedHessian, softmax_hessian
@@ -156,20 +156,8 @@ def test_routes_without_the_rows_refuse_it(blobs):
         la.fit(loader(X, y))
 
 
-class _Gained(torch.nn.Module):
-    """An MLP times a parameter of no supported layer: not factored."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = mlp([2, 4, 3], dtype=torch.float64)
-        self.gain = torch.nn.Parameter(torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64))
-
-    def forward(self, x):
-        return self.body(x) * self.gain
-
-
 def test_a_model_outside_the_factored_operator_takes_it_through_torch_func():
-    model = _Gained().eval()
+    model = Gained([2, 4, 3], [1.0, 0.5, 2.0]).eval()
     g = torch.Generator().manual_seed(0)
     X = torch.randn(12, 2, generator=g, dtype=torch.float64)
     y = torch.arange(3).repeat(4)
@@ -186,7 +174,7 @@ def test_a_model_outside_the_factored_operator_takes_it_through_torch_func():
 
 
 def test_a_model_the_factored_operators_refuse_is_refused_by_name(without_jacobian):
-    model = _Gained().eval()
+    model = Gained([2, 4, 3], [1.0, 0.5, 2.0]).eval()
     X = torch.randn(12, 2, dtype=torch.float64)
     y = torch.arange(3).repeat(4)
     la = _glas(model, n_components=3, complement="zero")
@@ -194,3 +182,66 @@ def test_a_model_the_factored_operators_refuse_is_refused_by_name(without_jacobi
     la.output_hessian = PosteriorAveragedHessian([lambda x: torch.zeros(len(x), 3, 3)], [1.0])
     with pytest.raises(ValueError, match="needs the factored GGN operator"):
         la.fit(loader(X, y))
+
+
+class _Normed(torch.nn.Module):
+    """Linear layers around a LayerNorm: 'auto' resolves to 'kron_diag' (KFAC where it
+    covers a layer, the GGN diagonal of the norm's weights), a separate data pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = mlp([2, 6], dtype=torch.float64, seed=5)
+        self.norm = torch.nn.LayerNorm(6).double()
+        self.head = mlp([6, 3], dtype=torch.float64, seed=6)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.norm(self.inner(x))))
+
+
+def test_a_complement_the_average_cannot_reach_is_refused_not_dropped(blobs):
+    _, X, y = blobs
+    model = _Normed().eval()
+    la = _glas(model, n_components=5, prior_precision=3.0)
+    with pytest.raises(ValueError, match="complement='kron_diag' needs a data pass") as info:
+        fit_posterior_curvature(la, loader(X, y, 30), n_steps=2, n_draws=8)
+    assert "Pass complement='zero' or 'prior'" in str(info.value)
+    assert la.output_hessian is None  # reset: a plain fit works again
+    la.fit(loader(X, y, 30))
+    assert la.complement == "kron_diag"
+    # the subspace alone, asked for explicitly, takes the averaged curvature
+    la = _glas(model, n_components=5, complement="zero")
+    history = fit_posterior_curvature(la, loader(X, y, 30), n_steps=2, n_draws=8)
+    assert len(history) == 3 and la.complement == "zero"
+
+
+def test_auto_is_set_to_what_the_maps_fit_resolved(blobs):
+    model, X, y = blobs
+    la = _glas(model, n_components=5)
+    assert la.complement == "auto"
+    fit_posterior_curvature(la, loader(X, y, 30), n_steps=1, n_draws=8)
+    assert la.complement == "kron"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"n_draws": 7}, ValueError, "even"),
+        ({"seed": None}, TypeError, "seed must be an int"),
+        ({"n_steps": 1.5}, TypeError, "n_steps"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_fit(blobs, kwargs, error, match):
+    model, X, y = blobs
+    la = _glas(model, n_components=5, prior_precision=5.0)
+    with pytest.raises(error, match=match):
+        fit_posterior_curvature(la, loader(X, y, 30), **kwargs)
+    assert float(la.prior_precision) == 5.0 and getattr(la, "H", None) is None
+
+
+def test_another_laplace_object_is_refused_by_name(blobs):
+    model, X, y = blobs
+    kron = Laplace(model, "classification", subset_of_weights="all", hessian_structure="kron")
+    with pytest.raises(TypeError, match=r"takes a GLAS posterior.*KronLaplace"):
+        fit_posterior_curvature(kron, loader(X, y, 30))
+    with pytest.raises(TypeError, match="takes a GLAS posterior"):
+        fit_posterior_curvature(model, loader(X, y, 30))

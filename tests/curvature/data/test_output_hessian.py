@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import mlp, mlp_problem, output_jacobian
+from conftest import Gained, mlp, mlp_problem, output_jacobian
 
 from laplace_glas.curvature.data.output_hessian import PosteriorAveragedHessian, softmax_hessian
 from laplace_glas.curvature.operators.factored import build_factored_ggn
@@ -150,21 +150,8 @@ def test_the_factored_operators_take_it_against_reverse_mode_jacobians():
         torch.testing.assert_close(operator.matmat_torch(V), G @ V, rtol=1e-10, atol=1e-12)
 
 
-class _Scaled(torch.nn.Module):
-    """An MLP whose output is multiplied by a parameter of no supported layer: the
-    factored operator refuses it, the stored Jacobians take ``torch.func``'s route."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = mlp([3, 5, 4], dtype=torch.float64, seed=4)
-        self.gain = torch.nn.Parameter(torch.tensor([1.5, 0.5, 1.0, 2.0], dtype=torch.float64))
-
-    def forward(self, x):
-        return self.body(x) * self.gain
-
-
 def test_the_jacobians_of_torch_func_take_it_against_reverse_mode():
-    model = _Scaled().eval()
+    model = Gained([3, 5, 4], [1.5, 0.5, 1.0, 2.0], seed=4).eval()
     g = torch.Generator().manual_seed(1)
     X = torch.randn(20, 3, generator=g, dtype=torch.float64)
     y = torch.randint(0, 4, (20,), generator=g)
