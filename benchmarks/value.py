@@ -14,10 +14,14 @@ same network and training data:
   each of the complements 'zero', 'diag' and 'kron' (the last two only if the installed
   laplace_glas accepts them), and ``{"loss_scaling": "sum", "complement": "prior"}``;
 * on the classification tasks: Kron and the GLAS default with the Monte Carlo link
-  (``link_approx='mc'``, 2,000 draws), and ``GLAS posterior curvature`` (the default
-  posterior refitted by ``fit_posterior_curvature``: the softmax Hessian averaged over
-  the posterior's own predictive, to its fixed point, the prior by the evidence after
-  every fit; ``fit [s]`` is all of it) with the probit and the Monte Carlo link.
+  (``link_approx='mc'``, 2,000 draws), Kron with the normalised Laplace bridge
+  (``'bridge_norm'``), and ``GLAS posterior curvature`` (the default posterior
+  refitted by ``fit_posterior_curvature``: the softmax Hessian averaged over the
+  posterior's own predictive, to its fixed point, the prior by the evidence after
+  every fit; ``fit [s]`` is all of it) with the probit, Monte Carlo and
+  ``'bridge_norm'`` links.
+
+``--methods`` keeps only the rows named (e.g. ``--methods MAP kron``).
 
 Every posterior's prior precision is tuned by its own ``la.optimize_prior_precision()``
 (laplace-torch's default: ``method='marglik'``, a scalar prior; GLAS solves the same
@@ -415,7 +419,7 @@ class Method:
     kwargs: dict[str, Any] = field(default_factory=dict)
     max_params: int | None = None
     fixed_point: bool = False  # GLAS refitted by fit_posterior_curvature (classification)
-    link: str = "probit"  # classification's link: 'probit' or 'mc' (MC_LINK_SAMPLES draws)
+    link: str = "probit"  # classification's link_approx ('mc': MC_LINK_SAMPLES draws)
 
 
 def glas_label(variant: dict[str, Any]) -> str:
@@ -457,6 +461,14 @@ def methods(variants: list[dict[str, Any]], k: int, full_max_params: int) -> lis
             fixed_point=True,
             link="mc",
         ),
+        Method("kron, bridge_norm link", structure="kron", link="bridge_norm"),
+        Method(
+            "GLAS posterior curvature, bridge_norm link",
+            structure="glas",
+            kwargs=glas,
+            fixed_point=True,
+            link="bridge_norm",
+        ),
     ]
     return out
 
@@ -468,8 +480,9 @@ def applies(method: Method, likelihood: str) -> bool:
 
 
 def predict(la: Any, problem: Problem, X: Tensor, batch: int = 250, link: str = "probit") -> Any:
-    """The 'glm' predictive (``link`` for classification: 'probit', or 'mc' with
-    ``MC_LINK_SAMPLES`` draws from a generator seeded 0 per batch) of ``X``, or the MAP's."""
+    """The 'glm' predictive (``link`` for classification: laplace-torch's
+    ``link_approx``, 'mc' with ``MC_LINK_SAMPLES`` draws from a generator seeded 0 per
+    batch) of ``X``, or the MAP's."""
     parts = []
     with torch.no_grad():
         for start in range(0, len(X), batch):
@@ -492,7 +505,7 @@ def predict(la: Any, problem: Problem, X: Tensor, batch: int = 250, link: str = 
                     )
                 )
             elif problem.likelihood == "classification":
-                parts.append(la(xb, pred_type="glm", link_approx="probit"))
+                parts.append(la(xb, pred_type="glm", link_approx=link))
             else:
                 f_mu, f_var = la(xb, pred_type="glm")
                 if f_var.ndim == 3:
@@ -660,6 +673,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         'mean and sum with "diag" / "kron" where supported)',
     )
     parser.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        help="only these rows, by their names in the tables (default: all)",
+    )
     parser.add_argument("--concrete-data", type=Path, default=DEFAULT_CONCRETE)
     parser.add_argument(
         "--full-max-params", type=int, default=None, help="[3000; quick 1000: not wine, digits]"
@@ -719,6 +738,11 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 emit()
     method_list = methods(variants, args.k, args.full_max_params)
+    if args.methods is not None:
+        unknown = sorted(set(args.methods) - {m.name for m in method_list})
+        if unknown:
+            raise SystemExit(f"--methods: no rows named {unknown}")
+        method_list = [m for m in method_list if m.name in args.methods]
     emit(
         f"Seeds {' '.join(map(str, args.seeds))}; float64 tanh MLPs 2 x {cfg.width} hidden, "
         f"MAP by {cfg.steps} full-batch Adam steps; GLAS k = {args.k}; prior precision "

@@ -141,8 +141,8 @@ def _refit(la: Any, train_loader: Iterable, progress_bar: bool, step: int) -> No
         if step == 0 or "output Hessian" not in str(err):
             raise
         raise ValueError(
-            f"fit_posterior_curvature: {err} Pass complement='zero' or 'prior' to the "
-            "constructor to refit the subspace alone with the posterior's curvature."
+            f"fit_posterior_curvature: {err} Pass complement='diag' (or 'zero' / 'prior', "
+            "the subspace alone) to the constructor."
         ) from err
 
 
@@ -163,9 +163,10 @@ def fit_posterior_curvature(
         A GLAS posterior of a classification model with outputs ``(batch, classes)``
         (the whole network or its last layer), fitted or not; it is refitted
         ``n_steps + 1`` times. Its fit must reach the factored operator or the stored
-        Jacobians (an ``nn.LSTM`` does not), and a curvature-aware complement must come
-        from the factored operator's KFAC factors (``'kron'`` on ``nn.Linear`` /
-        ``nn.Conv2d`` networks); otherwise pass ``complement='zero'`` or ``'prior'``.
+        Jacobians (an ``nn.LSTM`` does not), and a curvature-aware complement must be
+        ``'diag'`` or KFAC's factors from the factored operator (``'kron'`` on
+        ``nn.Linear`` / ``nn.Conv2d`` networks); otherwise pass ``complement='diag'``,
+        ``'zero'`` or ``'prior'``.
         ``complement='auto'`` is set to what the fit at the MAP resolved it to, so a
         complement the averaged Hessian cannot reach is refused by name instead of
         silently dropped.

@@ -107,7 +107,11 @@ def test_value_benchmark_quick_tables():
             assert rows["kron"][0].startswith("failed:"), rows["kron"]
             assert "'auto' -> 'kron_diag'" in rows["GLAS (default)"][-1]
             peers = ("diag", "last-layer kron")
-        fixed_point = ("GLAS posterior curvature", "GLAS posterior curvature, MC link")
+        fixed_point = (
+            "GLAS posterior curvature",
+            "GLAS posterior curvature, MC link",
+            "GLAS posterior curvature, bridge_norm link",
+        )
         if name in ("gap", "concrete"):  # the posterior curvature is classification's
             assert not set(fixed_point) & set(rows), rows
         elif name in ("lstm", "transformer"):  # their complement needs its own pass

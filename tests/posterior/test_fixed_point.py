@@ -150,9 +150,9 @@ def test_routes_without_the_rows_refuse_it(blobs):
     la.output_hessian = hessian
     with pytest.raises(ValueError, match="solver 'lanczos'"):
         la.fit(loader(X, y))
-    la = _glas(model, n_components=5, complement="diag")
+    la = _glas(model, n_components=5, complement="kron_diag")
     la.output_hessian = hessian
-    with pytest.raises(ValueError, match="complement='diag' needs a data pass"):
+    with pytest.raises(ValueError, match="complement='kron_diag' needs KFAC's data pass"):
         la.fit(loader(X, y))
 
 
@@ -202,16 +202,33 @@ def test_a_complement_the_average_cannot_reach_is_refused_not_dropped(blobs):
     _, X, y = blobs
     model = _Normed().eval()
     la = _glas(model, n_components=5, prior_precision=3.0)
-    with pytest.raises(ValueError, match="complement='kron_diag' needs a data pass") as info:
+    with pytest.raises(ValueError, match="complement='kron_diag' needs KFAC's data pass") as info:
         fit_posterior_curvature(la, loader(X, y, 30), n_steps=2, n_draws=8)
-    assert "Pass complement='zero' or 'prior'" in str(info.value)
+    assert "Pass complement='diag'" in str(info.value)
     assert la.output_hessian is None  # reset: a plain fit works again
     la.fit(loader(X, y, 30))
     assert la.complement == "kron_diag"
-    # the subspace alone, asked for explicitly, takes the averaged curvature
-    la = _glas(model, n_components=5, complement="zero")
-    history = fit_posterior_curvature(la, loader(X, y, 30), n_steps=2, n_draws=8)
-    assert len(history) == 3 and la.complement == "zero"
+    # the GGN diagonal's complement and the subspace alone, asked for, follow it
+    for complement in ("diag", "zero"):
+        la = _glas(model, n_components=5, complement=complement)
+        history = fit_posterior_curvature(la, loader(X, y, 30), n_steps=2, n_draws=8)
+        assert len(history) == 3 and la.complement == complement
+
+
+def test_the_diagonal_complement_is_the_averaged_ggns_diagonal(blobs):
+    """complement='diag' with the averaged Hessian: the per-example pass (BackPACK cannot
+    take it) against ``diag(sum_n J_n^T tilde Lambda_n J_n)`` from jacrev."""
+    model, X, y = blobs
+    hessian = PosteriorAveragedHessian(
+        [lambda x: (0.3 + x[:, :1, None].abs()) * torch.eye(3, dtype=x.dtype)], [1.0], 16, 3
+    )
+    la = _glas(model, n_components=5, complement="diag")
+    la.output_hessian = hessian
+    la.fit(loader(X, y, 25))
+    out, J = output_jacobian(model, X)
+    G = torch.einsum("nci,ncd,ndj->ij", J, hessian.matrices(X, out), J)
+    torch.testing.assert_close(la._ggn_diagonal, G.diagonal(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(la.eigenvalues * 60, torch.linalg.eigvalsh(G).flip(0)[:5])
 
 
 def test_auto_is_set_to_what_the_maps_fit_resolved(blobs):

@@ -41,6 +41,7 @@ from laplace_glas.curvature.complement.kfac_layers import parameter_owners
 from laplace_glas.curvature.complement.per_example_diagonal import per_example_ggn_diagonal
 from laplace_glas.curvature.data.batches import scored_pair
 from laplace_glas.curvature.data.losses import summed_unit_noise_loss
+from laplace_glas.curvature.data.output_hessian import PosteriorAveragedHessian
 from laplace_glas.curvature.parallel.distributed import Shards, all_reduce_sum, flag_failure
 from laplace_glas.progress import progress
 
@@ -60,6 +61,7 @@ def ggn_diagonal(
     names: list[str] | None = None,
     estimator: str = "exact",
     generator: torch.Generator | None = None,
+    output_hessian: PosteriorAveragedHessian | None = None,
 ) -> torch.Tensor:
     """``(D,)`` diagonal of the summed unit-noise GGN over the trainable parameters (or
     over the parameters ``names``, in their order: the per-example pass).
@@ -90,6 +92,9 @@ def ggn_diagonal(
         column of ``Lambda^{1/2}`` per output position; BackPACK is then not used).
     generator : torch.Generator, optional
         The Rademacher draws of ``'mc'`` (on ``device``).
+    output_hessian : PosteriorAveragedHessian, optional
+        ``Lambda_n`` averaged over a posterior's predictive (the per-example pass; BackPACK
+        takes only the loss's own Hessian).
 
     Raises
     ------
@@ -105,6 +110,8 @@ def ggn_diagonal(
     backpack_refusal = "a subset of the parameters" if names is not None else None
     if estimator == "mc":
         backpack_refusal = "diagonal_estimator='mc', which the per-example pass samples"
+    if output_hessian is not None:
+        backpack_refusal = "a posterior-averaged output Hessian, which BackPACK does not take"
     backpack_refusal = backpack_refusal or shared_parameters(model)
     data = _DiagonalPass(loader, likelihood, ignore_index, dict_key_y, device, shards, progress_bar)
     if backpack_refusal is None:
@@ -115,7 +122,7 @@ def ggn_diagonal(
                 backpack_refusal = str(err)
     if backpack_refusal is not None:
         total, error = _per_example_diagonal(
-            model, data, backpack_refusal, names, estimator, generator
+            model, data, backpack_refusal, names, estimator, generator, output_hessian
         )
     if total is None:
         wanted = None if names is None else set(names)
@@ -172,6 +179,7 @@ def _per_example_diagonal(
     names: list[str] | None,
     estimator: str = "exact",
     generator: torch.Generator | None = None,
+    output_hessian: PosteriorAveragedHessian | None = None,
 ) -> tuple[torch.Tensor | None, Exception | None]:
     """:func:`per_example_ggn_diagonal` over this process's batches, and the error a rank
     of a data-parallel fit met (raised at once in one process).
@@ -180,7 +188,7 @@ def _per_example_diagonal(
         total = per_example_ggn_diagonal(
             model, data.loader, data.likelihood, names, ignore_index=data.ignore_index,
             dict_key_y=data.dict_key_y, device=data.device, progress_bar=data.progress_bar,
-            estimator=estimator, generator=generator,
+            estimator=estimator, generator=generator, output_hessian=output_hessian,
         )  # fmt: skip
     except Exception as err:
         if data.shards is not None:

@@ -285,11 +285,12 @@ class ComplementPass:
         block (``'kron_diag'``: the factors, and the diagonal of the parameters whose
         block is empty), else None.
         """
-        if self.output_hessian is not None and complement in ("diag", "kron", "kron_diag"):
+        if self.output_hessian is not None and complement in ("kron", "kron_diag"):
             raise ValueError(
-                f"complement={complement!r} needs a data pass at the MAP's output Hessian, "
-                "not the posterior-averaged one: only KFAC's factors taken from the solve's "
-                "factored operator follow output_hessian."
+                f"complement={complement!r} needs KFAC's data pass at the MAP's output "
+                "Hessian, not the posterior-averaged one: KFAC's factors follow "
+                "output_hessian only where they come from the solve's factored operator "
+                "(complement='diag' follows it on any model)."
             )
         common = {"ignore_index": self.ignore_index, "dict_key_y": self.dict_key_y}
         if complement in ("kron", "kron_diag"):
@@ -315,6 +316,7 @@ class ComplementPass:
         diagonal = ggn_diagonal(
             self.model, loader, self._curvature_likelihood, device=self._device,
             shards=shards, progress_bar=show, **common, **self._diagonal_options(),
+            output_hessian=self.output_hessian,
         ).to(self._dtype)  # fmt: skip
         return diagonal + self._ggn_diagonal if update else diagonal
 

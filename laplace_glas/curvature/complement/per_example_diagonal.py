@@ -54,6 +54,7 @@ from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.autodiff.functional import module_call
 from laplace_glas.autodiff.rnn import elementary_rnns
 from laplace_glas.curvature.data.batches import slice_batch, split_batch
+from laplace_glas.curvature.data.output_hessian import PosteriorAveragedHessian
 from laplace_glas.progress import progress
 
 __all__ = [
@@ -163,6 +164,7 @@ def batch_ggn_diagonal(
     estimator: str = "exact",
     generator: torch.Generator | None = None,
     chunk_size: int | None = None,
+    output_hessian: PosteriorAveragedHessian | None = None,
 ) -> torch.Tensor:
     """The summed GGN diagonal of one batch over the parameters ``names`` (flattened, in
     their order): ``sum_n sum_{s,r} (J_{n,s}^T l_{n,s,r})^2`` (see the module).
@@ -191,6 +193,9 @@ def batch_ggn_diagonal(
     chunk_size : int, optional
         Examples ``vmap``-ed at once (default: as many as keep the per-example
         gradients, ``chunk x positions x columns x D`` numbers, within ``2^24``).
+    output_hessian : PosteriorAveragedHessian, optional
+        The columns ``l_r`` of ``Lambda_n`` averaged over a posterior's predictive
+        (its ``C - 1`` rows; default: :func:`loss_hessian_columns` at the outputs).
 
     """
     if not isinstance(X, torch.Tensor | Mapping):
@@ -207,7 +212,10 @@ def batch_ggn_diagonal(
 
     with torch.no_grad(), autodiff_friendly(model):
         outputs = model(X)
-    columns = loss_hessian_columns(outputs, likelihood)
+    if output_hessian is None:
+        columns = loss_hessian_columns(outputs, likelihood)
+    else:  # (R, B, C) rows -> (B, C, R) columns
+        columns = output_hessian.rows(X, outputs, y, ignore_index, 1.0).permute(1, 2, 0)
     if likelihood != "regression":
         if y.shape != outputs.shape[:-1]:
             raise ValueError(
@@ -293,6 +301,7 @@ def per_example_ggn_diagonal(
     estimator: str = "exact",
     generator: torch.Generator | None = None,
     progress_bar: bool = False,
+    output_hessian: PosteriorAveragedHessian | None = None,
 ) -> torch.Tensor | None:
     """``(D,)`` diagonal of the summed unit-noise GGN over ``names`` (default: every
     trainable parameter), summed over ``loader``'s batches (None for a loader with no
@@ -313,7 +322,7 @@ def per_example_ggn_diagonal(
             continue
         diagonal = batch_ggn_diagonal(
             model, names, X, y, likelihood, ignore_index=ignore_index,
-            estimator=estimator, generator=generator,
+            estimator=estimator, generator=generator, output_hessian=output_hessian,
         )  # fmt: skip
         total = diagonal if total is None else total + diagonal
     return total

@@ -34,7 +34,7 @@ softmax's null direction ``1`` (every ``diag(p) - p p^T`` does), so its eigen-
 decomposition ``Q diag(w) Q^T`` gives ``C - 1`` rows ``sqrt(w_r) q_r^T`` (the
 smallest eigenvalue, that of ``1``, left out): the row count of the MAP's, so every
 quantity built from the rows (the factored GGN, its KFAC factors, the stored
-Jacobians) takes it unchanged.
+Jacobians, the per-example GGN diagonal's columns) takes it unchanged.
 """
 
 from __future__ import annotations
