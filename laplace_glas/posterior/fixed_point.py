@@ -28,7 +28,9 @@ weights ``1/2, 1/4, ...`` from the newest (the oldest takes the rest), the same 
 averaging each new GGN with the last. Each posterior of the mixture is kept as a
 snapshot of the fitted object (the network shared, not copied), and each step's pass
 evaluates the logit covariance of every snapshot on every batch: step ``t`` costs
-``t`` 'glm' covariances per batch besides the fit. The prior precision is chosen by
+``t`` 'glm' covariances per batch besides the fit. For a posterior over the whole
+network the batch's Jacobian ``J`` is formed once (:class:`SharedJacobians`) and each
+snapshot applies its posterior to it (``J Sigma_j J^T``). The prior precision is chosen by
 the evidence after every fit (``optimize_prior=True``), as laplace-torch's
 ``optimize_prior_precision()`` chooses it after the MAP's fit.
 """
@@ -47,6 +49,7 @@ from laplace_glas.validation import ArgumentTypeError
 
 __all__ = [
     "FixedPointStep",
+    "SharedJacobians",
     "fit_posterior_curvature",
     "frozen_logit_covariance",
     "mixture_weights",
@@ -88,19 +91,64 @@ def mixture_weights(n: int) -> list[float]:
     return [1.0 - sum(weights), *weights]
 
 
+def _frozen(la: Any) -> Any:
+    """A deep copy of the fitted ``la`` sharing its model (parameters and buffers)."""
+    la.posterior  # noqa: B018  (raises NotFittedError before a fit)
+    shared = {id(la.model): la.model}
+    shared.update({id(p): p for p in la.model.parameters()})
+    shared.update({id(b): b for b in la.model.buffers()})
+    return copy.deepcopy(la, memo=shared)
+
+
 def frozen_logit_covariance(la: Any) -> LogitCovariance:
     """``x -> J(x) Sigma J(x)^T`` ``(B, C, C)`` of ``la``'s posterior as it is now: a
     snapshot of the fitted object (its model and parameters shared, everything else
     copied), so that later fits and prior changes of ``la`` leave it as it was.
     """
-    la.posterior  # noqa: B018  (raises NotFittedError before a fit)
-    shared = {id(la.model): la.model}
-    shared.update({id(p): p for p in la.model.parameters()})
-    shared.update({id(b): b for b in la.model.buffers()})
-    glm_moments = copy.deepcopy(la, memo=shared).posterior.glm_moments
+    glm_moments = _frozen(la).posterior.glm_moments
 
     def covariance(x: Any) -> torch.Tensor:
         return glm_moments(x)[1]
+
+    return covariance
+
+
+class SharedJacobians:
+    """``J(x)`` of the last input, formed once for every snapshot of a mixture: the
+    snapshots share the network and its weights, so only their posteriors differ
+    (``J Sigma_j J^T = functional_variance(J)`` of snapshot ``j``).
+    """
+
+    def __init__(self, la: Any):
+        self._la = la
+        self._x: Any = None
+        self._J: torch.Tensor | None = None
+
+    def __call__(self, x: Any) -> torch.Tensor:
+        """``J(x)`` ``(n, C, D)``, formed again only for another input object."""
+        if self._J is None or x is not self._x:
+            self._J, self._x = self._la.output_jacobians(x), x
+        return self._J
+
+
+def _whole_network(la: Any) -> bool:
+    """Whether ``la`` is a posterior over all of the network's trainable weights (its
+    ``functional_variance`` takes the network's Jacobians).
+    """
+    trainable = sum(p.numel() for p in la.model.parameters() if p.requires_grad)
+    return la.n_params == trainable
+
+
+def _snapshot_covariance(la: Any, shared: SharedJacobians | None) -> LogitCovariance:
+    """The frozen logit covariance of ``la``: through ``shared`` Jacobians for a
+    whole-network posterior, else its own 'glm' pass.
+    """
+    if shared is None:
+        return frozen_logit_covariance(la)
+    snapshot = _frozen(la)
+
+    def covariance(x: Any) -> torch.Tensor:
+        return snapshot.functional_variance(shared(x))
 
     return covariance
 
@@ -162,11 +210,10 @@ def fit_posterior_curvature(
     la : ActiveSubspaceLaplace
         A GLAS posterior of a classification model with outputs ``(batch, classes)``
         (the whole network or its last layer), fitted or not; it is refitted
-        ``n_steps + 1`` times. Its fit must reach the factored operator or the stored
-        Jacobians (an ``nn.LSTM`` does not), and a curvature-aware complement must be
-        ``'diag'`` or KFAC's factors from the factored operator (``'kron'`` on
-        ``nn.Linear`` / ``nn.Conv2d`` networks); otherwise pass ``complement='diag'``,
-        ``'zero'`` or ``'prior'``.
+        ``n_steps + 1`` times (any GGN operator; a GGN backend). A curvature-aware
+        complement must be ``'diag'`` or KFAC's factors from the factored operator
+        (``'kron'`` on ``nn.Linear`` / ``nn.Conv2d`` networks); otherwise pass
+        ``complement='diag'``, ``'zero'`` or ``'prior'``.
         ``complement='auto'`` is set to what the fit at the MAP resolved it to, so a
         complement the averaged Hessian cannot reach is refused by name instead of
         silently dropped.
@@ -228,8 +275,9 @@ def fit_posterior_curvature(
             )
         ]
         snapshots: list[LogitCovariance] = []
+        shared = SharedJacobians(_frozen(la)) if _whole_network(la) else None
         for step in range(1, n_steps + 1):
-            snapshots.append(frozen_logit_covariance(la))
+            snapshots.append(_snapshot_covariance(la, shared))
             la.output_hessian = PosteriorAveragedHessian(
                 snapshots, mixture_weights(len(snapshots)), n_draws=n_draws, seed=seed + step
             )

@@ -33,6 +33,7 @@ __all__ = [
     "batched_outputs",
     "jacobian_by_backward",
     "jacobian_gram",
+    "jacobian_rows",
     "jvp_directions",
     "parameter_names",
     "row_chunks",
@@ -169,6 +170,37 @@ def batched_outputs(
     return torch.stack([f(theta) for theta in thetas])
 
 
+def jacobian_rows(
+    model: nn.Module,
+    names: Sequence[str],
+    shapes: Sequence[torch.Size],
+    theta: torch.Tensor,
+    x: Any,
+    model_kwargs: dict | None = None,
+) -> torch.Tensor:
+    """``(b * ..., C, D)``: the Jacobian of the outputs of ``x`` (leading axes flattened)
+    over the weights ``names`` at ``theta``, by reverse mode (``torch.func.jacrev``;
+    plain autograd, one backward pass per output row, where torch.func refuses).
+    """
+    kwargs = model_kwargs or {}
+    primals = unflatten(theta, names, shapes)
+
+    def f(params):
+        return _call(model, params, x, kwargs)
+
+    try:
+        J = jacrev(f)(primals)  # {name: (b, ..., C, *shape)}
+    except RuntimeError as err:  # what torch.func refuses, plain autograd may take
+        try:
+            return jacobian_by_backward(f, primals, names)
+        except Exception:
+            raise err from None
+    first = J[names[0]]
+    n_out = first.shape[first.ndim - len(shapes[0]) - 1]
+    flat = [J[n].reshape(-1, n_out, s.numel()) for n, s in zip(names, shapes)]
+    return torch.cat(flat, dim=-1)
+
+
 def jacobian_gram(
     model: nn.Module,
     names: Sequence[str],
@@ -196,24 +228,9 @@ def jacobian_gram(
     into chunks along the batch axis of ``x[dict_key_x]`` (every tensor entry with that
     leading size; other entries are passed whole).
     """
-    kwargs = model_kwargs or {}
-    primals = unflatten(theta, names, shapes)
 
-    def jac(x_chunk: torch.Tensor) -> torch.Tensor:
-        def f(params):
-            return _call(model, params, x_chunk, kwargs)
-
-        try:
-            J = jacrev(f)(primals)  # {name: (b, ..., C, *shape)}
-        except RuntimeError as err:  # what torch.func refuses, plain autograd may take
-            try:
-                return jacobian_by_backward(f, primals, names)
-            except Exception:
-                raise err from None
-        first = J[names[0]]
-        n_out = first.shape[first.ndim - len(shapes[0]) - 1]
-        flat = [J[n].reshape(-1, n_out, s.numel()) for n, s in zip(names, shapes)]
-        return torch.cat(flat, dim=-1)  # (b * ..., C, D)
+    def jac(x_chunk: Any) -> torch.Tensor:
+        return jacobian_rows(model, names, shapes, theta, x_chunk, model_kwargs)
 
     if joint:
         J = jac(x)

@@ -7,7 +7,8 @@ layerwise or diagonal one (:meth:`laplace_glas.posterior.prior.Prior.inverse_gra
 :class:`PriorGram` is a mixin of
 :class:`~laplace_glas.predictive.subspace_predictive.SubspacePredictive`; it reads
 ``model``, ``_param_names``, ``_param_shapes``, ``dict_key_x``, ``enable_backprop``,
-``_out_shape`` and ``_prior`` of the class it is mixed into.
+``_out_shape``, ``_prior``, ``_to_device`` and ``_network_weights`` of the class it is
+mixed into.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from laplace_glas.curvature.operators.factored import factored_jacobian
-from laplace_glas.predictive.jvp import jacobian_gram, row_chunks, weighted_gram
+from laplace_glas.predictive.jvp import jacobian_gram, jacobian_rows, row_chunks, weighted_gram
 
 __all__ = ["GRAM_ELEMENTS", "PriorGram"]
 
@@ -71,6 +72,27 @@ class PriorGram:
             dict_key_x=self.dict_key_x,
             weights=weights,
         )
+
+    def output_jacobians(self, X: Any) -> torch.Tensor:
+        """``J(x)`` ``(n, C, D)``: the Jacobians of the outputs of ``X`` (one row per
+        output position) over the weights under inference, at the fitted weights: the
+        ``Js`` of :meth:`functional_variance` for a posterior over the whole network.
+        From each chunk's layer factors where the model allows
+        (:func:`~laplace_glas.curvature.operators.factored.factored_jacobian`), else by
+        reverse mode, 32 inputs at a time.
+        """
+        X = self._to_device(X)
+        theta = self._network_weights().detach()
+        J = self._factored_jacobian(X, theta, joint=False)
+        if J is not None:
+            return J
+        names, shapes = self._param_names, self._param_shapes
+        return torch.cat(
+            [
+                jacobian_rows(self.model, names, shapes, theta, rows)
+                for rows in row_chunks(X, 32, self.dict_key_x)
+            ]
+        ).detach()
 
     def _factored_jacobian(self, X: Any, theta: torch.Tensor, joint: bool) -> torch.Tensor | None:
         """The Jacobian rows ``(n, C, D)`` (``(n C, D)`` if ``joint``) over the weights

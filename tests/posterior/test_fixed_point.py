@@ -15,6 +15,7 @@ from laplace import Laplace
 
 from laplace_glas.curvature.data.output_hessian import PosteriorAveragedHessian, softmax_hessian
 from laplace_glas.posterior.fixed_point import (
+    SharedJacobians,
     fit_posterior_curvature,
     frozen_logit_covariance,
     mixture_weights,
@@ -143,16 +144,43 @@ def test_regression_and_bad_arguments_are_refused(blobs, toy_regression):
         reg.output_hessian = PosteriorAveragedHessian([lambda x: None], [1.0])
 
 
-def test_routes_without_the_rows_refuse_it(blobs):
+def _explicit_eigenvalues(model, X, hessian, k):
+    """The top ``k`` eigenvalues of ``sum_n J_n^T tilde Lambda_n J_n`` (jacrev)."""
+    out, J = output_jacobian(model, X)
+    G = torch.einsum("nci,ncd,ndj->ij", J, hessian.matrices(X, out), J)
+    return torch.linalg.eigvalsh(G).flip(0)[:k]
+
+
+def _constant_hessian(C: int) -> PosteriorAveragedHessian:
+    return PosteriorAveragedHessian(
+        [lambda x: (0.2 + x.reshape(len(x), -1)[:, :1, None].abs()) * torch.eye(C).double()],
+        [1.0],
+        16,
+        seed=2,
+    )
+
+
+def test_curvlinops_operator_takes_it_through_the_surrogate_loss(blobs):
     model, X, y = blobs
-    hessian = PosteriorAveragedHessian([lambda x: torch.zeros(len(x), 3, 3).double()], [1.0])
-    la = _glas(model, n_components=5, solver="lanczos")
-    la.output_hessian = hessian
-    with pytest.raises(ValueError, match="solver 'lanczos'"):
-        la.fit(loader(X, y))
+    la = _glas(model, n_components=5, solver="lanczos", complement="zero")
+    la.output_hessian = _constant_hessian(3)
+    la.fit(loader(X, y, 25))
+    assert la.lanczos_info.operator.startswith("curvlinops")
+    reference = _explicit_eigenvalues(model, X, la.output_hessian, 5)
+    torch.testing.assert_close(la.eigenvalues * 60, reference, rtol=1e-7, atol=0)
+
+
+def test_kfacs_own_pass_and_other_curvatures_refuse_it(blobs):
+    from laplace.curvature import CurvlinopsEF
+
+    model, X, y = blobs
     la = _glas(model, n_components=5, complement="kron_diag")
-    la.output_hessian = hessian
+    la.output_hessian = _constant_hessian(3)
     with pytest.raises(ValueError, match="complement='kron_diag' needs KFAC's data pass"):
+        la.fit(loader(X, y))
+    la = _glas(model, n_components=5, complement="zero", backend=CurvlinopsEF)
+    la.output_hessian = _constant_hessian(3)
+    with pytest.raises(ValueError, match="got backend curvature 'ef'"):
         la.fit(loader(X, y))
 
 
@@ -173,15 +201,43 @@ def test_a_model_outside_the_factored_operator_takes_it_through_torch_func():
     torch.testing.assert_close(la.eigenvalues * 12, reference, rtol=1e-8, atol=0)
 
 
-def test_a_model_the_factored_operators_refuse_is_refused_by_name(without_jacobian):
+def test_a_model_outside_the_factors_takes_it_through_the_linearised_operator(
+    without_jacobian,
+):
     model = Gained([2, 4, 3], [1.0, 0.5, 2.0]).eval()
-    X = torch.randn(12, 2, dtype=torch.float64)
+    X = torch.randn(12, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     y = torch.arange(3).repeat(4)
     la = _glas(model, n_components=3, complement="zero")
-    la.fit(loader(X, y))  # at the MAP's Hessian another operator serves it
-    la.output_hessian = PosteriorAveragedHessian([lambda x: torch.zeros(len(x), 3, 3)], [1.0])
-    with pytest.raises(ValueError, match="needs the factored GGN operator"):
-        la.fit(loader(X, y))
+    la.output_hessian = _constant_hessian(3)
+    la.fit(loader(X, y))
+    assert la.lanczos_info.operator.startswith("linearised")
+    reference = _explicit_eigenvalues(model, X, la.output_hessian, 3)
+    torch.testing.assert_close(la.eigenvalues * 12, reference, rtol=1e-7, atol=0)
+
+
+class _Recurrent(torch.nn.Module):
+    """An ``nn.LSTM(2, 5)`` over 4 steps and a linear head of its last state."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.lstm = torch.nn.LSTM(2, 5, batch_first=True).double()
+        self.head = torch.nn.Linear(5, 3).double()
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+def test_an_lstm_takes_it_with_the_diagonal_complement():
+    model = _Recurrent().eval()
+    g = torch.Generator().manual_seed(5)
+    X = torch.randn(16, 4, 2, dtype=torch.float64, generator=g)
+    y = torch.randint(0, 3, (16,), generator=g)
+    la = _glas(model, n_components=4, complement="diag")
+    history = fit_posterior_curvature(la, loader(X, y, 8), n_steps=2, n_draws=8)
+    assert len(history) == 3 and la.complement == "diag"
+    reference = _explicit_eigenvalues(model, X, la.output_hessian, 4)
+    torch.testing.assert_close(la.eigenvalues * 16, reference, rtol=1e-6, atol=0)
 
 
 class _Normed(torch.nn.Module):
@@ -262,3 +318,18 @@ def test_another_laplace_object_is_refused_by_name(blobs):
         fit_posterior_curvature(kron, loader(X, y, 30))
     with pytest.raises(TypeError, match="takes a GLAS posterior"):
         fit_posterior_curvature(model, loader(X, y, 30))
+
+
+def test_shared_jacobians_form_j_once_per_input():
+    calls = []
+
+    class Counting:
+        def output_jacobians(self, x):
+            calls.append(x)
+            return x * 2
+
+    shared = SharedJacobians(Counting())
+    a, b = torch.ones(2, 3), torch.ones(2, 3)
+    assert torch.equal(shared(a), 2 * a) and shared(a) is shared(a)
+    shared(b)  # equal values, another object: formed again
+    assert len(calls) == 2

@@ -85,3 +85,19 @@ def test_changed_weights_use_the_fitted_ones_by_forward_mode():
     assert la.jacobian_path == "jvp (the model's weights differ from la.mean)"
     for a, b in zip(before, after):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("name", ["mlp-classification", "mlp-regression"])
+def test_output_jacobians_are_reverse_modes_by_either_route(name):
+    """``la.output_jacobians``: from the factors, and by reverse mode where they do not
+    apply, against jacrev; ``functional_variance`` of them is the 'glm' covariance."""
+    model, X, y, likelihood = problem(name)
+    model, X, y = as64(model, X, y)
+    la = ActiveSubspaceLaplace(model, likelihood, n_components=3)
+    la.fit(loader(X, y, 8))
+    _, J_ref = output_jacobian(model, X[:5])
+    torch.testing.assert_close(la.output_jacobians(X[:5]), J_ref, rtol=1e-10, atol=1e-12)
+    _, f_var = la._glm_predictive_distribution(X[:5])
+    torch.testing.assert_close(la.functional_variance(la.output_jacobians(X[:5])), f_var)
+    la._factored_jacobian = lambda *args, **kwargs: None  # the reverse-mode route
+    torch.testing.assert_close(la.output_jacobians(X[:5]), J_ref, rtol=1e-10, atol=1e-12)

@@ -35,16 +35,30 @@ decomposition ``Q diag(w) Q^T`` gives ``C - 1`` rows ``sqrt(w_r) q_r^T`` (the
 smallest eigenvalue, that of ``1``, left out): the row count of the MAP's, so every
 quantity built from the rows (the factored GGN, its KFAC factors, the stored
 Jacobians, the per-example GGN diagonal's columns) takes it unchanged.
+
+The operators that differentiate the loss itself (curvlinops' GGN, the linearised
+operators) take it through a surrogate: batches whose targets are the rows
+(:class:`RowsBatches`) and the loss :class:`RowsQuadraticLoss`
+``1/2 sum_n sum_r (l_{n,r}^T f_n)^2``, whose Hessian in ``f_n`` is
+``sum_r l_{n,r} l_{n,r}^T = tilde Lambda_n``: the GGN of the surrogate is the
+averaged one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["LogitCovariance", "PosteriorAveragedHessian", "softmax_hessian"]
+__all__ = [
+    "LogitCovariance",
+    "PosteriorAveragedHessian",
+    "RowsBatches",
+    "RowsQuadraticLoss",
+    "softmax_hessian",
+]
 
 LogitCovariance = Callable[[Any], torch.Tensor]
 """``x -> J(x) Sigma J(x)^T``: the ``(B, C, C)`` logit covariance of a posterior."""
@@ -167,3 +181,70 @@ class PosteriorAveragedHessian:
             f"{type(self).__name__}(n_posteriors={len(self.covariances)}, "
             f"weights={self.weights}, n_draws={self.n_draws})"
         )
+
+
+class RowsQuadraticLoss(nn.Module):
+    """``1/2 sum_n sum_r (l_{n,r}^T f_n)^2`` of outputs ``f`` ``(B, C)`` and rows ``l``
+    ``(B, R, C)`` (the "targets"): its Hessian in ``f_n`` is ``sum_r l_{n,r}
+    l_{n,r}^T``, so its GGN is ``sum_n J_n^T (sum_r l_{n,r} l_{n,r}^T) J_n``. Summed
+    over the examples (``reduction='sum'``, the reduction curvlinops reads).
+    """
+
+    reduction = "sum"
+
+    def forward(self, outputs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The loss (a scalar)."""
+        return 0.5 * torch.einsum("brc,bc->br", rows, outputs).square().sum()
+
+
+class RowsBatches:
+    """``(X, l)`` batches of ``data``'s ``(X, y)``: the targets replaced by the rows
+    ``l`` ``(B, C - 1, C)`` of ``output_hessian`` at the model's outputs (computed on
+    every pass, without gradients), the targets of :class:`RowsQuadraticLoss`.
+
+    Parameters
+    ----------
+    data : iterable
+        ``(X, y)`` pairs (``XYBatches``); its length and ``unit`` are passed on.
+    model : nn.Module
+        The network at the weights of the fit.
+    output_hessian : PosteriorAveragedHessian
+        The averaged Hessian.
+    ignore_index : int
+        Targets left out (zero rows).
+    to_device : callable
+        Moves an input batch to the model's device (for the outputs).
+
+    """
+
+    def __init__(
+        self,
+        data: Iterable,
+        model: nn.Module,
+        output_hessian: PosteriorAveragedHessian,
+        ignore_index: int,
+        to_device: Callable[[Any], Any],
+    ):
+        self.data = data
+        self.model = model
+        self.output_hessian = output_hessian
+        self.ignore_index = ignore_index
+        self.to_device = to_device
+
+    def __iter__(self) -> Iterator[tuple[Any, torch.Tensor]]:
+        for X, y in self.data:
+            inputs = self.to_device(X)
+            with torch.no_grad():
+                outputs = self.model(inputs)
+            rows = self.output_hessian.rows(inputs, outputs, y.to(outputs.device),
+                                            self.ignore_index, 1.0)  # fmt: skip
+            yield X, rows.permute(1, 0, 2)
+
+    def __len__(self) -> int:
+        """The number of batches of ``data``."""
+        return len(self.data)
+
+    @property
+    def unit(self) -> str:
+        """What one batch is called in messages (``data``'s)."""
+        return getattr(self.data, "unit", "batch")

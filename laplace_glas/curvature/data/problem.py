@@ -18,9 +18,19 @@ import torch
 from curvlinops import GGNLinearOperator
 from torch import nn
 
-from laplace_glas.curvature.data.batches import XYBatches, batch_size, split_batch, subsample_loader
+from laplace_glas.curvature.data.batches import (
+    XYBatches,
+    batch_size,
+    batch_to_device,
+    split_batch,
+    subsample_loader,
+)
 from laplace_glas.curvature.data.map_loss import count_terms, curvature_loss
-from laplace_glas.curvature.data.output_hessian import PosteriorAveragedHessian
+from laplace_glas.curvature.data.output_hessian import (
+    PosteriorAveragedHessian,
+    RowsBatches,
+    RowsQuadraticLoss,
+)
 from laplace_glas.curvature.data.replay import ReplayedBatches
 from laplace_glas.curvature.operators.curvlinops import mean_ggn_operator
 from laplace_glas.curvature.parallel.distributed import Shards, sum_count
@@ -104,8 +114,9 @@ class CurvatureProblem:
     output_hessian : PosteriorAveragedHessian or None
         ``Lambda_n`` averaged over a posterior's predictive
         (:mod:`~laplace_glas.curvature.data.output_hessian`); ``None``: the loss
-        Hessian at the model's outputs. Only the operators built from the rows of
-        ``Lambda_n^{1/2}`` (factored, stored Jacobians, streamed factors) take it.
+        Hessian at the model's outputs. The operators built from the rows of
+        ``Lambda_n^{1/2}`` (factored, stored Jacobians, streamed factors) take it
+        directly, the loss-based ones through :meth:`loss_arguments`' surrogate.
 
     """
 
@@ -162,13 +173,27 @@ class CurvatureProblem:
     def loss_arguments(self) -> dict[str, Any]:
         """``model``, ``loss_func``, ``params``, ``data``, ``num_data`` and
         ``batch_size_fn`` by name: the arguments of curvlinops' operator and of the
-        linearised operators (kept or rebuilt) of this problem's loss.
+        linearised operators (kept or rebuilt) of this problem's loss. With an
+        ``output_hessian`` the loss is its surrogate
+        (:class:`~laplace_glas.curvature.data.output_hessian.RowsQuadraticLoss` on
+        :class:`~laplace_glas.curvature.data.output_hessian.RowsBatches`), whose GGN is
+        the averaged one at the same ``scale``.
         """
+        loss_func, data = self.loss_func, self.data
+        if self.output_hessian is not None:  # the surrogate whose Hessian is the average
+            loss_func = RowsQuadraticLoss()
+            data = RowsBatches(
+                data,
+                self.model,
+                self.output_hessian,
+                self.ignore_index,
+                lambda X: batch_to_device(X, self.device),
+            )
         return {
             "model": self.model,
-            "loss_func": self.loss_func,
+            "loss_func": loss_func,
             "params": self.params,
-            "data": self.data,
+            "data": data,
             "num_data": self.num_data,
             "batch_size_fn": self.batch_size_fn,
         }

@@ -213,11 +213,10 @@ def plan_solve(
 
     """
     curvature = _GGN if curvature is None else curvature
-    if problem.output_hessian is not None and (curvature.kind != "ggn" or solver == "lanczos"):
+    if problem.output_hessian is not None and curvature.kind != "ggn":
         raise ValueError(
-            "A posterior-averaged output Hessian is taken by the GGN's factored operators; "
-            f"got backend curvature {curvature.kind!r} and solver {solver!r} (use a GGN "
-            "backend and solver 'auto', 'dual', 'factored' or 'block')."
+            "A posterior-averaged output Hessian replaces the GGN's loss Hessian; got "
+            f"backend curvature {curvature.kind!r} (use a GGN backend)."
         )
     base = "block" if solver == "block" else "lanczos"
     itemsize = torch.finfo(problem.dtype).bits // 8
@@ -238,11 +237,6 @@ def plan_solve(
     if isinstance(built, Plan):
         return built
     return_freed_memory()  # the refused builds' batches, before the next attempt
-    if problem.output_hessian is not None:
-        raise ValueError(
-            "A posterior-averaged output Hessian needs the factored GGN operator, which "
-            f"this fit cannot use ({built})."
-        )
     reasons = [built]  # the Jacobian is an optimisation: its refusal is no fallback
     linearized = _linearized(problem, budget)
     if isinstance(linearized, str):
