@@ -19,7 +19,9 @@ same network and training data:
   refitted by ``fit_posterior_curvature``: the softmax Hessian averaged over the
   posterior's own predictive, to its fixed point, the prior by the evidence after
   every fit; ``fit [s]`` is all of it) with the probit, Monte Carlo and
-  ``'bridge_norm'`` links.
+  ``'bridge_norm'`` links, and with ``complement='diag'`` (the complement that follows
+  the averaged Hessian on any model; ``'auto'``'s ``'kron_diag'`` on the sequence
+  models does not).
 
 ``--methods`` keeps only the rows named (e.g. ``--methods MAP kron``).
 
@@ -458,6 +460,19 @@ def methods(variants: list[dict[str, Any]], k: int, full_max_params: int) -> lis
             "GLAS posterior curvature, MC link",
             structure="glas",
             kwargs=glas,
+            fixed_point=True,
+            link="mc",
+        ),
+        Method(
+            "GLAS posterior curvature, complement=diag",
+            structure="glas",
+            kwargs={**glas, "complement": "diag"},
+            fixed_point=True,
+        ),
+        Method(
+            "GLAS posterior curvature, complement=diag, MC link",
+            structure="glas",
+            kwargs={**glas, "complement": "diag"},
             fixed_point=True,
             link="mc",
         ),

@@ -112,13 +112,18 @@ def test_value_benchmark_quick_tables():
             "GLAS posterior curvature, MC link",
             "GLAS posterior curvature, bridge_norm link",
         )
+        with_diag = (
+            "GLAS posterior curvature, complement=diag",
+            "GLAS posterior curvature, complement=diag, MC link",
+        )
         if name in ("gap", "concrete"):  # the posterior curvature is classification's
-            assert not set(fixed_point) & set(rows), rows
-        elif name in ("lstm", "transformer"):  # their complement needs its own pass
+            assert not {*fixed_point, *with_diag} & set(rows), rows
+        elif name in ("lstm", "transformer"):  # 'auto' -> 'kron_diag' needs its own pass
             for method in fixed_point:
                 assert "fit_posterior_curvature: complement='kron_diag'" in rows[method][0]
+            glas = (*glas, *with_diag)
         else:
-            glas = (*glas, *fixed_point, "GLAS (default), MC link")
+            glas = (*glas, *fixed_point, *with_diag, "GLAS (default), MC link")
         for method in ("MAP", *peers, *glas):
             cells = rows[method][:n_metrics]
             if name == "gap" and method == "MAP":
