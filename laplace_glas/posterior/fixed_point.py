@@ -44,7 +44,12 @@ from typing import Any
 
 import torch
 
-from laplace_glas.curvature.data.output_hessian import LogitCovariance, PosteriorAveragedHessian
+from laplace_glas.curvature.data.output_hessian import (
+    LogitCovariance,
+    OutputHessianRefusal,
+    PosteriorAveragedHessian,
+    check_n_draws,
+)
 from laplace_glas.validation import ArgumentTypeError
 
 __all__ = [
@@ -105,12 +110,7 @@ def frozen_logit_covariance(la: Any) -> LogitCovariance:
     snapshot of the fitted object (its model and parameters shared, everything else
     copied), so that later fits and prior changes of ``la`` leave it as it was.
     """
-    glm_moments = _frozen(la).posterior.glm_moments
-
-    def covariance(x: Any) -> torch.Tensor:
-        return glm_moments(x)[1]
-
-    return covariance
+    return _covariance_of(_frozen(la), None)
 
 
 class SharedJacobians:
@@ -139,24 +139,18 @@ def _whole_network(la: Any) -> bool:
     return la.n_params == trainable
 
 
-def _snapshot_covariance(la: Any, shared: SharedJacobians | None) -> LogitCovariance:
-    """The frozen logit covariance of ``la``: through ``shared`` Jacobians for a
-    whole-network posterior, else its own 'glm' pass.
+def _covariance_of(snapshot: Any, shared: SharedJacobians | None) -> LogitCovariance:
+    """The logit covariance of a frozen ``snapshot``: its posterior applied to the
+    ``shared`` Jacobians (a whole-network posterior), else its own 'glm' pass.
     """
     if shared is None:
-        return frozen_logit_covariance(la)
-    snapshot = _frozen(la)
-
-    def covariance(x: Any) -> torch.Tensor:
-        return snapshot.functional_variance(shared(x))
-
-    return covariance
+        glm_moments = snapshot.posterior.glm_moments
+        return lambda x: glm_moments(x)[1]
+    return lambda x: snapshot.functional_variance(shared(x))
 
 
-def _eigenvalue_change(new: torch.Tensor, old: torch.Tensor | None) -> float:
-    """``||new - old|| / ||old||`` (``nan`` without ``old``)."""
-    if old is None:
-        return float("nan")
+def _eigenvalue_change(new: torch.Tensor, old: torch.Tensor) -> float:
+    """``||new - old|| / ||old||``."""
     return float(torch.linalg.vector_norm(new - old) / torch.linalg.vector_norm(old))
 
 
@@ -176,18 +170,16 @@ def _check_arguments(la: Any, n_steps: Any, n_draws: Any, seed: Any) -> None:
         raise ArgumentTypeError(f"n_steps must be an int >= 1, got {n_steps!r}.")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ArgumentTypeError(f"seed must be an int, got {seed!r}.")
-    PosteriorAveragedHessian([frozen_logit_covariance], [1.0], n_draws=n_draws)  # n_draws
+    check_n_draws(n_draws)
 
 
-def _refit(la: Any, train_loader: Iterable, progress_bar: bool, step: int) -> None:
-    """``la.fit`` at step ``step``; a refusal of the averaged Hessian is re-raised with
-    what to do about it.
+def _refit(la: Any, train_loader: Iterable, progress_bar: bool) -> None:
+    """``la.fit``; a complement's refusal of the averaged Hessian is re-raised with what
+    to do about it.
     """
     try:
         la.fit(train_loader, progress_bar=progress_bar)
-    except ValueError as err:
-        if step == 0 or "output Hessian" not in str(err):
-            raise
+    except OutputHessianRefusal as err:
         raise ValueError(
             f"fit_posterior_curvature: {err} Pass complement='diag' (or 'zero' / 'prior', "
             "the subspace alone) to the constructor."
@@ -264,7 +256,7 @@ def fit_posterior_curvature(
     _check_arguments(la, n_steps, n_draws, seed)
     try:
         la.output_hessian = None
-        _refit(la, train_loader, progress_bar, 0)
+        _refit(la, train_loader, progress_bar)
         la.complement = la.complement  # 'auto' -> what the MAP's fit resolved it to
         if optimize_prior:
             la.optimize_prior_precision(method="marglik")
@@ -275,13 +267,16 @@ def fit_posterior_curvature(
             )
         ]
         snapshots: list[LogitCovariance] = []
-        shared = SharedJacobians(_frozen(la)) if _whole_network(la) else None
+        shared = None
         for step in range(1, n_steps + 1):
-            snapshots.append(_snapshot_covariance(la, shared))
+            snapshot = _frozen(la)
+            if shared is None and _whole_network(la):  # J from the first snapshot
+                shared = SharedJacobians(snapshot)
+            snapshots.append(_covariance_of(snapshot, shared))
             la.output_hessian = PosteriorAveragedHessian(
                 snapshots, mixture_weights(len(snapshots)), n_draws=n_draws, seed=seed + step
             )
-            _refit(la, train_loader, progress_bar, step)
+            _refit(la, train_loader, progress_bar)
             if optimize_prior:
                 la.optimize_prior_precision(method="marglik")
             change = _eigenvalue_change(la.eigenvalues, previous)

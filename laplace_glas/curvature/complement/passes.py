@@ -36,6 +36,7 @@ from laplace.utils.matrix import Kron
 from laplace_glas.curvature.complement.diagonal import ggn_diagonal
 from laplace_glas.curvature.complement.kfac_layers import union_of_factors
 from laplace_glas.curvature.complement.kron import factored_kron, factored_kron_refusal, ggn_kron
+from laplace_glas.curvature.data.output_hessian import OutputHessianRefusal
 from laplace_glas.curvature.data.problem import CurvatureProblem
 from laplace_glas.curvature.parallel.distributed import Shards
 from laplace_glas.validation import user_stacklevel
@@ -286,7 +287,7 @@ class ComplementPass:
         block is empty), else None.
         """
         if self.output_hessian is not None and complement in ("kron", "kron_diag"):
-            raise ValueError(
+            raise OutputHessianRefusal(
                 f"complement={complement!r} needs KFAC's data pass at the MAP's output "
                 "Hessian, not the posterior-averaged one: KFAC's factors follow "
                 "output_hessian only where they come from the solve's factored operator "

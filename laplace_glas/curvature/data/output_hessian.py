@@ -54,14 +54,31 @@ from torch import nn
 
 __all__ = [
     "LogitCovariance",
+    "OutputHessianRefusal",
     "PosteriorAveragedHessian",
     "RowsBatches",
     "RowsQuadraticLoss",
+    "check_n_draws",
     "softmax_hessian",
 ]
 
 LogitCovariance = Callable[[Any], torch.Tensor]
 """``x -> J(x) Sigma J(x)^T``: the ``(B, C, C)`` logit covariance of a posterior."""
+
+
+class OutputHessianRefusal(ValueError):
+    """A part of a fit that takes only the loss's own Hessian at the outputs (KFAC's
+    data pass) was asked to follow a posterior-averaged one.
+    """
+
+
+def check_n_draws(n_draws: Any) -> int:
+    """``n_draws`` if it is an even int >= 2 (antithetic pairs), else a ``ValueError``."""
+    if isinstance(n_draws, bool) or not isinstance(n_draws, int) or n_draws < 2:
+        raise ValueError(f"n_draws must be an even int >= 2; got {n_draws!r}.")
+    if n_draws % 2:
+        raise ValueError(f"n_draws must be even (antithetic pairs); got {n_draws}.")
+    return n_draws
 
 
 def softmax_hessian(p: torch.Tensor) -> torch.Tensor:
@@ -117,13 +134,9 @@ class PosteriorAveragedHessian:
             )
         if any(w < 0 for w in weights) or abs(sum(weights) - 1.0) > 1e-9:
             raise ValueError(f"The weights must be >= 0 and sum to 1; got {list(weights)}.")
-        if isinstance(n_draws, bool) or not isinstance(n_draws, int) or n_draws < 2:
-            raise ValueError(f"n_draws must be an even int >= 2; got {n_draws!r}.")
-        if n_draws % 2:
-            raise ValueError(f"n_draws must be even (antithetic pairs); got {n_draws}.")
         self.covariances = tuple(covariances)
         self.weights = tuple(float(w) for w in weights)
-        self.n_draws = n_draws
+        self.n_draws = check_n_draws(n_draws)
         self.seed = seed
         self._eps: torch.Tensor | None = None
 

@@ -36,6 +36,7 @@ __all__ = [
     "OuterFactor",
     "batch_factors",
     "factor_jacobian",
+    "loss_hessian_rows",
     "owning_modules",
     "parameter_offsets",
     "row_vectors",
@@ -270,6 +271,18 @@ def row_vectors(
     return V.reshape(P * (C - 1), B, *out.shape[1:])
 
 
+def loss_hessian_rows(
+    X, out, y, likelihood: str, ignore_index: int, scale: float, output_hessian=None
+) -> torch.Tensor:
+    """The rows of ``Lambda_n^{1/2}`` times ``scale`` of a batch with outputs ``out``:
+    :func:`row_vectors` at the outputs, or ``output_hessian.rows`` (a
+    :class:`~laplace_glas.curvature.data.output_hessian.PosteriorAveragedHessian`).
+    """
+    if output_hessian is None:
+        return row_vectors(out, y, likelihood, ignore_index, scale)
+    return output_hessian.rows(X, out, y, ignore_index, scale)
+
+
 def _same_padding(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
     """Pad ``x`` for ``padding='same'``/``'valid'``; return it with the unfold padding."""
     if not isinstance(module.padding, str):
@@ -434,11 +447,8 @@ def batch_factors(
                 f"{out[0].numel()} output rows per example (more than {_MAX_ROWS}) for "
                 "the factored operator"
             )
-        if output_hessian is None:
-            rows = row_vectors(out, y, likelihood, ignore_index, scale)
-        else:
-            with recorder.paused():
-                rows = output_hessian.rows(X, out, y, ignore_index, scale)
+        with recorder.paused():  # an averaged Hessian runs its posteriors' predictives
+            rows = loss_hessian_rows(X, out, y, likelihood, ignore_index, scale, output_hessian)
         R = rows.shape[0]
         calls = [(m, x, z) for m, cs in recorder.calls.items() for x, z in cs]
         for _, x, _ in calls:

@@ -68,8 +68,8 @@ from laplace_glas.curvature.operators.factors import (
     NotFactorable,
     batch_factors,
     factor_jacobian,
+    loss_hessian_rows,
     parameter_offsets,
-    row_vectors,
 )
 from laplace_glas.progress import progress
 from laplace_glas.validation import check_model_output
@@ -236,10 +236,9 @@ def _func_batches(model, params, loader, likelihood, n_terms, options):
             yield f"torch.func.vmap over the examples failed ({type(err).__name__})"
             return
         jac = torch.cat([j.reshape(B, out[0].numel(), -1) for j in jac], -1)  # (B, O, D)
-        if options["output_hessian"] is None:
-            rows = row_vectors(out, y, likelihood, options["ignore_index"], scale)
-        else:
-            rows = options["output_hessian"].rows(X, out, y, options["ignore_index"], scale)
+        rows = loss_hessian_rows(
+            X, out, y, likelihood, options["ignore_index"], scale, options["output_hessian"]
+        )
         J = torch.einsum("rbo,bod->brd", rows.reshape(rows.shape[0], B, -1), jac)
         del jac
         if i == 0:  # examples that interact (a batch statistic) break the per-example vmap
