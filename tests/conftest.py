@@ -231,6 +231,17 @@ def output_jacobian(model: nn.Module, X) -> tuple[torch.Tensor, torch.Tensor]:
     return out, J.reshape(-1, out.shape[-1], D)
 
 
+def centred_probit(f_mu: torch.Tensor, f_var: torch.Tensor) -> torch.Tensor:
+    """laplace-torch's probit on the centred logits ``(P mu, P Sigma P)``, with ``P = I -
+    1 1^T / C`` formed explicitly: the reference for GLAS's probit from the moments of
+    any posterior (e.g. ``FullLaplace._glm_predictive_distribution``)."""
+    C = f_mu.shape[-1]
+    P = torch.eye(C, dtype=f_mu.dtype) - 1.0 / C
+    var = P @ f_var @ P
+    kappa = 1 / torch.sqrt(1 + torch.pi / 8 * var.diagonal(dim1=-2, dim2=-1))
+    return torch.softmax(kappa * (f_mu @ P), -1)
+
+
 def softmax_ggn(
     out: torch.Tensor, J: torch.Tensor, y: torch.Tensor, ignore_index: int = -100
 ) -> tuple[torch.Tensor, int]:

@@ -249,8 +249,7 @@ def fit_posterior_curvature(
     error it is reset to None, and ``la`` holds the last fit that completed.
     ``la.log_marginal_likelihood()`` afterwards is the Laplace evidence of the
     averaged-curvature posterior, not comparable with a MAP-curvature fit's. Predict
-    with ``pred_type='glm'``; with ten or more classes use ``link_approx='mc'`` (the
-    probit counts the variance all logits share).
+    with ``pred_type='glm'`` (the sampled network, ``'nn'``, is far less sharp).
 
     """
     _check_arguments(la, n_steps, n_draws, seed)

@@ -23,7 +23,6 @@ eval mode inside (see :func:`laplace_glas.autodiff.context.autodiff_friendly`).
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import MutableMapping
 from typing import Any
@@ -35,7 +34,7 @@ from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature.data.batches import batch_input
 from laplace_glas.curvature.operators.factored import factored_jacobian_directions
 from laplace_glas.predictive.jvp import batched_outputs, jvp_directions
-from laplace_glas.predictive.links import gaussian_samples, laplace_bridge
+from laplace_glas.predictive.links import gaussian_samples, laplace_bridge, probit
 from laplace_glas.predictive.prior_gram import PriorGram
 from laplace_glas.validation import ArgumentTypeError, positive_int
 
@@ -214,8 +213,7 @@ class SubspacePredictive(PriorGram):
                 f_mu, f_var, n_samples, diagonal_output, generator
             ).mean(dim=0)
         elif link_approx == LinkApprox.PROBIT:
-            kappa = 1 / torch.sqrt(1.0 + math.pi / 8 * f_var.diagonal(dim1=1, dim2=2))
-            probs = torch.softmax(kappa * f_mu, dim=-1)
+            probs = probit(f_mu, f_var)
         else:
             probs = laplace_bridge(f_mu, f_var, normalize=link_approx == LinkApprox.BRIDGE_NORM)
         return probs.reshape(*lead, C)

@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import explicit_jacobian, loader
+from conftest import centred_probit, explicit_jacobian, loader
 from laplace import Laplace
 from test_equivalence import (  # noqa: F401 (fixtures)
     classification_setup,
@@ -196,6 +196,12 @@ def test_gridsearch_equals_full_laplace(request, structure):
     Xval = torch.randn(12, 2, generator=g, dtype=torch.float64)
     with torch.no_grad():
         yval = torch.softmax(model(Xval), -1).multinomial(1, generator=g).squeeze(1)
+
+    def centred_forward_call(x, likelihood, joint, link_approx, *args):
+        assert link_approx == "probit" and likelihood == "classification" and not joint
+        return centred_probit(*full._glm_predictive_distribution(x))
+
+    full._glm_forward_call = centred_forward_call  # GLAS's probit: the centred logits'
     kwargs = dict(
         method="gridsearch",
         prior_structure=structure,
