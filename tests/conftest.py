@@ -231,15 +231,22 @@ def output_jacobian(model: nn.Module, X) -> tuple[torch.Tensor, torch.Tensor]:
     return out, J.reshape(-1, out.shape[-1], D)
 
 
-def centred_probit(f_mu: torch.Tensor, f_var: torch.Tensor) -> torch.Tensor:
-    """laplace-torch's probit on the centred logits ``(P mu, P Sigma P)``, with ``P = I -
-    1 1^T / C`` formed explicitly: the reference for GLAS's probit from the moments of
+def pairwise_probit(f_mu: torch.Tensor, f_var: torch.Tensor) -> torch.Tensor:
+    """The probit on differences of logits, term by term in plain loops: ``p_c`` is
+    proportional to ``1 / sum_j exp(-(mu_c - mu_j) / sqrt(1 + pi/8
+    Var(f_c - f_j)))``, normalised. The reference for GLAS's probit from the moments of
     any posterior (e.g. ``FullLaplace._glm_predictive_distribution``)."""
-    C = f_mu.shape[-1]
-    P = torch.eye(C, dtype=f_mu.dtype) - 1.0 / C
-    var = P @ f_var @ P
-    kappa = 1 / torch.sqrt(1 + torch.pi / 8 * var.diagonal(dim1=-2, dim2=-1))
-    return torch.softmax(kappa * (f_mu @ P), -1)
+    n, C = f_mu.shape
+    probs = torch.zeros(n, C, dtype=f_mu.dtype)
+    for i in range(n):
+        for c in range(C):
+            total = 0.0
+            for j in range(C):
+                var = f_var[i, c, c] + f_var[i, j, j] - f_var[i, c, j] - f_var[i, j, c]
+                margin = (f_mu[i, c] - f_mu[i, j]) / torch.sqrt(1 + torch.pi / 8 * var)
+                total = total + torch.exp(-margin)
+            probs[i, c] = 1 / total
+    return probs / probs.sum(-1, keepdim=True)
 
 
 def softmax_ggn(

@@ -3,18 +3,19 @@
 * :func:`gaussian_samples` draws from ``N(f_mu, f_var)`` row by row through an
   eigen-decomposition: the GLAS output covariance ``(J U) diag(v) (J U)^T`` has rank at
   most k, so the Cholesky factorisation laplace-torch uses fails whenever ``C > k``.
-* :func:`probit` is laplace-torch's probit approximation applied to the logits'
-  softmax-invariant part: the mean and the covariance are centred first.
+* :func:`probit` is the probit approximation of the softmax applied to differences of
+  logits (a mean-field approximation): for two classes it is the binary probit.
 * :func:`laplace_bridge` is laplace-torch's Laplace bridge with the mean centred first.
 
 Softmax does not change when the same number is added to every logit,
 ``softmax(f + c 1) = softmax(f)``, so the exact predictive ``E[softmax(f)]`` under
-``f ~ N(mu, Sigma)`` depends only on the centred logits ``P f ~ N(P mu, P Sigma P)``,
-``P = I - 1 1^T / C``. A Laplace posterior keeps the prior's variance along weight
-directions no data constrains, such as shifting every class's bias by the same amount;
-they give every logit the same shift and so a large variance along ``1`` that cannot
-change a prediction. The approximations are applied to the centred Gaussian, where that
-variance is gone.
+``f ~ N(mu, Sigma)`` depends on the logits' differences only. A Laplace posterior keeps
+the prior's variance along weight directions no data constrains, such as shifting every
+class's bias by the same amount; they give every logit the same large variance, which
+cannot change a prediction. laplace-torch's probit ``softmax(kappa * mu)``,
+``kappa_c = (1 + pi/8 Sigma_cc)^{-1/2}``, scales each logit by its own variance and so
+reads that shared variance as uncertainty in every class; :func:`probit` sees only
+the variances of differences, ``Var(f_c - f_j)``, in which it cancels.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import math
 
 import torch
 
-__all__ = ["centred_logits", "gaussian_samples", "laplace_bridge", "probit"]
+__all__ = ["gaussian_samples", "laplace_bridge", "probit"]
 
 
 def gaussian_samples(
@@ -47,41 +48,25 @@ def gaussian_samples(
     return f_mu + torch.einsum("ncd,snd->snc", root, z)
 
 
-def centred_logits(f_mu: torch.Tensor, f_var: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Gaussian of the centred logits ``P f``, ``P = I - 1 1^T / C``.
-
-    .. math::
-
-        P\\mu = \\mu - \\bar\\mu\\,\\mathbf 1, \\qquad
-        (P \\Sigma P)_{ij} = \\Sigma_{ij} - \\bar\\Sigma_{i\\cdot} - \\bar\\Sigma_{\\cdot j}
-        + \\bar\\Sigma_{\\cdot\\cdot},
-
-    with bars the means over the classes. ``f_mu`` is ``(n, C)`` and ``f_var``
-    ``(n, C, C)``.
-    """
-    row_means = f_var.mean(dim=-1, keepdim=True)
-    column_means = f_var.mean(dim=-2, keepdim=True)
-    total_means = row_means.mean(dim=-2, keepdim=True)
-    return (
-        f_mu - f_mu.mean(dim=-1, keepdim=True),
-        f_var - row_means - column_means + total_means,
-    )
-
-
 def probit(f_mu: torch.Tensor, f_var: torch.Tensor) -> torch.Tensor:
-    """Class probabilities by the probit approximation on the centred logits.
+    """Class probabilities by the probit approximation on differences of logits.
 
     .. math::
 
-        p \\approx \\operatorname{softmax}\\big(\\kappa \\odot P\\mu\\big), \\qquad
-        \\kappa_c = \\big(1 + \\tfrac{\\pi}{8} (P \\Sigma P)_{cc}\\big)^{-1/2},
+        p_c \\propto \\Big(\\sum_{j=1}^C \\exp\\Big(-\\frac{\\mu_c - \\mu_j}
+        {\\sqrt{1 + \\tfrac{\\pi}{8}\\,V_{cj}}}\\Big)\\Big)^{-1}, \\qquad
+        V_{cj} = \\operatorname{Var}(f_c - f_j) = \\Sigma_{cc} + \\Sigma_{jj} - 2\\Sigma_{cj},
 
-    laplace-torch's probit (MacKay, 1992) with ``(mu, Sigma)`` replaced by the centred
-    ``(P mu, P Sigma P)`` (:func:`centred_logits`). The exact predictive is the same for
-    both, but the probit scales each logit by its own variance, so a variance every
-    logit shares, which cannot change a prediction, shrinks all of them toward a
-    uniform prediction. For ``C`` classes that shared variance is what the prior
-    leaves along ``1``.
+    normalised over ``c``. Since ``softmax(f)_c = 1 / sum_j exp(-(f_c - f_j))``, each
+    term is a logistic function of one difference ``f_c - f_j ~ N(mu_c - mu_j,
+    V_cj)``, and the probit approximation ``E[sigmoid(z)] ~ sigmoid(m / sqrt(1 + pi/8
+    v))`` is taken term by term, as though the differences were independent (the
+    mean-field approximation of the Gaussian-softmax integral; Lu, Ie and Sha, 2020).
+    For two classes it is the binary probit ``sigmoid((mu_1 - mu_2) / sqrt(1 + pi/8
+    V_12))`` exactly, and for any ``C`` it depends on ``(mu, Sigma)`` only through the
+    differences of the logits, as the exact predictive does. laplace-torch's
+    ``softmax(kappa * mu)`` is neither: for two independent logits it counts half of
+    ``V_12``, and a variance all logits share shrinks every prediction toward uniform.
 
     Parameters
     ----------
@@ -95,11 +80,22 @@ def probit(f_mu: torch.Tensor, f_var: torch.Tensor) -> torch.Tensor:
     torch.Tensor
         ``(n, C)`` probabilities.
 
+    Raises
+    ------
+    ValueError
+        If the shapes are not ``(n, C)`` and ``(n, C, C)``.
+
     """
-    f_mu, f_var = centred_logits(f_mu, f_var)
-    variances = f_var.diagonal(dim1=-2, dim2=-1).clamp(min=0)
-    kappa = 1 / torch.sqrt(1.0 + math.pi / 8 * variances)
-    return torch.softmax(kappa * f_mu, dim=-1)
+    if f_mu.ndim != 2 or f_var.shape != (*f_mu.shape, f_mu.shape[-1]):
+        raise ValueError(
+            "probit takes logit means (n, C) and covariances (n, C, C), got "
+            f"{tuple(f_mu.shape)} and {tuple(f_var.shape)}."
+        )
+    variances = f_var.diagonal(dim1=-2, dim2=-1)
+    difference_variances = variances.unsqueeze(-1) + variances.unsqueeze(-2) - f_var - f_var.mT
+    scale = torch.sqrt(1.0 + math.pi / 8 * difference_variances.clamp(min=0))
+    margins = (f_mu.unsqueeze(-1) - f_mu.unsqueeze(-2)) / scale  # (n, c, j)
+    return torch.softmax(-torch.logsumexp(-margins, dim=-1), dim=-1)
 
 
 def laplace_bridge(
@@ -110,9 +106,10 @@ def laplace_bridge(
     laplace-torch's formula (Hobbhahn et al., 2022), with one change: the mean is
     centred first (``f_mu - mean(f_mu)``, which leaves softmax unchanged). The bridge
     conditions the Gaussian on ``sum(f) = 0`` and shifts the mean by
-    ``Sigma 1 * sum(mu) / (1^T Sigma 1)``; a GLAS posterior has almost no variance
-    along the softmax-invariant direction ``1``, so without centring that shift
-    divides by nearly zero and moves the mean arbitrarily far.
+    ``Sigma 1 * sum(mu) / (1^T Sigma 1)``; a posterior on a subspace
+    (``complement='zero'``) can have almost no variance along the softmax-invariant
+    direction ``1``, so without centring that shift divides by nearly zero and moves
+    the mean arbitrarily far.
     """
     f_mu = f_mu - f_mu.mean(-1, keepdim=True)
     total = f_var.sum(dim=(1, 2)).reshape(-1, 1, 1)

@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import centred_probit
+from conftest import pairwise_probit
 from laplace import Laplace
 from test_subsets import exact_H
 from torch import nn
@@ -119,7 +119,7 @@ def test_reward_modeling_equals_full_laplace_at_full_rank(loss_scaling, dict_bat
     pairs = {"pairs": X[:3]} if dict_batches else X[:3]
     torch.testing.assert_close(  # preference pairs while fitting: classification
         glas(pairs, fitting=True),
-        centred_probit(*full._glm_predictive_distribution(pairs)),
+        pairwise_probit(*full._glm_predictive_distribution(pairs)),
         rtol=1e-6,
         atol=1e-12,
     )

@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import centred_probit, explicit_jacobian, loader, mlp
+from conftest import explicit_jacobian, loader, mlp, pairwise_probit
 from laplace import Laplace
 from laplace.baselaplace import BaseLaplace
 from laplace.laplace import _all_subclasses
@@ -126,7 +126,7 @@ def test_equals_full_laplace_on_the_subset_at_full_rank(subset, likelihood, loss
     else:
         torch.testing.assert_close(
             glas(Xtest, link_approx="probit"),
-            centred_probit(*full._glm_predictive_distribution(Xtest)),
+            pairwise_probit(*full._glm_predictive_distribution(Xtest)),
             rtol=1e-6,
             atol=1e-12,
         )

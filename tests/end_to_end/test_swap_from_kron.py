@@ -24,7 +24,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import centred_probit, loader, mlp, regression_data, train
+from conftest import loader, mlp, pairwise_probit, regression_data, train
 from laplace import Laplace
 
 from laplace_glas.curvature.solvers.eigenpairs import NumericalRankWarning
@@ -151,8 +151,8 @@ def test_classification_probit_at_the_ggn_rank_is_fulls():
     for structure in ({"hessian_structure": "full"}, {"n_components": 16, **EXACT}):
         la = fitted(few_points, "classification", **structure)
         la.optimize_prior_precision(method="marglik", n_steps=1000)
-        if structure.get("hessian_structure") == "full":  # GLAS's probit centres first
-            prob = centred_probit(*la._glm_predictive_distribution(x))
+        if structure.get("hessian_structure") == "full":  # GLAS's probit: differences
+            prob = pairwise_probit(*la._glm_predictive_distribution(x))
         else:
             prob = la(x, pred_type="glm", link_approx="probit")
         probs.append((float(la.prior_precision), prob))

@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import centred_probit, explicit_jacobian, loader
+from conftest import explicit_jacobian, loader, pairwise_probit
 from laplace import Laplace
 from test_equivalence import (  # noqa: F401 (fixtures)
     classification_setup,
@@ -199,9 +199,9 @@ def test_gridsearch_equals_full_laplace(request, structure):
 
     def centred_forward_call(x, likelihood, joint, link_approx, *args):
         assert link_approx == "probit" and likelihood == "classification" and not joint
-        return centred_probit(*full._glm_predictive_distribution(x))
+        return pairwise_probit(*full._glm_predictive_distribution(x))
 
-    full._glm_forward_call = centred_forward_call  # GLAS's probit: the centred logits'
+    full._glm_forward_call = centred_forward_call  # GLAS's probit: on differences
     kwargs = dict(
         method="gridsearch",
         prior_structure=structure,

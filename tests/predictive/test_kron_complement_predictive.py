@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import centred_probit, fit_glas, mlp, output_jacobian, train
+from conftest import fit_glas, mlp, output_jacobian, pairwise_probit, train
 
 DOUBLE = torch.float64
 
@@ -52,7 +52,7 @@ def test_glm_moments_and_functional_variance_equal_j_sigma_jt(classifier):
     flat = J.reshape(-1, J.shape[-1])
     torch.testing.assert_close(la.functional_covariance(J), flat @ sigma @ flat.T)
     # the probit predictive from those moments
-    torch.testing.assert_close(la(X[:6]), centred_probit(f, expected))
+    torch.testing.assert_close(la(X[:6]), pairwise_probit(f, expected))
 
 
 def test_glm_functional_samples_have_the_dense_covariance(classifier):

@@ -1,13 +1,15 @@
-"""Link functions: the eigh-based Gaussian sampler, the centred probit and the centred
-Laplace bridge."""
+"""Link functions: the eigh-based Gaussian sampler, the probit on differences of logits
+and the centred Laplace bridge."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+from conftest import pairwise_probit
 
-from laplace_glas.predictive.links import centred_logits, gaussian_samples, laplace_bridge, probit
+from laplace_glas.predictive.links import gaussian_samples, laplace_bridge, probit
 
 
 def test_gaussian_samples_of_a_singular_covariance():
@@ -52,41 +54,58 @@ def _gaussians(seed: int, n: int = 5, C: int = 4) -> tuple[torch.Tensor, torch.T
 
 
 def _laplace_torch_probit(mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
-    """laplace-torch's formula, uncentred."""
+    """laplace-torch's formula, ``softmax(kappa * mu)``."""
     kappa = 1 / torch.sqrt(1 + math.pi / 8 * var.diagonal(dim1=-2, dim2=-1))
     return torch.softmax(kappa * mu, -1)
 
 
-def test_centred_logits_are_the_projection():
+def test_probit_equals_the_term_by_term_formula():
     mu, var = _gaussians(3)
-    P = torch.eye(4, dtype=torch.float64) - 0.25
-    centred_mu, centred_var = centred_logits(mu, var)
-    torch.testing.assert_close(centred_mu, mu @ P)
-    torch.testing.assert_close(centred_var, P @ var @ P)
+    probs = probit(mu, var)
+    torch.testing.assert_close(probs, pairwise_probit(mu, var))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(5, dtype=torch.float64))
+    # no variance: the softmax itself
+    torch.testing.assert_close(probit(mu, torch.zeros_like(var)), torch.softmax(mu, -1))
+    # float32 in, float32 out
+    assert probit(mu.float(), var.float()).dtype == torch.float32
+
+
+def test_probit_of_two_classes_is_the_binary_probit():
+    """``sigmoid(m / sqrt(1 + pi/8 v))`` for the difference ``f_1 - f_2 ~ N(m, v)``;
+    laplace-torch's formula counts only half of ``v`` for independent logits."""
+    mu, var = _gaussians(4, C=2)
+    m = mu[:, 0] - mu[:, 1]
+    v = var[:, 0, 0] + var[:, 1, 1] - 2 * var[:, 0, 1]
+    binary = torch.sigmoid(m / torch.sqrt(1 + math.pi / 8 * v))
+    torch.testing.assert_close(probit(mu, var)[:, 0], binary)
+    independent = torch.diag_embed(torch.full((5, 2), 3.0, dtype=torch.float64))
+    half = torch.sigmoid(m / torch.sqrt(torch.tensor(1 + math.pi / 8 * 3.0)))
+    torch.testing.assert_close(_laplace_torch_probit(mu, independent)[:, 0], half)
 
 
 def test_probit_ignores_what_softmax_ignores():
     """A common shift of the mean and any covariance along 1 (``1 v^T + v 1^T + a 1 1^T``)
-    leave the exact predictive unchanged, and the centred probit too."""
-    mu, var = _gaussians(4)
+    leave the exact predictive unchanged, and the probit too."""
+    mu, var = _gaussians(5)
     g = torch.Generator().manual_seed(5)
     ones = torch.ones(5, 4, 1, dtype=torch.float64)
     v = torch.randn(5, 4, 1, generator=g, dtype=torch.float64)
     along_ones = ones @ v.transpose(1, 2) + v @ ones.transpose(1, 2) + 30.0 * ones @ ones.mT
-    probs = probit(mu, var)
-    torch.testing.assert_close(probit(mu + 7.0, var + along_ones), probs)
-    torch.testing.assert_close(probs.sum(-1), torch.ones(5, dtype=torch.float64))
-    # nothing along 1 and a centred mean: laplace-torch's probit itself
-    centred_mu, centred_var = centred_logits(mu, var)
-    torch.testing.assert_close(probit(mu, var), _laplace_torch_probit(centred_mu, centred_var))
+    torch.testing.assert_close(probit(mu + 7.0, var + along_ones), probit(mu, var))
 
 
 def test_probit_near_the_exact_predictive_where_the_variance_is_common():
-    """``Sigma = 0.05 I + 25 1 1^T``: the exact predictive is close to softmax(mu); the
-    uncentred probit shrinks every logit by the shared variance toward uniform."""
+    """``Sigma = 0.05 I + 25 1 1^T``: the exact predictive is close to softmax(mu);
+    laplace-torch's formula shrinks every logit by the shared variance toward uniform."""
     mu = torch.tensor([[3.0, 0.0, -1.0, 0.5]], dtype=torch.float64)
     var = (0.05 * torch.eye(4, dtype=torch.float64) + 25.0).unsqueeze(0)
     g = torch.Generator().manual_seed(6)
     exact = torch.softmax(gaussian_samples(mu, var, 200_000, generator=g), -1).mean(0)
     assert (probit(mu, var) - exact).abs().max() < 0.01
     assert (_laplace_torch_probit(mu, var) - exact).abs().max() > 0.3
+
+
+def test_probit_refuses_diagonal_variances():
+    mu, var = _gaussians(7)
+    with pytest.raises(ValueError, match=r"\(n, C, C\)"):
+        probit(mu, var.diagonal(dim1=-2, dim2=-1))
