@@ -29,7 +29,11 @@ Protocol
   since it shows how much the weight posterior itself contributes.
 * **Predictive**: ``pred_type`` ('glm' by default) for the parametric posteriors; ELLA
   is a function-space method and always predicts with ``pred_type='gp'`` (its
-  linearised predictive). Every structure is called on batches of
+  linearised predictive). Classification uses each structure's own ``'probit'`` link,
+  which is what its users get by default: for GLAS the probit on differences of logits
+  (:func:`~laplace_glas.predictive.links.probit`), for laplace-torch's structures
+  ``softmax(kappa * mu)``, so the rows compare pipelines, not posteriors under one link
+  (``pred_type='nn'`` uses Monte Carlo for all). Every structure is called on batches of
   ``predict_batch_size`` inputs, for the metrics and for the timing (``n_predict_timing``
   test inputs, tiled, reported per 1000).
 * **Failures** do not stop the comparison: a structure that raises gets a row with

@@ -57,16 +57,20 @@ def probit(f_mu: torch.Tensor, f_var: torch.Tensor) -> torch.Tensor:
         {\\sqrt{1 + \\tfrac{\\pi}{8}\\,V_{cj}}}\\Big)\\Big)^{-1}, \\qquad
         V_{cj} = \\operatorname{Var}(f_c - f_j) = \\Sigma_{cc} + \\Sigma_{jj} - 2\\Sigma_{cj},
 
-    normalised over ``c``. Since ``softmax(f)_c = 1 / sum_j exp(-(f_c - f_j))``, each
-    term is a logistic function of one difference ``f_c - f_j ~ N(mu_c - mu_j,
-    V_cj)``, and the probit approximation ``E[sigmoid(z)] ~ sigmoid(m / sqrt(1 + pi/8
-    v))`` is taken term by term, as though the differences were independent (the
-    mean-field approximation of the Gaussian-softmax integral; Lu, Ie and Sha, 2020).
-    For two classes it is the binary probit ``sigmoid((mu_1 - mu_2) / sqrt(1 + pi/8
-    V_12))`` exactly, and for any ``C`` it depends on ``(mu, Sigma)`` only through the
-    differences of the logits, as the exact predictive does. laplace-torch's
-    ``softmax(kappa * mu)`` is neither: for two independent logits it counts half of
-    ``V_12``, and a variance all logits share shrinks every prediction toward uniform.
+    normalised over ``c``. The softmax is ``softmax(f)_c = 1 / sum_j exp(-(f_c - f_j))``,
+    a function of the differences ``f_c - f_j ~ N(mu_c - mu_j, V_cj)``; the
+    approximation scales each difference's mean by ``(1 + pi/8 V_cj)^{-1/2}``, as the
+    binary probit ``E[sigmoid(d)] ~ sigmoid(m / sqrt(1 + pi/8 v))`` does, term by term
+    as though the differences were independent (a mean-field approximation of the
+    Gaussian-softmax integral; Lu, Ie and Sha, 2020, take it for a diagonal ``Sigma``).
+    For two classes it is that binary probit exactly, and for any ``C`` it depends on
+    ``(mu, Sigma)`` only through the differences of the logits, as the exact predictive
+    does. laplace-torch's ``softmax(kappa * mu)`` is neither: for two independent
+    logits of equal variance it counts half of ``V_12``, and a variance all logits
+    share shrinks every prediction toward uniform. Like any such approximation it can
+    be more or less confident than the exact predictive.
+
+    Besides its output it holds a few ``(n, C, C)`` buffers, as large as ``f_var``.
 
     Parameters
     ----------
@@ -92,7 +96,8 @@ def probit(f_mu: torch.Tensor, f_var: torch.Tensor) -> torch.Tensor:
             f"{tuple(f_mu.shape)} and {tuple(f_var.shape)}."
         )
     variances = f_var.diagonal(dim1=-2, dim2=-1)
-    difference_variances = variances.unsqueeze(-1) + variances.unsqueeze(-2) - f_var - f_var.mT
+    difference_variances = variances.unsqueeze(-1) + variances.unsqueeze(-2)
+    difference_variances.sub_(f_var).sub_(f_var.mT)  # in place: a fresh tensor
     scale = torch.sqrt(1.0 + math.pi / 8 * difference_variances.clamp(min=0))
     margins = (f_mu.unsqueeze(-1) - f_mu.unsqueeze(-2)) / scale  # (n, c, j)
     return torch.softmax(-torch.logsumexp(-margins, dim=-1), dim=-1)
