@@ -59,6 +59,7 @@ __all__ = [
     "RowsBatches",
     "RowsQuadraticLoss",
     "check_n_draws",
+    "mean_softmax_hessian",
     "softmax_hessian",
 ]
 
@@ -86,6 +87,21 @@ def softmax_hessian(p: torch.Tensor) -> torch.Tensor:
     the logits at probabilities ``p``).
     """
     return torch.diag_embed(p) - p[..., :, None] * p[..., None, :]
+
+
+def mean_softmax_hessian(p: torch.Tensor) -> torch.Tensor:
+    """``(1/S) sum_s diag(p_s) - p_s p_s^T`` ``(..., C, C)`` of draws ``p`` ``(S, ..., C)``.
+
+    .. math::
+
+        \\frac1S \\sum_s \\big(\\operatorname{diag}(p_s) - p_s p_s^\\top\\big)
+        = \\operatorname{diag}(\\bar p) - \\frac1S \\sum_s p_s p_s^\\top ,
+
+    the second moment as one batched product over the draws instead of ``S`` outer
+    products (:func:`softmax_hessian` of every draw, then their mean).
+    """
+    second_moment = torch.einsum("s...i,s...j->...ij", p, p) / p.shape[0]
+    return torch.diag_embed(p.mean(0)) - second_moment
 
 
 def _psd_root(V: torch.Tensor) -> torch.Tensor:
@@ -172,7 +188,7 @@ class PosteriorAveragedHessian:
                     f"{(B, C)}; expected {(B, C, C)}."
                 )
             logits = f + torch.einsum("bij,sj->sbi", _psd_root(V), eps)  # (S, B, C)
-            total += weight * softmax_hessian(torch.softmax(logits, -1)).mean(0)
+            total += weight * mean_softmax_hessian(torch.softmax(logits, -1))
         return total
 
     def rows(

@@ -13,7 +13,11 @@ import pytest
 import torch
 from conftest import Gained, mlp, mlp_problem, output_jacobian
 
-from laplace_glas.curvature.data.output_hessian import PosteriorAveragedHessian, softmax_hessian
+from laplace_glas.curvature.data.output_hessian import (
+    PosteriorAveragedHessian,
+    mean_softmax_hessian,
+    softmax_hessian,
+)
 from laplace_glas.curvature.operators.factored import build_factored_ggn
 from laplace_glas.curvature.operators.factors import row_vectors
 from laplace_glas.curvature.operators.stored_jacobian import build_jacobian_ggn
@@ -23,6 +27,13 @@ from laplace_glas.curvature.operators.streamed import StreamedFactoredGGN
 def _constant(V: torch.Tensor):
     """A logit covariance that is ``V`` for every batch (of ``V``'s size)."""
     return lambda x: V
+
+
+def test_mean_softmax_hessian_is_the_mean_of_the_draws_hessians():
+    g = torch.Generator().manual_seed(11)
+    p = torch.randn(16, 3, 5, generator=g, dtype=torch.float64).softmax(-1)  # (S, B, C)
+    expected = torch.stack([softmax_hessian(draw) for draw in p]).mean(0)
+    torch.testing.assert_close(mean_softmax_hessian(p), expected)
 
 
 def test_at_zero_variance_it_is_the_softmax_hessian_at_the_outputs():
