@@ -170,7 +170,11 @@ class SubspacePredictive(PriorGram):
         Jacobian over all weights is formed, chunked by inputs, for ``J J^T / tau`` or
         ``J P E^{-1} P J^T``. 'nn': weight samples pushed through the network with
         ``functional_call`` under ``vmap``. ``generator`` controls every sampling
-        path (laplace-torch ignores it for 'nn' and 'mc').
+        path (laplace-torch ignores it for 'nn' and 'mc'). ``link_approx='probit'`` is
+        the probit on differences of logits
+        (:func:`~laplace_glas.predictive.links.probit`), not laplace-torch's
+        ``softmax(kappa * mu)``: the two differ on the same covariance, so compare
+        posteriors under one link with ``'mc'``.
         """
         self._check_H_init()
         _check_pred_type(pred_type)
