@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ from torch.nn import functional as F
 from laplace_glas.autodiff.checkpoints import watch_reentrant_checkpoints
 from laplace_glas.curvature.data.batches import batch_size
 from laplace_glas.validation import check_model_output
+
+if TYPE_CHECKING:
+    from laplace_glas.curvature.data.output_hessian import PosteriorAveragedHessian
 
 __all__ = [
     "CONV_LAYERS",
@@ -272,7 +276,13 @@ def row_vectors(
 
 
 def loss_hessian_rows(
-    X, out, y, likelihood: str, ignore_index: int, scale: float, output_hessian=None
+    X: Any,
+    out: torch.Tensor,
+    y: torch.Tensor,
+    likelihood: str,
+    ignore_index: int,
+    scale: float,
+    output_hessian: PosteriorAveragedHessian | None = None,
 ) -> torch.Tensor:
     """The rows of ``Lambda_n^{1/2}`` times ``scale`` of a batch with outputs ``out``:
     :func:`row_vectors` at the outputs, or ``output_hessian.rows`` (a
