@@ -41,8 +41,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from laplace_glas.applications.compare import PeakMemory
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.curvature.data.losses import TokenCrossEntropy
+from laplace_glas.curvature.operators.curvlinops import LossOnData, mean_ggn_operator
 from laplace_glas.curvature.operators.linearized import build_linearized_ggn
-from laplace_glas.curvature.solvers.solve import mean_ggn_operator
 
 VOCAB, LENGTH = 30, 40
 
@@ -142,7 +142,8 @@ def product_row(name, model, loader, args) -> dict:
         ref = mean_ggn_operator(model, loss, params, batches, num_data=n)
         t0 = time.perf_counter()
         with PeakMemory() as peak:
-            lin = build_linearized_ggn(model, loss, params, batches, num_data=n, budget_bytes=2**33)
+            loss_on_data = LossOnData(model, loss, params, batches, num_data=n)
+            lin = build_linearized_ggn(loss_on_data, budget_bytes=2**33)
         build = time.perf_counter() - t0
         rows = {"model": name, "D": D, "build": build, "kept MiB": lin.saved_bytes / 2**20}
         rows["build peak MiB"] = peak.peak_mb

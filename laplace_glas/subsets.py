@@ -36,6 +36,8 @@ posterior is laplace-torch's ``FullLLLaplace`` / ``FullSubnetLaplace``.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -43,18 +45,16 @@ import numpy as np
 import torch
 from laplace.lllaplace import LLLaplace
 from laplace.subnetlaplace import SubnetLaplace
-from laplace.utils.feature_extractor import FeatureReduction
 from scipy.sparse.linalg import LinearOperator
 from torch import nn
 from torch.nn.utils import parameters_to_vector
-from torch.utils.data import DataLoader
 
 from laplace_glas.autodiff.checkpoints import outside_posterior
 from laplace_glas.curvature.data.batches import check_input_dtype, split_batch
 from laplace_glas.curvature.data.problem import CurvatureProblem
 from laplace_glas.curvature.memory.planner import Plan
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES
-from laplace_glas.curvature.parallel.distributed import data_parallel
+from laplace_glas.curvature.parallel.distributed import Shards
 from laplace_glas.io import check_state_kind, check_subnetwork_indices
 from laplace_glas.laplace import ActiveSubspaceLaplace
 from laplace_glas.posterior.hyperparameters import unchanged_on_failure
@@ -66,6 +66,54 @@ __all__ = [
     "SubnetActiveSubspaceLaplace",
     "SubsetOperator",
 ]
+
+
+# ---------------------------------------------------------------------- arguments
+def laplace_torch_arguments(
+    laplace_class: type, model: nn.Module, likelihood: str, args: tuple, kwargs: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A subset class's arguments, split into laplace-torch's and GLAS's.
+
+    The positional arguments and the keywords that ``laplace_class.__init__`` names are
+    bound to laplace-torch's own signature (its order and its defaults, so a positional
+    call reads as it does for laplace-torch's class; a clash raises its ``TypeError``).
+    The other keywords (GLAS's, and ``enable_backprop`` / the dict keys where
+    laplace-torch's class does not take them) come back as they were passed.
+
+    Returns
+    -------
+    named : dict
+        laplace-torch's arguments by name, ``model`` and ``likelihood`` included.
+    others : dict
+        The remaining keywords.
+
+    """
+    signature = inspect.signature(laplace_class.__init__)
+    names = signature.parameters.keys()
+    theirs = {name: value for name, value in kwargs.items() if name in names}
+    others = {name: value for name, value in kwargs.items() if name not in names}
+    bound = signature.bind(None, model, likelihood, *args, **theirs)  # None: self
+    bound.apply_defaults()
+    named = dict(bound.arguments)
+    del named[next(iter(signature.parameters))]
+    return named, others
+
+
+def _with_laplace_torch_signature(laplace_class: type) -> Callable[[Callable], Callable]:
+    """Show laplace-torch's ``laplace_class.__init__`` signature, plus ``**glas_kwargs``,
+    as the decorated ``__init__``'s (for ``help`` and ``inspect.signature``).
+    """
+
+    def decorate(init: Callable) -> Callable:
+        signature = inspect.signature(laplace_class.__init__)
+        keywords = inspect.Parameter.VAR_KEYWORD
+        glas_kwargs = inspect.Parameter("glas_kwargs", keywords, annotation=Any)
+        init.__signature__ = signature.replace(
+            parameters=[*signature.parameters.values(), glas_kwargs], return_annotation=None
+        )
+        return init
+
+    return decorate
 
 
 # ---------------------------------------------------------------------- last layer
@@ -113,42 +161,14 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
     _key = ("last_layer", "glas")
     _k_bound_known_at_init = False  # D_L: checked against n_components once known
 
-    def __init__(
-        self,
-        model: nn.Module,
-        likelihood: str,
-        sigma_noise: float | torch.Tensor = 1.0,
-        prior_precision: float | torch.Tensor = 1.0,
-        prior_mean: float | torch.Tensor = 0.0,
-        temperature: float = 1.0,
-        enable_backprop: bool = False,
-        feature_reduction: FeatureReduction | str | None = None,
-        dict_key_x: str = "input_ids",
-        dict_key_y: str = "labels",
-        backend: type | None = None,
-        last_layer_name: str | None = None,
-        backend_kwargs: dict[str, Any] | None = None,
-        asdl_fisher_kwargs: dict[str, Any] | None = None,
-        **glas_kwargs: Any,
-    ) -> None:
+    @_with_laplace_torch_signature(LLLaplace)
+    def __init__(self, model: nn.Module, likelihood: str, *args: Any, **kwargs: Any) -> None:
+        named, glas_kwargs = laplace_torch_arguments(LLLaplace, model, likelihood, args, kwargs)
+        last_layer_name = named.pop("last_layer_name")
         if last_layer_name is not None and not isinstance(last_layer_name, str):
             raise TypeError(f"last_layer_name must be a str or None, got {last_layer_name!r}.")
-        self._pending_last_layer = (last_layer_name, feature_reduction)
-        super().__init__(
-            model,
-            likelihood,
-            sigma_noise=sigma_noise,
-            prior_precision=prior_precision,
-            prior_mean=prior_mean,
-            temperature=temperature,
-            enable_backprop=enable_backprop,
-            dict_key_x=dict_key_x,
-            dict_key_y=dict_key_y,
-            backend=backend,
-            backend_kwargs=backend_kwargs,
-            asdl_fisher_kwargs=asdl_fisher_kwargs,
-            **glas_kwargs,
-        )
+        self._pending_last_layer = (last_layer_name, named.pop("feature_reduction"))
+        super().__init__(**named, **glas_kwargs)
         del self._pending_last_layer
         if self.model.last_layer is not None:
             self._use_last_layer()
@@ -199,35 +219,30 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
             self._capped_default(self._n_components, self.n_params), self.n_params
         )
 
-    def fit(
-        self,
-        train_loader: DataLoader,
-        override: bool = True,
-        progress_bar: bool | None = None,
-    ) -> None:
-        """Find the last layer (first batch) if needed, then fit GLAS on its weights.
-
-        See :meth:`ActiveSubspaceLaplace.fit`; ``override=False`` is refused as by
-        laplace-torch's ``LLLaplace``.
+    def _prepare_fit(self, train_loader: Any, override: bool, shards: Shards | None) -> None:
+        """Find the last layer on the first batch if it is not known yet (``fit`` then
+        runs on its weights); ``override=False`` is refused as by laplace-torch's
+        ``LLLaplace``.
         """
         if not override:
             raise ValueError("Last-layer Laplace approximations do not support `override=False`.")
-        self.model.eval()
-        if self.model.last_layer is None:
-            reiterable("train_loader", train_loader)  # before a batch is taken from it
-        first = None if self.model.last_layer is not None else next(iter(train_loader), None)
-        if first is None and self.model.last_layer is None and data_parallel() is None:
-            raise ValueError("The training loader is empty: there is no data to fit.")
-        if first is not None:  # an empty shard is refused on every rank by the fit
-            inputs = split_batch(first, self.dict_key_y)[0]
-            check_input_dtype("The training inputs", inputs, self._dtype, 0)
-            self.data = first
-            self._find_last_layer(self.data)
-            self._use_last_layer()
-            # as LLLaplace: the hyperparameters given before D_L was known are checked now
-            self.prior_precision = self._prior_precision
-            self.prior_mean = self._prior_mean
-        super().fit(train_loader, override=override, progress_bar=progress_bar)
+        self.model.eval()  # as LLLaplace.fit leaves its feature extractor
+        if self.model.last_layer is not None:
+            return
+        reiterable("train_loader", train_loader)  # before a batch is taken from it
+        first = next(iter(train_loader), None)
+        if first is None:
+            if shards is None:
+                raise ValueError("The training loader is empty: there is no data to fit.")
+            return  # an empty shard is refused on every rank by the fit
+        inputs = split_batch(first, self.dict_key_y)[0]
+        check_input_dtype("The training inputs", inputs, self._dtype, 0)
+        self.data = first
+        self._find_last_layer(self.data)
+        self._use_last_layer()
+        # as LLLaplace: the hyperparameters given before D_L was known are checked now
+        self.prior_precision = self._prior_precision
+        self.prior_mean = self._prior_mean
 
     @unchanged_on_failure
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -313,10 +328,12 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
     temperature, backend, backend_kwargs, asdl_fisher_kwargs :
         As in laplace-torch's ``SubnetLaplace`` (``subnetwork_indices``: distinct indices
         into ``parameters_to_vector(model.parameters())``, a non-empty 1-D LongTensor).
-    enable_backprop, dict_key_x, dict_key_y :
-        As in laplace-torch's ``ParametricLaplace``.
+        Bound to laplace-torch's own signature, so a positional call reads as it does
+        for ``SubnetLaplace``.
     **glas_kwargs :
-        As in :class:`~laplace_glas.ActiveSubspaceLaplace`; ``1 <= n_components < D_S``.
+        ``enable_backprop``, ``dict_key_x`` and ``dict_key_y`` (by keyword: laplace-torch's
+        ``SubnetLaplace`` does not take them; as in its ``ParametricLaplace``), and the
+        keywords of :class:`~laplace_glas.ActiveSubspaceLaplace`; ``1 <= n_components < D_S``.
         The eigenpairs come from Lanczos or the block solver (the dual solve needs the
         whole network's factors).
 
@@ -328,40 +345,14 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
 
     _key = ("subnetwork", "glas")
 
-    def __init__(
-        self,
-        model: nn.Module,
-        likelihood: str,
-        subnetwork_indices: torch.LongTensor,
-        sigma_noise: float | torch.Tensor = 1.0,
-        prior_precision: float | torch.Tensor = 1.0,
-        prior_mean: float | torch.Tensor = 0.0,
-        temperature: float = 1.0,
-        enable_backprop: bool = False,
-        dict_key_x: str = "input_ids",
-        dict_key_y: str = "labels",
-        backend: type | None = None,
-        backend_kwargs: dict[str, Any] | None = None,
-        asdl_fisher_kwargs: dict[str, Any] | None = None,
-        **glas_kwargs: Any,
-    ) -> None:
-        self._pending_indices = subnetwork_indices
+    @_with_laplace_torch_signature(SubnetLaplace)
+    def __init__(self, model: nn.Module, likelihood: str, *args: Any, **kwargs: Any) -> None:
+        named, glas_kwargs = laplace_torch_arguments(SubnetLaplace, model, likelihood, args, kwargs)
+        self._pending_indices = named.pop("subnetwork_indices")
+        prior_mean = named.pop("prior_mean")
         self._theta_map: torch.Tensor | None = None
-        super().__init__(
-            model,
-            likelihood,
-            sigma_noise=sigma_noise,
-            prior_precision=prior_precision,
-            prior_mean=0.0,  # set below, over the subnetwork
-            temperature=temperature,
-            enable_backprop=enable_backprop,
-            dict_key_x=dict_key_x,
-            dict_key_y=dict_key_y,
-            backend=backend,
-            backend_kwargs=backend_kwargs,
-            asdl_fisher_kwargs=asdl_fisher_kwargs,
-            **glas_kwargs,
-        )
+        # the prior mean is set below, over the subnetwork
+        super().__init__(**named, prior_mean=0.0, **glas_kwargs)
         del self._pending_indices
         self.n_params_model = self.n_params
         self.n_params = self.n_params_subnet
@@ -396,16 +387,12 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
         """
         return super().prior_precision_diag.to(self._dtype)
 
-    def fit(
-        self,
-        train_loader: DataLoader,
-        override: bool = True,
-        progress_bar: bool | None = None,
-    ) -> None:
-        """See :meth:`ActiveSubspaceLaplace.fit`; the eigenpairs are those of ``G_S``."""
-        super().fit(train_loader, override=override, progress_bar=progress_bar)
-        self._theta_map = self.mean  # the whole network's MAP, set by fit
-        self.mean = self._theta_map[self._index_on_device()]
+    def _fitted_mean(self, theta: torch.Tensor) -> torch.Tensor:
+        """The subnetwork's entries of the fitted weights (the whole network's ``theta``
+        is kept for the predictive and ``sample``).
+        """
+        self._theta_map = theta
+        return theta[self._index_on_device()]
 
     def state_dict(self) -> dict[str, Any]:
         """:meth:`ActiveSubspaceLaplace.state_dict` plus the ``subnetwork_indices``."""

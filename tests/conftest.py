@@ -265,7 +265,7 @@ def curvlinops_token_ggn(model: nn.Module, x, y, pad: int, batch_size: int):
     """curvlinops' GGN operator of the summed token cross-entropy (``pad`` targets left
     out) on ``(x, y)`` in batches, and the number of tokens it sums over."""
     from laplace_glas.curvature.data.losses import TokenCrossEntropy
-    from laplace_glas.curvature.solvers.solve import mean_ggn_operator
+    from laplace_glas.curvature.operators.curvlinops import mean_ggn_operator
 
     n_tokens = int((y != pad).sum())
     loader = DataLoader(TensorDataset(x, y), batch_size=batch_size)

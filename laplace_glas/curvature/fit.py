@@ -109,6 +109,7 @@ class SubspaceFit(ComplementPass, FitAgreement):
         with PeakMemory(self._device) as peak, evaluation_mode(self.model):
             shards = data_parallel(process_group)
             try:  # local checks: a rank that fails them still takes part in the agreement
+                self._prepare_fit(train_loader, override, shards)
                 update, show, k = self._fit_checks(train_loader, override, progress_bar)
             except Exception as err:
                 if shards is None:
@@ -163,7 +164,7 @@ class SubspaceFit(ComplementPass, FitAgreement):
                     NumericalRankWarning,
                     stacklevel=2,
                 )
-            self.mean = parameters_to_vector(self.params).detach()
+            self.mean = self._fitted_mean(parameters_to_vector(self.params).detach())
             self.loss = loss
             self.n_data = n_data  # likelihood terms: data points, or tokens for sequences
             self.n_outputs = out_shape[-1]
@@ -178,6 +179,17 @@ class SubspaceFit(ComplementPass, FitAgreement):
                 self._complement_why = complement.why
             self._process_group = process_group
         self._eigenpairs = with_measured_peak(self._eigenpairs, peak)
+
+    def _prepare_fit(self, train_loader: Any, override: bool, shards: Shards | None) -> None:
+        """A subclass's step before the fit's checks: nothing here (the last-layer
+        posterior finds its layer on the first batch).
+        """
+
+    def _fitted_mean(self, theta: torch.Tensor) -> torch.Tensor:
+        """The posterior mean given the fitted weights ``theta`` (``D``): ``theta`` itself
+        here (a subnetwork's posterior keeps its own entries).
+        """
+        return theta
 
     def _fit_checks(
         self, train_loader: Any, override: bool, progress_bar: bool | None

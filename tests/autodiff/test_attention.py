@@ -23,7 +23,8 @@ import laplace_glas
 from laplace_glas import activity_scores, residual_report, select_dimension
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.autodiff.kernels import attention_math_kernels, differentiable_kernels
-from laplace_glas.curvature.solvers.solve import compute_eigenpairs, mean_ggn_operator
+from laplace_glas.curvature.operators.curvlinops import mean_ggn_operator
+from laplace_glas.curvature.solvers.solve import compute_eigenpairs
 
 PAD, VOCAB, T = 0, 7, 6
 

@@ -11,11 +11,9 @@ from conftest import explicit_jacobian, loader, mlp, regression_data
 from scipy.sparse.linalg import LinearOperator
 from torch import nn
 
-from laplace_glas.curvature.solvers.solve import (
-    LanczosConvergenceWarning,
-    compute_eigenpairs,
-    mean_ggn_operator,
-)
+from laplace_glas.curvature.operators.curvlinops import mean_ggn_operator
+from laplace_glas.curvature.solvers.eigenpairs import LanczosConvergenceWarning
+from laplace_glas.curvature.solvers.solve import compute_eigenpairs
 
 
 def explicit_mean_ggn(model, X, sigma=1.0):
@@ -268,8 +266,6 @@ def test_block_solver_warns_when_passes_run_out():
 def test_block_solver_says_when_it_returns_fewer_pairs_than_asked():
     """3 passes of 3 columns hold 9 vectors: the warning says 9 of 10 came back."""
     from scipy.sparse.linalg import aslinearoperator
-
-    from laplace_glas.curvature.solvers.solve import LanczosConvergenceWarning
 
     A = np.diag(np.linspace(10, 1, 200))
     with pytest.warns(LanczosConvergenceWarning, match="found only 9 of the 10"):

@@ -10,6 +10,7 @@ with the untouched laplace-torch object.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import statistics
 import warnings
@@ -473,11 +474,14 @@ def test_n_components_can_be_set_before_the_last_layer_is_found():
 
 
 def test_a_subset_posterior_built_positionally_is_the_one_built_by_name():
-    """The subset constructors take laplace-torch's positional order (SubnetLaplace's,
-    LLLaplace's), stated in their source so that static tools read it too."""
+    """The subset constructors bind their arguments to laplace-torch's own signatures
+    (SubnetLaplace's, LLLaplace's): the same positional call means the same thing."""
     model = mlp([1, 16, 1])  # D = 49 > SUBNET's largest index
+    positional = (model, "regression", SUBNET, SIGMA, TAU, 0.0, 1.0, None, None, None)
+    reference = FullSubnetLaplace(*positional)  # laplace-torch reads the same tuple
+    assert float(reference.sigma_noise) == SIGMA and reference.temperature == 1.0
     by_position = SubnetActiveSubspaceLaplace(
-        model, "regression", SUBNET, SIGMA, TAU, 0.0, 1.0, False, "x", "y", n_components=3
+        *positional, dict_key_x="x", dict_key_y="y", n_components=3
     )
     by_name = SubnetActiveSubspaceLaplace(
         model=model, likelihood="regression", subnetwork_indices=SUBNET, sigma_noise=SIGMA,
@@ -487,6 +491,15 @@ def test_a_subset_posterior_built_positionally_is_the_one_built_by_name():
         assert (la.dict_key_x, la.dict_key_y, la.n_components) == ("x", "y", 3)
         assert float(la.sigma_noise) == SIGMA and float(la.prior_precision) == pytest.approx(TAU)
         assert torch.equal(la.subnetwork_indices, SUBNET)
+    with pytest.raises(TypeError, match="too many positional"):  # SubnetLaplace stops there
+        SubnetActiveSubspaceLaplace(*positional, None)
+    with pytest.raises(TypeError, match="multiple values"):
+        SubnetActiveSubspaceLaplace(*positional, sigma_noise=2.0)
+    with pytest.raises(TypeError, match="n_component"):  # a misspelt GLAS keyword
+        SubnetActiveSubspaceLaplace(*positional, n_component=3)
+    shown = inspect.signature(SubnetActiveSubspaceLaplace)
+    assert list(shown.parameters)[:10] == list(inspect.signature(FullSubnetLaplace).parameters)
+    assert list(shown.parameters)[-1] == "glas_kwargs"
     last = LastLayerActiveSubspaceLaplace(
         model, "regression", 1.0, 1.0, 0.0, 1.0, False, None, "x", "y", None, "2"
     )

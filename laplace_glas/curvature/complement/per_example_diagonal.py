@@ -121,29 +121,33 @@ def _squared_pullbacks(
     """``sum_{s,r} (J^T l_{s,r})^2`` of one example, by parameter (``x`` with a batch
     axis of one; ``columns`` ``(*S, C, R)``).
     """
+
+    def example_output(params: dict[str, torch.Tensor]) -> torch.Tensor:
+        return call(params, x)[0]
+
+    cotangents = _cotangents(columns)
     try:
-        _, pullback = vjp(lambda params: call(params, x)[0], free)
-        (grads,) = vmap(pullback)(_cotangents(columns))
+        _, pullback = vjp(example_output, free)
+        (grads,) = vmap(pullback)(cotangents)
     except RuntimeError as err:  # what torch.func refuses, plain autograd may take
         try:
-            return _squared_gradients(call, free, x, columns)
+            return _squared_gradients(example_output, free, cotangents)
         except Exception:
             raise err from None
     return {name: grad.square().sum(0) for name, grad in grads.items()}
 
 
 def _squared_gradients(
-    call: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
+    output: Callable[[dict[str, torch.Tensor]], torch.Tensor],
     free: dict[str, torch.Tensor],
-    x: object,
-    columns: torch.Tensor,
+    cotangents: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
     """:func:`_squared_pullbacks` by ``torch.autograd.grad``, one call per cotangent."""
     leaves = {name: value.detach().requires_grad_(True) for name, value in free.items()}
     totals = {name: torch.zeros_like(value) for name, value in free.items()}
     with torch.enable_grad():
-        out = call(leaves, x)[0]
-        for cotangent in _cotangents(columns):
+        out = output(leaves)
+        for cotangent in cotangents:
             grads = torch.autograd.grad(
                 out, list(leaves.values()), cotangent, retain_graph=True, allow_unused=True
             )

@@ -32,7 +32,7 @@ from laplace_glas.curvature.data.output_hessian import (
     RowsQuadraticLoss,
 )
 from laplace_glas.curvature.data.replay import ReplayedBatches
-from laplace_glas.curvature.operators.curvlinops import mean_ggn_operator
+from laplace_glas.curvature.operators.curvlinops import LossOnData, curvlinops_operator
 from laplace_glas.curvature.parallel.distributed import Shards, sum_count
 
 __all__ = ["CurvatureProblem", "curvature_likelihood"]
@@ -116,7 +116,7 @@ class CurvatureProblem:
         (:mod:`~laplace_glas.curvature.data.output_hessian`); ``None``: the loss
         Hessian at the model's outputs. The operators built from the rows of
         ``Lambda_n^{1/2}`` (factored, stored Jacobians, streamed factors) take it
-        directly, the loss-based ones through :meth:`loss_arguments`' surrogate.
+        directly, the loss-based ones through :meth:`loss_on_data`'s surrogate.
 
     """
 
@@ -170,11 +170,10 @@ class CurvatureProblem:
         """``D``, the number of parameters under inference."""
         return sum(p.numel() for p in self.params)
 
-    def loss_arguments(self) -> dict[str, Any]:
-        """``model``, ``loss_func``, ``params``, ``data``, ``num_data`` and
-        ``batch_size_fn`` by name: the arguments of curvlinops' operator and of the
-        linearised operators (kept or rebuilt) of this problem's loss. With an
-        ``output_hessian`` the loss is its surrogate
+    def loss_on_data(self) -> LossOnData:
+        """The problem's loss on its data: what curvlinops' operator and the
+        linearised operators (kept or rebuilt) take. With an ``output_hessian`` the loss
+        is its surrogate
         (:class:`~laplace_glas.curvature.data.output_hessian.RowsQuadraticLoss` on
         :class:`~laplace_glas.curvature.data.output_hessian.RowsBatches`), whose GGN is
         the averaged one at the same ``scale``.
@@ -189,14 +188,9 @@ class CurvatureProblem:
                 self.ignore_index,
                 lambda X: batch_to_device(X, self.device),
             )
-        return {
-            "model": self.model,
-            "loss_func": loss_func,
-            "params": self.params,
-            "data": data,
-            "num_data": self.num_data,
-            "batch_size_fn": self.batch_size_fn,
-        }
+        return LossOnData(
+            self.model, loss_func, self.params, data, self.num_data, self.batch_size_fn
+        )
 
     def batch_arguments(self) -> dict[str, Any]:
         """``model``, ``params``, ``loader``, ``likelihood``, ``n_terms``,
@@ -228,7 +222,7 @@ class CurvatureProblem:
         """Curvlinops' GGN operator of ``loss_func`` on ``data`` (the reference; its
         products times ``scale`` are the unit-noise mean-loss GGN's).
         """
-        return mean_ggn_operator(**self.loss_arguments())
+        return curvlinops_operator("ggn", self.loss_on_data())
 
     @classmethod
     def build(

@@ -456,7 +456,7 @@ def _linearized(problem: CurvatureProblem, budget: Estimates):
     s = budget.itemsize
     room = budget.total - budget.storage - 2 * budget.D * s
     built = build_linearized_ggn(
-        **problem.loss_arguments(),
+        problem.loss_on_data(),
         device=problem.device,
         budget_bytes=max(1, room),
         progress_bar=problem.progress_bar,
@@ -486,12 +486,10 @@ def _curvlinops_plan(
         f"; the {MATRIX_NAMES[curvature.kind]} ({curvature.backend}) uses curvlinops + Lanczos.",
         stacklevel=4,
     )
-    loss_func = problem.loss_func
+    loss = problem.loss_on_data()
     if curvature.kind == "ef":
-        loss_func = ef_loss(loss_func, len(problem.out_shape))
-    operator = curvlinops_operator(
-        curvature.kind, **{**problem.loss_arguments(), "loss_func": loss_func}
-    )
+        loss = replace(loss, loss_func=ef_loss(loss.loss_func, len(problem.out_shape)))
+    operator = curvlinops_operator(curvature.kind, loss)
     name = "curvlinops EF" if curvature.kind == "ef" else "curvlinops Hessian"
     solver = "block" if solver == "block" else "lanczos"
     plan = _streaming_plan(problem, operator, name, (), budget, solver)

@@ -148,7 +148,7 @@ def streamed_linearized(
     batch = getattr(linearized, "batch_bytes", None)
     if not isinstance(linearized, OverBudget) or problem.shards is not None or batch is None:
         return None
-    operator = RelinearizedGGN(**problem.loss_arguments(), device=problem.device, batch_bytes=batch)
+    operator = RelinearizedGGN(problem.loss_on_data(), device=problem.device, batch_bytes=batch)
     name = f"linearised, rebuilt per batch (not factored: {built}; not kept: {linearized})"
     least = min(budget.linearized_streaming_peak(batch, block=width)[0] for width in _widths(block))
     if least > budget.total:

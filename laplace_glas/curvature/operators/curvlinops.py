@@ -7,73 +7,89 @@ reference operator of every fit),
 
     G = \\frac{1}{N} \\sum_{n=1}^N J_n^\\top \\Lambda_n J_n ,
 
-and :func:`curvlinops_operator` the ``EFLinearOperator`` / ``HessianLinearOperator`` that
-laplace-torch's empirical Fisher and Hessian backends stand for
-(:mod:`~laplace_glas.curvature.backends`).
+and :func:`curvlinops_operator` builds it, or the ``EFLinearOperator`` /
+``HessianLinearOperator`` that laplace-torch's empirical Fisher and Hessian backends
+stand for (:mod:`~laplace_glas.curvature.backends`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from curvlinops import EFLinearOperator, GGNLinearOperator, HessianLinearOperator
 from torch import nn
 
-__all__ = ["curvlinops_operator", "mean_ggn_operator"]
+__all__ = ["LossOnData", "curvlinops_operator", "mean_ggn_operator"]
 
-_OPERATORS = {"ef": EFLinearOperator, "hessian": HessianLinearOperator}
+_OPERATORS = {"ggn": GGNLinearOperator, "ef": EFLinearOperator, "hessian": HessianLinearOperator}
 
 
-def mean_ggn_operator(
-    model: nn.Module,
-    loss_func: nn.Module,
-    params: Sequence[torch.Tensor],
-    data: Iterable,
-    num_data: int,
-    batch_size_fn: Callable | None = None,
-    progress_bar: bool = False,
-) -> GGNLinearOperator:
-    """Curvlinops' GGN operator of a loss, without its determinism probe.
+@dataclass(frozen=True)
+class LossOnData:
+    """A loss of a network's outputs on data: what curvlinops' curvature operators
+    take, and the linearised operators
+    (:mod:`~laplace_glas.curvature.operators.linearized`,
+    :mod:`~laplace_glas.curvature.operators.relinearized`) with them.
 
-    ``reduction='mean'`` gives the GGN of the mean loss over ``num_data`` points;
-    ``reduction='sum'`` the GGN of the summed loss, which the caller scales by one
-    over the number of likelihood terms (e.g. tokens) to get the mean-loss GGN.
-    ``check_deterministic`` is switched off: it costs two gradient passes and two
-    products and rejects shuffled loaders; the model must be in eval mode instead.
+    Attributes
+    ----------
+    model : nn.Module
+        The network (in eval mode, with differentiable kernels).
+    loss_func : nn.Module
+        The loss of the outputs and targets, with ``reduction`` ``'sum'`` or ``'mean'``.
+    params : sequence of torch.Tensor
+        The trainable parameters, in the order of the ``D``-vector.
+    data : iterable
+        ``(X, y)`` batches (``X`` a tensor or a mapping of tensors).
+    num_data : int
+        What ``reduction='mean'`` divides by (the number of points).
+    batch_size_fn : callable or None
+        The batch size of an ``X`` (``None``: ``X.shape[0]``).
+
     """
-    if getattr(loss_func, "reduction", None) not in ("mean", "sum"):
-        raise ValueError("The loss needs a `reduction` attribute, 'mean' or 'sum'.")
-    return GGNLinearOperator(
-        model,
-        loss_func,
-        list(params),
-        data,
-        progressbar=progress_bar,
-        check_deterministic=False,
-        num_data=num_data,
-        batch_size_fn=batch_size_fn,
-    )
+
+    model: nn.Module
+    loss_func: nn.Module
+    params: Sequence[torch.Tensor]
+    data: Iterable
+    num_data: int
+    batch_size_fn: Callable | None = None
 
 
 def curvlinops_operator(
-    kind: str,
-    model: nn.Module,
-    loss_func: nn.Module,
-    params: Sequence[torch.Tensor],
-    data: Iterable,
-    num_data: int,
-    batch_size_fn: Callable | None = None,
-) -> EFLinearOperator | HessianLinearOperator:
-    """The empirical Fisher (``kind='ef'``) or Hessian (``'hessian'``) operator of
-    curvlinops for ``loss_func``, without its determinism probe.
+    kind: str, loss: LossOnData, progress_bar: bool = False
+) -> GGNLinearOperator | EFLinearOperator | HessianLinearOperator:
+    """Curvlinops' GGN (``kind='ggn'``), empirical Fisher (``'ef'``) or Hessian
+    (``'hessian'``) operator of ``loss``, without its determinism probe.
+
+    ``check_deterministic`` is switched off: it costs two gradient passes and two
+    products and rejects shuffled loaders; the model must be in eval mode instead. For
+    the GGN, ``reduction='mean'`` gives the GGN of the mean loss over ``num_data``
+    points and ``reduction='sum'`` that of the summed loss, which the caller scales by
+    one over the number of likelihood terms (e.g. tokens) to get the mean-loss GGN.
     """
+    if kind == "ggn" and getattr(loss.loss_func, "reduction", None) not in ("mean", "sum"):
+        raise ValueError("The loss needs a `reduction` attribute, 'mean' or 'sum'.")
     return _OPERATORS[kind](
-        model,
-        loss_func,
-        list(params),
-        data,
+        loss.model,
+        loss.loss_func,
+        list(loss.params),
+        loss.data,
+        progressbar=progress_bar,
         check_deterministic=False,
-        num_data=num_data,
-        batch_size_fn=batch_size_fn,
+        num_data=loss.num_data,
+        batch_size_fn=loss.batch_size_fn,
     )
+
+
+def mean_ggn_operator(
+    *loss_fields: Any, progress_bar: bool = False, **named_fields: Any
+) -> GGNLinearOperator:
+    """Curvlinops' GGN operator of a loss (the reference operator of every fit):
+    :func:`curvlinops_operator` with ``kind='ggn'`` on the :class:`LossOnData` of the
+    other arguments (``model, loss_func, params, data, num_data, batch_size_fn=None``).
+    """
+    return curvlinops_operator("ggn", LossOnData(*loss_fields, **named_fields), progress_bar)

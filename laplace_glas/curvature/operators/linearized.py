@@ -102,6 +102,7 @@ from laplace_glas.curvature.memory.budget import (
     format_bytes,
     return_freed_memory,
 )
+from laplace_glas.curvature.operators.curvlinops import LossOnData
 from laplace_glas.curvature.operators.graph_bytes import SavedBytes
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES, TorchOperator
 from laplace_glas.progress import progress
@@ -349,35 +350,25 @@ def linearize_batch(
 
 
 def build_linearized_ggn(
-    model: nn.Module,
-    loss_func: nn.Module,
-    params: Sequence[torch.Tensor],
-    data: Iterable,
+    loss: LossOnData,
     *,
-    num_data: int,
-    batch_size_fn: Callable | None = None,
     device: torch.device | str = "cpu",
     budget_bytes: int,
     column_bytes: int = COLUMN_BYTES,
     progress_bar: bool = False,
     batch_sizes: BatchSizes | None = None,
 ) -> LinearizedGGN | str:
-    """One forward pass per batch of ``data``: the linearised GGN operator, or why not.
+    """One forward pass per batch of ``loss.data``: the linearised GGN operator, or why not.
 
     Parameters
     ----------
-    model, params : nn.Module, sequence of tensors
-        The network (in eval mode, with differentiable kernels) and its trainable
-        parameters in the order of the ``D``-vector.
-    loss_func : nn.Module
-        The loss whose GGN is taken, with ``reduction`` ``'sum'`` or ``'mean'`` (as for
-        curvlinops' ``GGNLinearOperator``: the matrix is the same).
-    data : iterable
-        ``(X, y)`` batches (``X`` a tensor or a mapping of tensors).
-    num_data : int
-        Divides the batches' GGNs for ``reduction='mean'`` (times the batch size).
-    batch_size_fn : callable, optional
-        The batch size of an ``X`` (default ``X.shape[0]``).
+    loss : LossOnData
+        The network (in eval mode, with differentiable kernels), its trainable
+        parameters in the order of the ``D``-vector, the loss whose GGN is taken (with
+        ``reduction`` ``'sum'`` or ``'mean'``, as for curvlinops' ``GGNLinearOperator``:
+        the matrix is the same), the ``(X, y)`` batches, ``num_data`` (divides the
+        batches' GGNs for ``reduction='mean'``, times the batch size) and
+        ``batch_size_fn`` (default ``X.shape[0]``).
     device : torch.device or str
         Where the batches go (the model's device).
     budget_bytes : int
@@ -405,7 +396,8 @@ def build_linearized_ggn(
         The operator, or the reason it was not built (the caller streams).
 
     """
-    params = list(params)
+    model, loss_func, data = loss.model, loss.loss_func, loss.data
+    num_data, batch_size_fn, params = loss.num_data, loss.batch_size_fn, list(loss.params)
     counter = SavedBytes.beside(model)
     page = HOST_PAGE_BYTES if torch.device(device).type == "cpu" else 0
     linearizations = []

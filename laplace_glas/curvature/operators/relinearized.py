@@ -26,12 +26,12 @@ fit the budget (and whose factored operator does not stream instead).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
-from torch import nn
 
 from laplace_glas.curvature.memory.budget import format_bytes, return_freed_memory
+from laplace_glas.curvature.operators.curvlinops import LossOnData
 from laplace_glas.curvature.operators.graph_bytes import SavedBytes
 from laplace_glas.curvature.operators.linearized import (
     COLUMN_BYTES,
@@ -53,14 +53,9 @@ class RelinearizedGGN(LinearizedGGN):
 
     Parameters
     ----------
-    model, loss_func, params
-        As for :func:`~laplace_glas.curvature.operators.linearized.build_linearized_ggn`.
-    data : iterable
-        ``(X, y)`` batches, passed over once per product (their order does not matter).
-    num_data : int
-        Divides the batches' GGNs for ``reduction='mean'`` (times the batch size).
-    batch_size_fn : callable, optional
-        The batch size of an ``X`` (default ``X.shape[0]``).
+    loss : LossOnData
+        As for :func:`~laplace_glas.curvature.operators.linearized.build_linearized_ggn`;
+        its batches are passed over once per product (their order does not matter).
     device : torch.device or str
         Where the batches go (the model's device).
     batch_bytes : int
@@ -88,23 +83,14 @@ class RelinearizedGGN(LinearizedGGN):
 
     def __init__(
         self,
-        model: nn.Module,
-        loss_func: nn.Module,
-        params: Sequence[torch.Tensor],
-        data: Iterable,
+        loss: LossOnData,
         *,
-        num_data: int,
-        batch_size_fn: Callable | None = None,
         device: torch.device | str = "cpu",
         batch_bytes: int,
         column_bytes: int = COLUMN_BYTES,
     ):
-        super().__init__([], list(params), batch_bytes, column_bytes)
-        self.model = model
-        self.loss_func = loss_func
-        self.data = data
-        self.num_data = int(num_data)
-        self.batch_size_fn = batch_size_fn
+        super().__init__([], list(loss.params), batch_bytes, column_bytes)
+        self.loss = loss
         self.largest_batch_bytes = 0  # the largest batch's graphs linearised so far
 
     def batches(self) -> Iterator[Linearization]:
@@ -116,15 +102,16 @@ class RelinearizedGGN(LinearizedGGN):
             If a batch cannot be linearised (the first one could: the planner built it).
 
         """
-        for i, (X, y) in enumerate(self.data):
+        for i, (X, y) in enumerate(self.loss.data):
             # yielded without a name here, so that the caller's release frees it
             yield self._linearized(X, y, i)
 
     def _linearized(self, X: torch.Tensor | dict, y: torch.Tensor, index: int) -> Linearization:
-        counter = SavedBytes.beside(self.model)
+        loss = self.loss
+        counter = SavedBytes.beside(loss.model)
         lin = linearize_batch(
-            self.model, self.loss_func, self.params, X, y, num_data=self.num_data,
-            batch_size_fn=self.batch_size_fn, device=self.device, counter=counter,
+            loss.model, loss.loss_func, self.params, X, y, num_data=loss.num_data,
+            batch_size_fn=loss.batch_size_fn, device=self.device, counter=counter,
         )  # fmt: skip
         if isinstance(lin, str):
             raise RuntimeError(

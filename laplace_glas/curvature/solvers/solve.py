@@ -11,8 +11,9 @@ operators; :func:`compute_eigenpairs` finds its top-k eigenpairs with ARPACK's L
     G = \\frac{1}{N} \\sum_{n=1}^N J_n^\\top \\Lambda_n J_n ,
 
 without ever forming the D x D matrix. This module knows nothing of
-laplace-torch. The record :class:`~laplace_glas.curvature.solvers.eigenpairs.Eigenpairs`, its
-warnings and :func:`mean_ggn_operator` are re-exported from their modules.
+laplace-torch. The record it returns,
+:class:`~laplace_glas.curvature.solvers.eigenpairs.Eigenpairs`, and its warnings live in
+:mod:`~laplace_glas.curvature.solvers.eigenpairs`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from scipy.sparse.linalg import LinearOperator
 from tqdm.auto import tqdm
 
 from laplace_glas.curvature.memory.planner import choose_solver
-from laplace_glas.curvature.operators.curvlinops import mean_ggn_operator
 from laplace_glas.curvature.operators.factored import FactoredGGN
 from laplace_glas.curvature.operators.torch_operator import NUMPY_DTYPES
 from laplace_glas.curvature.solvers.block_krylov import block_krylov_eigenpairs
@@ -35,18 +35,11 @@ from laplace_glas.curvature.solvers.eigenpairs import (
     ZERO_GGN,
     Eigenpairs,
     LanczosConvergenceWarning,
-    NumericalRankWarning,
 )
 from laplace_glas.curvature.solvers.gram import dual_eigenpairs
 from laplace_glas.curvature.solvers.lanczos import solve_lanczos
 
-__all__ = [
-    "Eigenpairs",
-    "LanczosConvergenceWarning",
-    "NumericalRankWarning",
-    "compute_eigenpairs",
-    "mean_ggn_operator",
-]
+__all__ = ["compute_eigenpairs"]
 
 FLOAT32_TOL = 1e-4
 """The default relative residual ``||G u - theta u|| <= tol theta`` of a float32 solve.

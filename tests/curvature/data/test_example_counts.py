@@ -4,6 +4,7 @@ of a loader whose batches differ in size."""
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -193,9 +194,9 @@ def test_kept_graphs_refused_after_a_short_first_batch_need_the_whole_loader_s_s
     uneven, _ = _uneven()
     sizes = survey_batch_sizes(uneven.loader)
     with autodiff_friendly(uneven.model):
-        kept = build_linearized_ggn(**uneven.loss_arguments(), budget_bytes=2**30)
-        refused = build_linearized_ggn(**uneven.loss_arguments(), budget_bytes=1, batch_sizes=sizes)
-        by_batches = build_linearized_ggn(**uneven.loss_arguments(), budget_bytes=1)
+        kept = build_linearized_ggn(uneven.loss_on_data(), budget_bytes=2**30)
+        refused = build_linearized_ggn(uneven.loss_on_data(), budget_bytes=1, batch_sizes=sizes)
+        by_batches = build_linearized_ggn(uneven.loss_on_data(), budget_bytes=1)
     assert isinstance(refused, OverBudget) and isinstance(by_batches, OverBudget)
     # projected from the first batch's 5 examples to all 305, each batch's pullback (D
     # numbers) and heap pages (one per storage), whatever its size, to every batch: the
@@ -208,20 +209,18 @@ def test_kept_graphs_refused_after_a_short_first_batch_need_the_whole_loader_s_s
 
 def _kept_batches(problem):
     """The kept graphs of each batch of ``problem`` alone."""
-    arguments = problem.loss_arguments()
+    loss = problem.loss_on_data()
     with autodiff_friendly(problem.model):
         for batch in problem.loader:
-            arguments["data"] = XYBatches([batch])
-            yield build_linearized_ggn(**arguments, budget_bytes=2**30)
+            yield build_linearized_ggn(replace(loss, data=XYBatches([batch])), budget_bytes=2**30)
 
 
 def test_a_refusal_of_kept_graphs_on_sliced_batches_counts_slices():
     uneven, _ = _uneven()
-    arguments = uneven.loss_arguments()
     sliced = SubBatches(uneven.loader, 20)
-    arguments["data"] = XYBatches(sliced)
+    loss = replace(uneven.loss_on_data(), data=XYBatches(sliced))
     with autodiff_friendly(uneven.model):
-        reason = build_linearized_ggn(**arguments, budget_bytes=1000)
+        reason = build_linearized_ggn(loss, budget_bytes=1000)
     assert isinstance(reason, OverBudget)
     assert f"projected from 1 of {len(sliced)} slices and" in reason
     assert "1000 B of the budget left for them" in reason  # the room, not the budget
@@ -242,7 +241,7 @@ def test_batches_sliced_from_one_tensor_count_only_their_rows():
         for data in (views, copies)
     ]  # fmt: skip
     with autodiff_friendly(model):
-        kept = [build_linearized_ggn(**p.loss_arguments(), budget_bytes=2**30) for p in problems]
+        kept = [build_linearized_ggn(p.loss_on_data(), budget_bytes=2**30) for p in problems]
     # the views' rows are counted once per storage (the data set exists anyway), the
     # copies' once per batch: never more for the views, at most the data set less
     data_set = X.nbytes + y.nbytes

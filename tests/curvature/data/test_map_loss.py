@@ -16,7 +16,7 @@ from torch import nn
 
 from laplace_glas.curvature.data.batches import XYBatches
 from laplace_glas.curvature.data.map_loss import count_terms, curvature_loss, loss_at_map
-from laplace_glas.curvature.solvers.solve import mean_ggn_operator
+from laplace_glas.curvature.operators.curvlinops import mean_ggn_operator
 from laplace_glas.progress import progress
 
 PAD = 0

@@ -15,6 +15,7 @@ from laplace_glas.autodiff import frozen_activations
 from laplace_glas.autodiff.context import autodiff_friendly
 from laplace_glas.autodiff.cotangents import _all_zero, zero_free_saving
 from laplace_glas.curvature.operators import linearized as linearized_module
+from laplace_glas.curvature.operators.curvlinops import LossOnData
 from laplace_glas.curvature.operators.graph_bytes import SavedBytes
 from laplace_glas.curvature.operators.linearized import LinearizedGGN
 from laplace_glas.curvature.operators.relinearized import RelinearizedGGN
@@ -135,9 +136,8 @@ def test_backward_passes_that_read_nonzero_tensors_of_u_keep_them(function, monk
         V = torch.randn(op.shape[0], 2, generator=torch.Generator().manual_seed(0), dtype=F64)
         product = op @ V
         torch.testing.assert_close(product, dense_ggn(model, batches, nn.MSELoss(), n) @ V)
-        rebuilt = RelinearizedGGN(
-            model, nn.MSELoss(), list(model.parameters()), batches, num_data=n, batch_bytes=2**20
-        )
+        loss = LossOnData(model, nn.MSELoss(), list(model.parameters()), batches, num_data=n)
+        rebuilt = RelinearizedGGN(loss, batch_bytes=2**20)
         with autodiff_friendly(model):
             assert rebuilt.check() is None
             assert torch.equal(rebuilt @ V, product)

@@ -17,9 +17,11 @@ from laplace_glas import ActiveSubspaceLaplace
 from laplace_glas.curvature.data.batches import XYBatches
 from laplace_glas.curvature.data.map_loss import curvature_loss
 from laplace_glas.curvature.memory.planner import choose_solver
+from laplace_glas.curvature.operators.curvlinops import mean_ggn_operator
 from laplace_glas.curvature.operators.factored import FactoredGGN, build_factored_ggn
 from laplace_glas.curvature.solvers import gram
-from laplace_glas.curvature.solvers.solve import Eigenpairs, compute_eigenpairs, mean_ggn_operator
+from laplace_glas.curvature.solvers.eigenpairs import Eigenpairs
+from laplace_glas.curvature.solvers.solve import compute_eigenpairs
 
 F64 = torch.float64
 

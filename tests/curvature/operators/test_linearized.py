@@ -23,6 +23,7 @@ from laplace_glas.autodiff.frozen_lora import is_frozen_lora
 from laplace_glas.curvature.data.losses import TokenCrossEntropy
 from laplace_glas.curvature.memory.budget import MemoryBudgetError, return_freed_memory
 from laplace_glas.curvature.memory.peak import status_bytes
+from laplace_glas.curvature.operators.curvlinops import LossOnData
 from laplace_glas.curvature.operators.graph_bytes import SavedBytes, forward_graph_bytes
 from laplace_glas.curvature.operators.linearized import (
     LinearizedGGN,
@@ -161,12 +162,7 @@ def linearized(model, batches, loss_func, num_data, budget=2**30, batch_size_fn=
     params = [p for p in model.parameters() if p.requires_grad]
     with autodiff_friendly(model):
         return build_linearized_ggn(
-            model,
-            loss_func,
-            params,
-            batches,
-            num_data=num_data,
-            batch_size_fn=batch_size_fn,
+            LossOnData(model, loss_func, params, batches, num_data, batch_size_fn),
             budget_bytes=budget,
         )
 
@@ -361,9 +357,8 @@ def test_a_partly_cut_backward_fails_the_adjoint_check(dtype):
     model = SidePath(20000).to(dtype)
     X, y = torch.randn(16, 3, dtype=dtype), torch.randn(16, 20000, dtype=dtype)
     params = list(model.parameters())
-    reason = build_linearized_ggn(
-        model, nn.MSELoss(reduction="sum"), params, [(X, y)], num_data=16, budget_bytes=2**31
-    )
+    loss = LossOnData(model, nn.MSELoss(reduction="sum"), params, [(X, y)], num_data=16)
+    reason = build_linearized_ggn(loss, budget_bytes=2**31)
     assert isinstance(reason, str) and "<u, J v> = <J^T u, v>" in reason
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import warnings
 import weakref
+from dataclasses import replace
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from laplace_glas.curvature.memory import budget as budget_module
 from laplace_glas.curvature.memory.planner import plan_solve
 from laplace_glas.curvature.memory.streaming import STREAMED_BLOCK, streamed_linearized
 from laplace_glas.curvature.operators import relinearized as relinearized_module
+from laplace_glas.curvature.operators.curvlinops import LossOnData
 from laplace_glas.curvature.operators.graph_bytes import forward_graph_bytes
 from laplace_glas.curvature.operators.linearized import build_linearized_ggn
 from laplace_glas.curvature.operators.relinearized import LARGER_BATCH, RelinearizedGGN
@@ -35,10 +37,8 @@ F64 = torch.float64
 
 def _operator(model, batches, loss_func, num_data, batch_size_fn=None):
     params = [p for p in model.parameters() if p.requires_grad]
-    return RelinearizedGGN(
-        model, loss_func, params, batches, num_data=num_data, batch_size_fn=batch_size_fn,
-        batch_bytes=2**20,
-    )  # fmt: skip
+    loss = LossOnData(model, loss_func, params, batches, num_data, batch_size_fn)
+    return RelinearizedGGN(loss, batch_bytes=2**20)
 
 
 @pytest.mark.parametrize("name", ["mlp-mse", "lstm-tokens", "attention-dict", "gpt2-lora-tokens"])
@@ -52,10 +52,8 @@ def test_products_equal_the_explicit_ggn_and_the_kept_operators(name):
     with autodiff_friendly(model):
         block = operator @ V  # one pass: each batch linearised once for the 4 columns
         column = operator @ V[:, :1]
-        kept = build_linearized_ggn(
-            model, loss_func, params, batches, num_data=num_data, batch_size_fn=size,
-            budget_bytes=2**30,
-        )  # fmt: skip
+        loss = LossOnData(model, loss_func, params, batches, num_data, size)
+        kept = build_linearized_ggn(loss, budget_bytes=2**30)
         kept_block = kept @ V
     torch.testing.assert_close(block, G @ V, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(column, G @ V[:, :1], rtol=1e-10, atol=1e-12)
@@ -287,12 +285,9 @@ def test_a_later_batch_larger_than_the_planned_one_is_warned_about_once():
     model = problem.model
     params = list(model.parameters())
     with autodiff_friendly(model):
-        first = build_linearized_ggn(
-            model, nn.MSELoss(), params, batches[:1], num_data=16, budget_bytes=2**30
-        )
-        operator = RelinearizedGGN(
-            model, nn.MSELoss(), params, batches, num_data=16, batch_bytes=first.saved_bytes
-        )
+        loss = LossOnData(model, nn.MSELoss(), params, batches, num_data=16)
+        first = build_linearized_ggn(replace(loss, data=batches[:1]), budget_bytes=2**30)
+        operator = RelinearizedGGN(loss, batch_bytes=first.saved_bytes)
         V = torch.ones(operator.shape[0], 1, dtype=F64)
         with pytest.warns(
             UserWarning, match=r"Batch 2's graphs \(counting from 1\) take .* more than the"
