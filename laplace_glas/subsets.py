@@ -142,15 +142,20 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
 
     Parameters
     ----------
-    model, likelihood, sigma_noise, prior_precision, prior_mean, temperature,
-    enable_backprop, feature_reduction, dict_key_x, dict_key_y, backend,
-    last_layer_name, backend_kwargs, asdl_fisher_kwargs :
+    model, likelihood :
         As in laplace-torch's ``LLLaplace`` (the model is deep-copied into a
-        ``FeatureExtractor``; ``asdl_fisher_kwargs`` must be None). GLAS
-        differentiates through the model's own forward pass, so ``feature_reduction``
-        is only stored (the model's forward already reduces its features).
-    **glas_kwargs :
-        ``n_components``, ``loss_scaling``, ``complement``, ``solver``, ... as in
+        ``FeatureExtractor``).
+    *args :
+        laplace-torch's ``LLLaplace`` arguments after them, in its order: ``sigma_noise,
+        prior_precision, prior_mean, temperature, enable_backprop, feature_reduction,
+        dict_key_x, dict_key_y, backend, last_layer_name, backend_kwargs,
+        asdl_fisher_kwargs`` (bound to its own signature, with its defaults;
+        ``asdl_fisher_kwargs`` must be None). GLAS differentiates through the model's
+        own forward pass, so ``feature_reduction`` is only stored (the model's forward
+        already reduces its features).
+    **kwargs :
+        Those arguments by name, and GLAS's: ``n_components``, ``loss_scaling``,
+        ``complement``, ``solver``, ... as in
         :class:`~laplace_glas.ActiveSubspaceLaplace`; ``1 <= n_components < D_L``
         (checked once the last layer is known).
 
@@ -324,16 +329,19 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
 
     Parameters
     ----------
-    model, likelihood, subnetwork_indices, sigma_noise, prior_precision, prior_mean,
-    temperature, backend, backend_kwargs, asdl_fisher_kwargs :
-        As in laplace-torch's ``SubnetLaplace`` (``subnetwork_indices``: distinct indices
-        into ``parameters_to_vector(model.parameters())``, a non-empty 1-D LongTensor).
-        Bound to laplace-torch's own signature, so a positional call reads as it does
-        for ``SubnetLaplace``.
-    **glas_kwargs :
-        ``enable_backprop``, ``dict_key_x`` and ``dict_key_y`` (by keyword: laplace-torch's
-        ``SubnetLaplace`` does not take them; as in its ``ParametricLaplace``), and the
-        keywords of :class:`~laplace_glas.ActiveSubspaceLaplace`; ``1 <= n_components < D_S``.
+    model, likelihood :
+        As in laplace-torch's ``SubnetLaplace``.
+    *args :
+        laplace-torch's ``SubnetLaplace`` arguments after them, in its order:
+        ``subnetwork_indices, sigma_noise, prior_precision, prior_mean, temperature,
+        backend, backend_kwargs, asdl_fisher_kwargs`` (bound to its own signature, with
+        its defaults; ``subnetwork_indices``: distinct indices into
+        ``parameters_to_vector(model.parameters())``, a non-empty 1-D LongTensor).
+    **kwargs :
+        Those arguments by name; ``enable_backprop``, ``dict_key_x`` and ``dict_key_y``
+        (by keyword only: laplace-torch's ``SubnetLaplace`` does not take them; as in
+        its ``ParametricLaplace``); and the keywords of
+        :class:`~laplace_glas.ActiveSubspaceLaplace`; ``1 <= n_components < D_S``.
         The eigenpairs come from Lanczos or the block solver (the dual solve needs the
         whole network's factors).
 
