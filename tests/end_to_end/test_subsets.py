@@ -504,3 +504,36 @@ def test_a_subset_posterior_built_positionally_is_the_one_built_by_name():
         model, "regression", 1.0, 1.0, 0.0, 1.0, False, None, "x", "y", None, "2"
     )
     assert last._last_layer_name == "2" and last.dict_key_x == "x"
+
+
+@pytest.mark.parametrize("subset", ["last_layer", "subnetwork"])
+def test_subset_fit_takes_the_whole_network_fit_s_arguments(subset):
+    """The subset classes hook into ``fit`` rather than restate it: ``process_group``
+    reaches the data-parallel check, and ``override=False`` is refused by the last layer
+    only (as by laplace-torch's LLLaplace)."""
+    model, X, y, _ = problem("regression")
+    dl = loader(X, y, batch_size=3)
+
+    def build():
+        if subset == "last_layer":
+            return LastLayerActiveSubspaceLaplace(model, "regression", n_components=3)
+        return SubnetActiveSubspaceLaplace(model, "regression", SUBNET, n_components=3)
+
+    la = build()
+    with pytest.raises(ValueError, match="process_group was given"):
+        la.fit(dl, process_group=object())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la.fit(dl, process_group=None)
+        plain = build()
+        plain.fit(dl)
+    torch.testing.assert_close(la.eigenvalues, plain.eigenvalues)
+    assert la.mean.shape == (la.n_params,)
+    if subset == "last_layer":
+        with pytest.raises(ValueError, match="do not support `override=False`"):
+            la.fit(dl, override=False)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            la.fit(dl, override=False)  # an update of the stored curvature
+        assert la.n_data == 2 * plain.n_data
