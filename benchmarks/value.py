@@ -23,7 +23,9 @@ same network and training data:
   the averaged Hessian on any model; ``'auto'``'s ``'kron_diag'`` on the sequence
   models does not).
 
-``--methods`` keeps only the rows named (e.g. ``--methods MAP kron``).
+``--methods`` keeps only the rows named (e.g. ``--methods MAP kron``);
+``--fixed-point-steps 1 2 4 8`` runs each posterior-curvature row once per ``n_steps``
+given.
 
 Every posterior's prior precision is tuned by its own ``la.optimize_prior_precision()``
 (laplace-torch's default: ``method='marglik'``, a scalar prior; GLAS solves the same
@@ -86,7 +88,7 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -421,6 +423,7 @@ class Method:
     kwargs: dict[str, Any] = field(default_factory=dict)
     max_params: int | None = None
     fixed_point: bool = False  # GLAS refitted by fit_posterior_curvature (classification)
+    fixed_point_steps: int = 8  # its n_steps
     link: str = "probit"  # classification's link_approx ('mc': MC_LINK_SAMPLES draws)
 
 
@@ -486,6 +489,20 @@ def methods(variants: list[dict[str, Any]], k: int, full_max_params: int) -> lis
         ),
     ]
     return out
+
+
+def per_step_count(method_list: list[Method], steps: list[int]) -> list[Method]:
+    """Each posterior-curvature method once per ``n_steps`` in ``steps`` (named
+    ``'<name>, n_steps=<n>'``), the other methods as they are."""
+    return [
+        variant
+        for m in method_list
+        for variant in (
+            [replace(m, name=f"{m.name}, n_steps={n}", fixed_point_steps=n) for n in steps]
+            if m.fixed_point
+            else [m]
+        )
+    ]
 
 
 def applies(method: Method, likelihood: str) -> bool:
@@ -577,7 +594,7 @@ def run_method(method: Method, problem: Problem) -> dict[str, Any]:
     loader = DataLoader(TensorDataset(problem.X_train, problem.y_train), batch_size=256)
     start = time.perf_counter()
     if method.fixed_point:  # its evidence chooses the prior after every fit: all in fit_s
-        fit_posterior_curvature(la, loader)
+        fit_posterior_curvature(la, loader, n_steps=method.fixed_point_steps)
         fit_s, prior_s = time.perf_counter() - start, 0.0
     else:
         la.fit(loader)
@@ -694,6 +711,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="only these rows, by their names in the tables (default: all)",
     )
+    parser.add_argument(
+        "--fixed-point-steps",
+        type=int,
+        nargs="+",
+        default=None,
+        help="run each 'GLAS posterior curvature' row once per n_steps given (default: "
+        "fit_posterior_curvature's own, 8)",
+    )
     parser.add_argument("--concrete-data", type=Path, default=DEFAULT_CONCRETE)
     parser.add_argument(
         "--full-max-params", type=int, default=None, help="[3000; quick 1000: not wine, digits]"
@@ -758,6 +783,8 @@ def main(argv: list[str] | None = None) -> None:
         if unknown:
             raise SystemExit(f"--methods: no rows named {unknown}")
         method_list = [m for m in method_list if m.name in args.methods]
+    if args.fixed_point_steps is not None:
+        method_list = per_step_count(method_list, args.fixed_point_steps)
     emit(
         f"Seeds {' '.join(map(str, args.seeds))}; float64 tanh MLPs 2 x {cfg.width} hidden, "
         f"MAP by {cfg.steps} full-batch Adam steps; GLAS k = {args.k}; prior precision "

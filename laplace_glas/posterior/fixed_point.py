@@ -216,6 +216,11 @@ def fit_posterior_curvature(
         Fits after the one at the MAP's output Hessian (8: the relative change of the
         eigenvalues is then at the Monte Carlo noise on the benchmarks' networks,
         0.02-0.07; the first step's is large, as it replaces the MAP's curvature).
+        Fewer steps stop short of the fixed point. The first step's posterior is the
+        sharpest, and each later one is wider everywhere, in distribution and under
+        shift. On the benchmarks' digits CNN one step gave a test NLL of 0.080 and a
+        rotated-digits NLL of 2.079, eight steps 0.129 and 1.868. The evidence rises
+        along the iteration and does not favour stopping early.
     n_draws : int
         Antithetic Monte Carlo draws per example for the average (even).
     optimize_prior : bool

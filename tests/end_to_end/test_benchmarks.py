@@ -72,6 +72,36 @@ def test_linearized_cost_runs_and_the_operators_agree():
         assert operator in row[2] and float(row[-2]) < 1e-4  # eigenvalues
 
 
+@pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="needs scikit-learn")
+def test_value_benchmark_runs_the_posterior_curvature_once_per_step_count():
+    """--fixed-point-steps 1 2: one row per n_steps, the MAP row as it was; one step
+    stops earlier, so its prior (chosen after every fit) differs from two steps'."""
+    result = subprocess.run(
+        [
+            sys.executable, str(ROOT / "benchmarks" / "value.py"), "--quick",
+            "--datasets", "wine", "--variants", "[]",
+            "--methods", "MAP", "GLAS posterior curvature", "--fixed-point-steps", "1", "2",
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in result.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| method")
+    }
+    assert list(rows) == [
+        "MAP", "GLAS posterior curvature, n_steps=1", "GLAS posterior curvature, n_steps=2"
+    ]  # fmt: skip
+    one, two = (
+        rows["GLAS posterior curvature, n_steps=1"],
+        rows["GLAS posterior curvature, n_steps=2"],
+    )
+    assert all(math.isfinite(float(c.split("±")[0])) for c in one[:5] + two[:5])
+    prior = 5  # the column after the five metrics
+    assert one[prior] != two[prior]
+
+
 def test_value_benchmark_quick_tables():
     """benchmarks/value.py --quick: every data set's table has the MAP, kron and GLAS
     rows with finite numbers (the concrete table only where the data set is present)."""
