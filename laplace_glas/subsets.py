@@ -70,7 +70,12 @@ __all__ = [
 
 # ---------------------------------------------------------------------- arguments
 def laplace_torch_arguments(
-    laplace_class: type, model: nn.Module, likelihood: str, args: tuple, kwargs: dict[str, Any]
+    laplace_class: type,
+    model: nn.Module,
+    likelihood: str,
+    args: tuple,
+    kwargs: dict[str, Any],
+    owner: str = "",
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A subset class's arguments, split into laplace-torch's and GLAS's.
 
@@ -79,6 +84,9 @@ def laplace_torch_arguments(
     call reads as it does for laplace-torch's class; a clash raises its ``TypeError``).
     The other keywords (GLAS's, and ``enable_backprop`` / the dict keys where
     laplace-torch's class does not take them) come back as they were passed.
+
+    ``owner`` names the class in a ``TypeError`` from the binding (default:
+    ``laplace_class``'s name).
 
     Returns
     -------
@@ -92,25 +100,34 @@ def laplace_torch_arguments(
     names = signature.parameters.keys()
     theirs = {name: value for name, value in kwargs.items() if name in names}
     others = {name: value for name, value in kwargs.items() if name not in names}
-    bound = signature.bind(None, model, likelihood, *args, **theirs)  # None: self
+    try:
+        bound = signature.bind(None, model, likelihood, *args, **theirs)  # None: self
+    except TypeError as err:  # name the class called, as Python's own errors do
+        raise TypeError(f"{owner or laplace_class.__name__}.__init__(): {err}") from None
     bound.apply_defaults()
     named = dict(bound.arguments)
     del named[next(iter(signature.parameters))]
     return named, others
 
 
-def _with_laplace_torch_signature(laplace_class: type) -> Callable[[Callable], Callable]:
-    """Show laplace-torch's ``laplace_class.__init__`` signature, plus ``**glas_kwargs``,
-    as the decorated ``__init__``'s (for ``help`` and ``inspect.signature``).
+def _with_laplace_torch_signature(
+    laplace_class: type, **keyword_only: Any
+) -> Callable[[Callable], Callable]:
+    """Show laplace-torch's ``laplace_class.__init__`` signature, then ``keyword_only``
+    (name: default) and ``**glas_kwargs``, as the decorated ``__init__``'s (for ``help``
+    and ``inspect.signature``).
     """
 
     def decorate(init: Callable) -> Callable:
         signature = inspect.signature(laplace_class.__init__)
+        extra = [
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+            for name, default in keyword_only.items()
+        ]
         keywords = inspect.Parameter.VAR_KEYWORD
         glas_kwargs = inspect.Parameter("glas_kwargs", keywords, annotation=Any)
-        init.__signature__ = signature.replace(
-            parameters=[*signature.parameters.values(), glas_kwargs], return_annotation=None
-        )
+        parameters = [*signature.parameters.values(), *extra, glas_kwargs]
+        init.__signature__ = signature.replace(parameters=parameters, return_annotation=None)
         return init
 
     return decorate
@@ -138,7 +155,10 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
 
     ``theta_L = theta_L* + U z``, ``U`` the top-k eigenvectors of the last-layer GGN
     ``G_L = (1/N) sum_n J_{n,L}^T Lambda_n J_{n,L}``; everything else as in
-    :class:`~laplace_glas.ActiveSubspaceLaplace` with ``D = D_L`` (``n_params``).
+    :class:`~laplace_glas.ActiveSubspaceLaplace` with ``D = D_L`` (``n_params``). As
+    laplace-torch's ``LLLaplace``, ``fit`` finds the last layer on the first batch
+    (unless ``last_layer_name`` names it), refuses ``override=False`` and leaves the
+    model in evaluation mode.
 
     Parameters
     ----------
@@ -165,10 +185,13 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
 
     _key = ("last_layer", "glas")
     _k_bound_known_at_init = False  # D_L: checked against n_components once known
+    _fit_leaves_model_in_eval = True  # as LLLaplace.fit leaves its feature extractor
 
     @_with_laplace_torch_signature(LLLaplace)
     def __init__(self, model: nn.Module, likelihood: str, *args: Any, **kwargs: Any) -> None:
-        named, glas_kwargs = laplace_torch_arguments(LLLaplace, model, likelihood, args, kwargs)
+        named, glas_kwargs = laplace_torch_arguments(
+            LLLaplace, model, likelihood, args, kwargs, type(self).__name__
+        )
         last_layer_name = named.pop("last_layer_name")
         if last_layer_name is not None and not isinstance(last_layer_name, str):
             raise TypeError(f"last_layer_name must be a str or None, got {last_layer_name!r}.")
@@ -231,7 +254,6 @@ class LastLayerActiveSubspaceLaplace(ActiveSubspaceLaplace, _LastLayerInit):
         """
         if not override:
             raise ValueError("Last-layer Laplace approximations do not support `override=False`.")
-        self.model.eval()  # as LLLaplace.fit leaves its feature extractor
         if self.model.last_layer is not None:
             return
         reiterable("train_loader", train_loader)  # before a batch is taken from it
@@ -353,9 +375,13 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
 
     _key = ("subnetwork", "glas")
 
-    @_with_laplace_torch_signature(SubnetLaplace)
+    @_with_laplace_torch_signature(
+        SubnetLaplace, enable_backprop=False, dict_key_x="input_ids", dict_key_y="labels"
+    )
     def __init__(self, model: nn.Module, likelihood: str, *args: Any, **kwargs: Any) -> None:
-        named, glas_kwargs = laplace_torch_arguments(SubnetLaplace, model, likelihood, args, kwargs)
+        named, glas_kwargs = laplace_torch_arguments(
+            SubnetLaplace, model, likelihood, args, kwargs, type(self).__name__
+        )
         self._pending_indices = named.pop("subnetwork_indices")
         prior_mean = named.pop("prior_mean")
         self._theta_map: torch.Tensor | None = None

@@ -14,7 +14,8 @@ unit-noise GGN of the mean loss
     G_1 = \\frac{1}{N} \\sum_{n=1}^N J_n^\\top \\Lambda_n J_n .
 
 :class:`~laplace_glas.ActiveSubspaceLaplace` inherits it; the last-layer and subnetwork
-posteriors override :meth:`SubspaceFit._plan` and ``fit`` where their weights differ.
+posteriors override :meth:`SubspaceFit._plan` and the hooks ``_prepare_fit`` (before the
+checks) and ``_fitted_mean`` (the stored mean) where their weights differ.
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ class SubspaceFit(ComplementPass, FitAgreement):
     """``fit`` and ``compute_eigenpairs`` of a subspace Laplace posterior (a mixin; see
     the module).
     """
+
+    _fit_leaves_model_in_eval = False
+    """``fit`` gives the model back in the modes it found; True: in evaluation mode, as
+    laplace-torch's ``LLLaplace.fit`` leaves its feature extractor."""
 
     def fit(
         self,
@@ -179,6 +184,8 @@ class SubspaceFit(ComplementPass, FitAgreement):
                 self._complement_why = complement.why
             self._process_group = process_group
         self._eigenpairs = with_measured_peak(self._eigenpairs, peak)
+        if self._fit_leaves_model_in_eval:
+            self.model.eval()
 
     def _prepare_fit(self, train_loader: Any, override: bool, shards: Shards | None) -> None:
         """A subclass's step before the fit's checks: nothing here (the last-layer

@@ -491,15 +491,17 @@ def test_a_subset_posterior_built_positionally_is_the_one_built_by_name():
         assert (la.dict_key_x, la.dict_key_y, la.n_components) == ("x", "y", 3)
         assert float(la.sigma_noise) == SIGMA and float(la.prior_precision) == pytest.approx(TAU)
         assert torch.equal(la.subnetwork_indices, SUBNET)
-    with pytest.raises(TypeError, match="too many positional"):  # SubnetLaplace stops there
-        SubnetActiveSubspaceLaplace(*positional, None)
+    with pytest.raises(TypeError, match=r"SubnetActiveSubspaceLaplace.__init__\(\): too many"):
+        SubnetActiveSubspaceLaplace(*positional, None)  # SubnetLaplace stops there
     with pytest.raises(TypeError, match="multiple values"):
         SubnetActiveSubspaceLaplace(*positional, sigma_noise=2.0)
     with pytest.raises(TypeError, match="n_component"):  # a misspelt GLAS keyword
         SubnetActiveSubspaceLaplace(*positional, n_component=3)
     shown = inspect.signature(SubnetActiveSubspaceLaplace)
     assert list(shown.parameters)[:10] == list(inspect.signature(FullSubnetLaplace).parameters)
-    assert list(shown.parameters)[-1] == "glas_kwargs"
+    assert list(shown.parameters)[10:] == [
+        "enable_backprop", "dict_key_x", "dict_key_y", "glas_kwargs"
+    ]  # fmt: skip
     last = LastLayerActiveSubspaceLaplace(
         model, "regression", 1.0, 1.0, 0.0, 1.0, False, None, "x", "y", None, "2"
     )
@@ -537,3 +539,25 @@ def test_subset_fit_takes_the_whole_network_fit_s_arguments(subset):
             warnings.simplefilter("ignore")
             la.fit(dl, override=False)  # an update of the stored curvature
         assert la.n_data == 2 * plain.n_data
+
+
+def test_the_last_layer_fit_leaves_its_model_in_evaluation_mode():
+    """As laplace-torch's LLLaplace.fit leaves its feature extractor (the whole-network
+    fit gives the modes back); dropout is then off in ``la.model``."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1)
+    ).double()
+    X, y = torch.randn(12, 3, dtype=torch.float64), torch.randn(12, 1, dtype=torch.float64)
+    reference = FullLLLaplace(model, "regression")
+    reference.fit(loader(X, y, batch_size=4))
+    la = LastLayerActiveSubspaceLaplace(model, "regression", n_components=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la.fit(loader(X, y, batch_size=4))
+    assert not reference.model.training and not la.model.training
+    assert torch.equal(la.model(X), la.model(X))
+    whole = Laplace(model, "regression", subset_of_weights="all", hessian_structure="glas")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        whole.fit(loader(X, y, batch_size=4))
+    assert model.training  # the whole network's fit gives the user's mode back

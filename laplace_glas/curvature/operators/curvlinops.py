@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from curvlinops import EFLinearOperator, GGNLinearOperator, HessianLinearOperator
@@ -27,7 +26,7 @@ __all__ = ["LossOnData", "curvlinops_operator", "mean_ggn_operator"]
 _OPERATORS = {"ggn": GGNLinearOperator, "ef": EFLinearOperator, "hessian": HessianLinearOperator}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LossOnData:
     """A loss of a network's outputs on data: what curvlinops' curvature operators
     take, and the linearised operators
@@ -71,6 +70,8 @@ def curvlinops_operator(
     points and ``reduction='sum'`` that of the summed loss, which the caller scales by
     one over the number of likelihood terms (e.g. tokens) to get the mean-loss GGN.
     """
+    if kind not in _OPERATORS:
+        raise ValueError(f"kind must be one of {sorted(_OPERATORS)}; got {kind!r}.")
     if kind == "ggn" and getattr(loss.loss_func, "reduction", None) not in ("mean", "sum"):
         raise ValueError("The loss needs a `reduction` attribute, 'mean' or 'sum'.")
     return _OPERATORS[kind](
@@ -86,10 +87,17 @@ def curvlinops_operator(
 
 
 def mean_ggn_operator(
-    *loss_fields: Any, progress_bar: bool = False, **named_fields: Any
+    model: nn.Module,
+    loss_func: nn.Module,
+    params: Sequence[torch.Tensor],
+    data: Iterable,
+    num_data: int,
+    batch_size_fn: Callable | None = None,
+    progress_bar: bool = False,
 ) -> GGNLinearOperator:
     """Curvlinops' GGN operator of a loss (the reference operator of every fit):
     :func:`curvlinops_operator` with ``kind='ggn'`` on the :class:`LossOnData` of the
-    other arguments (``model, loss_func, params, data, num_data, batch_size_fn=None``).
+    arguments before ``progress_bar``.
     """
-    return curvlinops_operator("ggn", LossOnData(*loss_fields, **named_fields), progress_bar)
+    loss = LossOnData(model, loss_func, params, data, num_data, batch_size_fn)
+    return curvlinops_operator("ggn", loss, progress_bar)

@@ -18,6 +18,7 @@ from laplace_glas.curvature.operators.factors import (
     EmbeddingFactor,
     ExplicitFactor,
     OuterFactor,
+    explicit_rows_are_smaller,
 )
 
 __all__ = [
@@ -86,10 +87,21 @@ def factor_bytes(layers: dict, explicit: list) -> int:
 
 
 def layer_factor_bytes(calls: list) -> int:
-    """Bytes of one layer's factors (all its calls)."""
-    return sum(
+    """Bytes of one layer's factors (all its calls), with the explicit Jacobian rows its
+    products will form where they pay
+    (:meth:`~laplace_glas.curvature.operators.factors.OuterFactor.explicit_rows`).
+    """
+    stored = sum(
         t.numel() * t.element_size() for c in calls for t in c if isinstance(t, torch.Tensor)
     )
+    if calls[0][0] != "outer":
+        return stored
+    a, g, bias = calls[0][2], calls[0][3], calls[0][4] is not None
+    T = sum(c[2].shape[1] for c in calls)
+    (N, d_in), (R, d_out) = (a.shape[0], a.shape[-1]), (g.shape[1], g.shape[-1])
+    if not explicit_rows_are_smaller(T, d_in, d_out, R, bias):
+        return stored
+    return stored + N * R * (d_out * d_in + (d_out if bias else 0)) * a.element_size()
 
 
 def widest_product_columns(layers: dict) -> int:

@@ -404,8 +404,8 @@ class AllReducedGGN(TorchOperator):
         try:
             if isinstance(self.local, FactoredGGN):
                 GV = self.local.matmat_torch(V)
-            else:
-                GV = self.local @ V
+            else:  # curvlinops' operators answer in torch, SciPy operators in NumPy
+                GV = torch.as_tensor(self.local @ V)
             GV = GV.to(device=self.device, dtype=self.torch_dtype).reshape(shape).contiguous()
         except Exception as err:
             error = err

@@ -17,6 +17,8 @@ from laplace_glas import ActiveSubspaceLaplace
 from laplace_glas.curvature.data.batches import XYBatches
 from laplace_glas.curvature.data.map_loss import curvature_loss
 from laplace_glas.curvature.memory.planner import choose_solver
+from laplace_glas.curvature.operators import factor_join
+from laplace_glas.curvature.operators import factors as factors_module
 from laplace_glas.curvature.operators.curvlinops import mean_ggn_operator
 from laplace_glas.curvature.operators.factored import FactoredGGN, build_factored_ggn
 from laplace_glas.curvature.solvers import gram
@@ -183,6 +185,66 @@ def curvlinops_products(model, X, y, likelihood, V, batch_size=8):
         model, loss, list(model.parameters()), XYBatches(loader(X, y, batch_size)), num_data
     )
     return scale * (op @ V)
+
+
+def test_a_convolution_with_many_positions_multiplies_by_its_explicit_rows(monkeypatch):
+    """The CNN's first convolution (36 positions, 57 weights a row) keeps its explicit
+    Jacobian rows (13% of its factors) and multiplies by them; its products equal those
+    of the factors alone and of the explicit Jacobian, formed independently by jacrev."""
+    model, X, y, likelihood = problem("cnn")
+    model, X, y = as64(model, X, y)
+    N = n_terms(y, likelihood)
+    op = build_factored_ggn(model, list(model.parameters()), loader(X, y, 7), likelihood, N)
+    first, second = op.factors[0], op.factors[1]
+    assert isinstance(first, factors_module.OuterFactor) and first.explicit_rows() is not None
+    assert second.explicit_rows() is None  # 9 positions: its rows would be 36% of it
+    (head,) = [f for f in op.factors if isinstance(f, factors_module.OuterFactor)][2:]
+    assert head.a.shape[1] == 1 and head.explicit_rows() is None  # the linear head
+    D = op.shape[0]
+    V = torch.randn(3, D, generator=torch.Generator().manual_seed(4), dtype=F64)
+    Y = first.apply(V)
+    out = torch.zeros(3, D, dtype=F64)
+    first.apply_transpose(Y, out)
+    monkeypatch.setattr(factors_module, "EXPLICIT_ROWS_SHARE", 0.0)
+    plain = copy.copy(first)
+    plain._rows = None
+    assert plain.explicit_rows() is None
+    torch.testing.assert_close(Y, plain.apply(V), rtol=1e-12, atol=1e-14)
+    out_plain = torch.zeros(3, D, dtype=F64)
+    plain.apply_transpose(Y, out_plain)
+    torch.testing.assert_close(out, out_plain, rtol=1e-12, atol=1e-14)
+    # the rows against jacrev: Lambda^{1/2} J of the first conv's weight and bias
+    w, b = model[0].weight, model[0].bias
+    names = {w: "0.weight", b: "0.bias"}
+    params = dict(model.named_parameters())
+
+    def outputs(weight, bias):
+        return torch.func.functional_call(model, {**params, names[w]: weight, names[b]: bias}, (X,))
+
+    Jw, Jb = torch.func.jacrev(outputs, argnums=(0, 1))(w.detach(), b.detach())
+    J = torch.cat([Jw.reshape(*Jw.shape[:2], -1), Jb], -1)  # (N, C, d_out d_in + d_out)
+    rows = factors_module.row_vectors(model(X).detach(), y, likelihood, -100, N**-0.5)
+    expected = torch.einsum("rnc,ncd->nrd", rows, J).reshape(-1, J.shape[-1])
+    torch.testing.assert_close(first.explicit_rows(), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_the_explicit_rows_count_in_the_factors_bytes():
+    """The memory estimate adds a layer's explicit rows where the products will use
+    them (N R (d_out d_in + d_out) numbers)."""
+    model, X, y, likelihood = problem("cnn")
+    model, X, y = as64(model, X, y)
+    op = build_factored_ggn(
+        model, list(model.parameters()), loader(X, y, 12), likelihood, n_terms(y, likelihood)
+    )
+    first = op.factors[0]
+    calls = [("outer", first.offset, first.a, first.g, first.bias_offset)]
+    factor_numbers = first.a.numel() + first.g.numel()
+    assert factor_join.layer_factor_bytes(calls) == 8 * (
+        factor_numbers + first.explicit_rows().numel()
+    )
+    (head,) = [f for f in op.factors if isinstance(f, factors_module.OuterFactor)][2:]
+    calls = [("outer", head.offset, head.a, head.g, head.bias_offset)]
+    assert factor_join.layer_factor_bytes(calls) == 8 * (head.a.numel() + head.g.numel())
 
 
 @pytest.mark.parametrize("name", MODELS)

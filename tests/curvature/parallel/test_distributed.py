@@ -28,6 +28,7 @@ from torch import nn
 
 import laplace_glas  # noqa: F401
 import laplace_glas.curvature.memory.planner as dispatch
+from laplace_glas import SubnetActiveSubspaceLaplace
 from laplace_glas.curvature.parallel import distributed as glas_dist
 from laplace_glas.curvature.parallel.distributed import data_parallel
 from laplace_glas.diagnostics.calibration import coverage, select_dimension
@@ -244,9 +245,33 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             data_parallel(local[1 - rank])
         except ValueError as err:
             results["not_member"] = str(err)
+        # a subnetwork: its restricted products all-reduced like the whole network's
+        model, X, y, _, _ = _problem("regression")
+        X, y = _shard((X, y), rank, "uneven")
+        la = _subnetwork_fit(model, loader(X, y, 16))
+        results["subnetwork"] = {"values": la.eigenvalues.clone(), "n_data": la.n_data}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _subnetwork_fit(model, train):
+    D = sum(p.numel() for p in model.parameters())
+    la = SubnetActiveSubspaceLaplace(
+        model, "regression", torch.arange(0, D, 3), n_components=K, complement="prior"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        la.fit(train)
+    return la
+
+
+def test_a_subnetwork_fits_on_two_ranks_as_in_one_process(ranks):
+    model, X, y, _, _ = _problem("regression")
+    one = _subnetwork_fit(model, loader(X, y, 16))
+    for rank in ranks:
+        assert rank["subnetwork"]["n_data"] == one.n_data
+        _close(rank["subnetwork"]["values"], one.eigenvalues)
 
 
 @pytest.fixture(scope="module")
