@@ -87,6 +87,7 @@ from laplace_glas.curvature.operators.factored import (
     FactorSizes,
     build_factored_ggn,
 )
+from laplace_glas.curvature.operators.factors import stored_bytes
 from laplace_glas.curvature.operators.jacobian_estimates import (
     estimate_build_bytes,
     estimate_jacobian_bytes,
@@ -415,10 +416,9 @@ def _factored(problem: CurvatureProblem, solver: str, budget: Estimates) -> Plan
     built = _build(build_factored_ggn, problem, budget, first_batch_check=check)
     if isinstance(built, str):
         return built
-    layers = [
-        sum(t.numel() * t.element_size() for t in vars(f).values() if isinstance(t, torch.Tensor))
-        for f in built.factors
-    ]  # the build held the largest layer twice while joining its batches
+    # with the explicit rows the products form; the build held the largest layer twice
+    # while joining its batches
+    layers = [stored_bytes(f) for f in built.factors]
     M, widest = built.n_examples * built.n_rows, built.widest
     lanczos, dual = budget.factored_peaks(sum(layers), max(layers, default=0), widest, M)
     # the first batch's projection (with the join's layer) where one was made and the

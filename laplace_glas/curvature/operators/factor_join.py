@@ -18,7 +18,7 @@ from laplace_glas.curvature.operators.factors import (
     EmbeddingFactor,
     ExplicitFactor,
     OuterFactor,
-    explicit_rows_are_smaller,
+    explicit_rows_numel,
 )
 
 __all__ = [
@@ -99,9 +99,7 @@ def layer_factor_bytes(calls: list) -> int:
     a, g, bias = calls[0][2], calls[0][3], calls[0][4] is not None
     T = sum(c[2].shape[1] for c in calls)
     (N, d_in), (R, d_out) = (a.shape[0], a.shape[-1]), (g.shape[1], g.shape[-1])
-    if not explicit_rows_are_smaller(T, d_in, d_out, R, bias):
-        return stored
-    return stored + N * R * (d_out * d_in + (d_out if bias else 0)) * a.element_size()
+    return stored + explicit_rows_numel(N, T, d_in, d_out, R, bias) * a.element_size()
 
 
 def widest_product_columns(layers: dict) -> int:

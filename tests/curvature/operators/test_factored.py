@@ -237,11 +237,13 @@ def test_the_explicit_rows_count_in_the_factors_bytes():
         model, list(model.parameters()), loader(X, y, 12), likelihood, n_terms(y, likelihood)
     )
     first = op.factors[0]
+    assert first._rows is None  # formed on the first product, counted before it
+    before = factors_module.stored_bytes(first)
     calls = [("outer", first.offset, first.a, first.g, first.bias_offset)]
     factor_numbers = first.a.numel() + first.g.numel()
-    assert factor_join.layer_factor_bytes(calls) == 8 * (
-        factor_numbers + first.explicit_rows().numel()
-    )
+    rows = first.explicit_rows().numel()
+    assert factor_join.layer_factor_bytes(calls) == 8 * (factor_numbers + rows) == before
+    assert factors_module.stored_bytes(first) == before == 8 * factor_numbers + first.rows_bytes()
     (head,) = [f for f in op.factors if isinstance(f, factors_module.OuterFactor)][2:]
     calls = [("outer", head.offset, head.a, head.g, head.bias_offset)]
     assert factor_join.layer_factor_bytes(calls) == 8 * (head.a.numel() + head.g.numel())
