@@ -111,19 +111,18 @@ def laplace_torch_arguments(
 
 
 def _with_laplace_torch_signature(
-    laplace_class: type, **keyword_only: Any
+    laplace_class: type, *keyword_only: str
 ) -> Callable[[Callable], Callable]:
-    """Show laplace-torch's ``laplace_class.__init__`` signature, then ``keyword_only``
-    (name: default) and ``**glas_kwargs``, as the decorated ``__init__``'s (for ``help``
+    """Show laplace-torch's ``laplace_class.__init__`` signature, then the arguments
+    ``keyword_only`` of :class:`~laplace_glas.ActiveSubspaceLaplace` (by keyword, with
+    its defaults) and ``**glas_kwargs``, as the decorated ``__init__``'s (for ``help``
     and ``inspect.signature``).
     """
+    glas = inspect.signature(ActiveSubspaceLaplace.__init__).parameters
 
     def decorate(init: Callable) -> Callable:
         signature = inspect.signature(laplace_class.__init__)
-        extra = [
-            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
-            for name, default in keyword_only.items()
-        ]
+        extra = [glas[name].replace(kind=inspect.Parameter.KEYWORD_ONLY) for name in keyword_only]
         keywords = inspect.Parameter.VAR_KEYWORD
         glas_kwargs = inspect.Parameter("glas_kwargs", keywords, annotation=Any)
         parameters = [*signature.parameters.values(), *extra, glas_kwargs]
@@ -375,9 +374,7 @@ class SubnetActiveSubspaceLaplace(ActiveSubspaceLaplace, _SubnetInit):
 
     _key = ("subnetwork", "glas")
 
-    @_with_laplace_torch_signature(
-        SubnetLaplace, enable_backprop=False, dict_key_x="input_ids", dict_key_y="labels"
-    )
+    @_with_laplace_torch_signature(SubnetLaplace, "enable_backprop", "dict_key_x", "dict_key_y")
     def __init__(self, model: nn.Module, likelihood: str, *args: Any, **kwargs: Any) -> None:
         named, glas_kwargs = laplace_torch_arguments(
             SubnetLaplace, model, likelihood, args, kwargs, type(self).__name__

@@ -224,11 +224,11 @@ class OuterFactor:
 
     def cost(self) -> int:
         """Flops of one column of ``S`` and of ``S^T`` together."""
-        N, T, d_in = self.a.shape
-        R, d_out = self.g.shape[1], self.shape[0]
-        if explicit_rows_are_smaller(T, d_in, d_out, R, self.bias_offset is not None):
-            return 4 * N * R * (self.numel + d_out)
-        return 4 * N * T * self.numel + 4 * N * T * R * d_out
+        rows = self.rows_bytes() // self.a.element_size()
+        if rows:  # the products multiply by the explicit rows
+            return 4 * rows
+        N, T = self.a.shape[:2]
+        return 4 * N * T * self.numel + 4 * N * T * self.g.shape[1] * self.shape[0]
 
 
 EXPLICIT_ROWS_SHARE = 0.25
@@ -246,7 +246,7 @@ def explicit_rows_numel(N: int, T: int, d_in: int, d_out: int, R: int, bias: boo
     """
     if not explicit_rows_are_smaller(T, d_in, d_out, R, bias):
         return 0
-    return N * R * (d_out * d_in + (d_out if bias else 0))
+    return N * _rows_per_example(d_in, d_out, R, bias)
 
 
 def stored_bytes(factor: Any) -> int:
@@ -264,8 +264,13 @@ def explicit_rows_are_smaller(T: int, d_in: int, d_out: int, R: int, bias: bool)
     example, take at most :data:`EXPLICIT_ROWS_SHARE` of its factors' ``T (d_in + R
     d_out)``: true for layers with many positions and few weights, never for ``T = 1``.
     """
-    rows = R * (d_out * d_in + (d_out if bias else 0))
+    rows = _rows_per_example(d_in, d_out, R, bias)
     return T > 1 and rows <= EXPLICIT_ROWS_SHARE * T * (d_in + R * d_out)
+
+
+def _rows_per_example(d_in: int, d_out: int, R: int, bias: bool) -> int:
+    """``R (d_out d_in [+ d_out])``: one example's explicit Jacobian rows of a layer."""
+    return R * (d_out * d_in + (d_out if bias else 0))
 
 
 @dataclass
